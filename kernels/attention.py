@@ -1,0 +1,55 @@
+"""Attention over the paged KV cache: the contract every backend implements.
+
+One flattened varlen batch per iteration. Sequences are ordered decodes first (query length 1),
+then prefill chunks. Each new token's K/V is first written into the cache at its slot
+(`write_kv`), then `paged_attention` reads each sequence's whole context from the cache through its
+block table: a prefill chunk attends causally to its own tokens and fully to the sequence's earlier
+cached tokens; a decode attends to its whole context.
+
+Layouts:
+- query: [num_tokens, num_heads, head_dim]
+- key/value (new tokens): [num_tokens, num_kv_heads, head_dim]
+- k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+- slot = block_table[pos // block_size] * block_size + pos % block_size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes one iteration's flattened batch.
+
+    Invariants: `query_start_loc[0] == 0`, `query_start_loc[-1] == num_tokens`; for every sequence
+    `query_len <= seq_len`; the first `num_decodes` sequences have query length 1;
+    `block_tables` rows are padded with 0 past each sequence's blocks.
+    `query_lens`/`seq_lens_list` are host copies so CPU code needs no device syncs.
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: cached + new tokens after this iteration
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_lens: tuple[int, ...]
+    seq_lens_list: tuple[int, ...]
+    num_decodes: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)

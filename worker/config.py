@@ -1,0 +1,233 @@
+"""Frozen, validated configuration: the model's shape (from a Hugging Face `config.json`) and the engine's knobs.
+
+Both are validated once, here; everything downstream trusts them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chariot.worker.errors import ConfigError, ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+POLICIES = ("sarathi", "vllm", "orca", "fastertransformer")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_scaling.rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, as read from `config.json`."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    torch_dtype: str
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"config.json: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            cfg = cls(
+                architecture=arch,
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                vocab_size=int(raw["vocab_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_eos_ids(raw.get("eos_token_id")),
+                rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json: missing required field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"config.json: malformed value ({exc})") from exc
+        cfg._validate()
+        return cfg
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory not found: {path}")
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ModelLoadError(f"{cfg_path}: missing config.json")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{cfg_path}: malformed JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{cfg_path}: expected a JSON object")
+        return cls.from_dict(raw)
+
+    def _validate(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelLoadError(f"config.json: head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_scaling(value: Any) -> RopeScaling | None:
+    if not value:
+        return None
+    kind = value.get("rope_type") or value.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ModelLoadError(f"config.json: rope_scaling type {kind!r} is not supported (only 'llama3')")
+    return RopeScaling(
+        factor=float(value["factor"]),
+        low_freq_factor=float(value["low_freq_factor"]),
+        high_freq_factor=float(value["high_freq_factor"]),
+        original_max_position_embeddings=int(value["original_max_position_embeddings"]),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine (one pipeline group).
+
+    `token_budget=None` picks the policy's default: 512 for `sarathi`; `max_model_len` for the
+    non-chunking policies, which must fit a whole prompt in one iteration.
+    KV capacity comes from `kv_cache_tokens` if set, else from `kv_cache_memory_fraction` of the
+    device's free memory.
+    """
+
+    model: str
+    policy: str = "sarathi"
+    token_budget: int | None = None
+    max_batch_size: int = 128
+    pipeline_stages: int = 1
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_fraction: float = 0.3
+    max_model_len: int | None = None
+    watermark: float = 0.01
+    device: str = "cpu"
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("pipeline_stages", self.pipeline_stages)
+        _positive("block_size", self.block_size)
+        if self.token_budget is not None:
+            _positive("token_budget", self.token_budget)
+        if self.kv_cache_tokens is not None:
+            _positive("kv_cache_tokens", self.kv_cache_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is None:
+            return model.max_position_embeddings
+        if self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                "max_model_len",
+                f"must be <= the model's max_position_embeddings ({model.max_position_embeddings}), "
+                f"got {self.max_model_len}",
+            )
+        return self.max_model_len
+
+    def resolved_token_budget(self, max_model_len: int) -> int:
+        chunking = self.policy == "sarathi"
+        if self.token_budget is None:
+            return 512 if chunking else max_model_len
+        if not chunking and self.token_budget < max_model_len:
+            raise ConfigError(
+                "token_budget",
+                f"policy {self.policy!r} does not chunk prompts, so token_budget must be >= max_model_len "
+                f"({max_model_len}), got {self.token_budget}",
+            )
+        return self.token_budget
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        name = model.torch_dtype if self.dtype == "auto" else self.dtype
+        if name not in DTYPES:
+            raise ConfigError("dtype", f"model's torch_dtype {name!r} is not supported; pass dtype explicitly")
+        return DTYPES[name]
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}")

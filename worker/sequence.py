@@ -1,0 +1,108 @@
+"""Per-request state owned by stage 0: tokens so far, progress through the KV cache, and timestamps.
+
+One `Sequence` per request (no beam search / n > 1). The scheduler moves it between WAITING and
+RUNNING; the engine appends sampled tokens and decides when it is finished.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from chariot.worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the client
+    ERROR = "error"  # the engine failed this request (e.g. a pipeline stage died)
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock timestamps (time.time()) of one request's life."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tbt(self) -> list[float]:
+        """Gaps between consecutive output tokens (time between tokens)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass
+class Sequence:
+    """Mutable state of one request.
+
+    Invariants:
+    - `0 <= num_computed_tokens <= num_tokens`; tokens `[0, num_computed_tokens)` have (or, while the
+      sequence is in flight, will have) their KV in the cache.
+    - A RUNNING sequence owns blocks covering at least `num_computed_tokens` tokens.
+    - `in_flight` is True from the moment the scheduler puts the sequence in a batch until the engine
+      has processed that batch's output; an in-flight sequence is never scheduled again.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    in_flight: bool = False
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    output_text: str = ""
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """True once the whole context is cached and only the newest token is left to process."""
+        return self.num_computed_tokens > 0 and self.num_remaining == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def token_at(self, pos: int) -> int:
+        if pos < self.prompt_len:
+            return self.prompt_token_ids[pos]
+        return self.output_token_ids[pos - self.prompt_len]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        tokens = self.prompt_token_ids + self.output_token_ids if stop > self.prompt_len else self.prompt_token_ids
+        return tokens[start:stop]
