@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Benchmarks: engine iteration times now; traces, capacity search and the tuner later."""

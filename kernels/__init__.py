@@ -1,11 +1,135 @@
 """Attention over the paged KV cache, behind one function pair the executor calls.
 
 `write_kv` scatters new K/V into the cache; `paged_attention` attends every new token over its
-sequence's cached context. The PyTorch reference runs everywhere; a Triton backend (GPU) can be
-selected later without the executor changing. `CHARIOT_ATTENTION_BACKEND` overrides the choice.
+sequence's cached context (contract in `attention.py`). Several backends implement that pair: the
+PyTorch reference (`reference.py`) runs on any device and is the oracle for the others; a Triton
+backend (GPU, or CPU under `TRITON_INTERPRET=1`) lives in `triton_attention.py` once it exists.
+
+This module picks one so the executor never changes when a backend is added: the env var
+`CHARIOT_ATTENTION_BACKEND` (`reference` | `triton`) overrides the default, which is `triton` when
+CUDA, the `triton` package and the Triton backend module are all present, else `reference`.
+An explicit request for a backend that cannot run raises `AttentionBackendError` naming the env var
+instead of silently falling back, so a deployment never runs a slower path than it asked for.
+
+The choice is made lazily on first use (importing this package never fails) and cached;
+`select_backend()` re-selects (tests, or after changing the env var).
 """
 
-from chariot.kernels.attention import AttentionMetadata
-from chariot.kernels.reference import paged_attention, write_kv
+from __future__ import annotations
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from chariot.kernels.attention import AttentionMetadata
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "AttentionBackendError",
+    "AttentionMetadata",
+    "get_backend",
+    "paged_attention",
+    "select_backend",
+    "write_kv",
+]
+
+BACKEND_ENV = "CHARIOT_ATTENTION_BACKEND"
+BACKENDS: dict[str, str] = {
+    "reference": "chariot.kernels.reference",
+    "triton": "chariot.kernels.triton_attention",
+}
+
+_active: tuple[str, ModuleType] | None = None
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend is unknown or cannot run on this machine."""
+
+
+def _triton_problem() -> str | None:
+    """Why the Triton backend cannot run here, or None when it can."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpret:
+        return "CUDA is not available (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
+    if importlib.util.find_spec("triton") is None:
+        return "the `triton` package is not installed"
+    if importlib.util.find_spec(BACKENDS["triton"]) is None:
+        return f"the Triton attention backend ({BACKENDS['triton']}) is not implemented yet"
+    return None
+
+
+def _default_backend() -> str:
+    if torch.cuda.is_available() and _triton_problem() is None:
+        return "triton"
+    return "reference"
+
+
+def _resolve(name: str | None) -> str:
+    """Validate an explicit backend name, or pick the default."""
+    if name is None or name == "":
+        return _default_backend()
+    if name not in BACKENDS:
+        raise AttentionBackendError(
+            f"{BACKEND_ENV}={name!r} is not a known attention backend; choose one of {sorted(BACKENDS)}"
+        )
+    problem = _triton_problem() if name == "triton" else None
+    if problem is not None:
+        raise AttentionBackendError(
+            f"{BACKEND_ENV}={name!r} requested but that backend is unavailable: {problem}; "
+            f"unset {BACKEND_ENV} or set it to 'reference'"
+        )
+    return name
+
+
+def select_backend(name: str | None = None) -> str:
+    """(Re)select the backend: `name`, else `$CHARIOT_ATTENTION_BACKEND`, else the default.
+
+    Returns the chosen name. Raises `AttentionBackendError` for an unknown or unavailable backend.
+    """
+    global _active
+    if name is None:
+        name = os.environ.get(BACKEND_ENV)
+    chosen = _resolve(name.strip().lower() if name is not None else None)
+    _active = (chosen, importlib.import_module(BACKENDS[chosen]))
+    return chosen
+
+
+def _module() -> ModuleType:
+    if _active is None:
+        select_backend()
+    assert _active is not None
+    return _active[1]
+
+
+def get_backend() -> str:
+    """The name of the attention backend in use (selecting it on first call)."""
+    _module()
+    assert _active is not None
+    return _active[0]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter the new tokens' K/V into their cache slots (selected backend)."""
+    _module().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context (selected backend)."""
+    out: torch.Tensor = _module().paged_attention(query, k_cache, v_cache, meta, scale)
+    return out

@@ -47,14 +47,23 @@ def paged_attention(
 
 
 def _gather_context(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+    cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor, max_len: int
 ) -> torch.Tensor:
-    """[S, max_blocks] tables → [S, kv_heads, max_len, head_dim] contiguous context."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    ctx = cache[block_tables[:, :num_blocks].long()]  # [S, nb, bs, kvh, d]
-    s, _, _, kvh, d = ctx.shape
-    return ctx.reshape(s, num_blocks * block_size, kvh, d)[:, :max_len].transpose(1, 2)
+    """[S, max_blocks] tables → [S, kv_heads, max_len, head_dim] context of each sequence.
+
+    Positions past a sequence's length re-read its last token instead of whatever sits in the rest
+    of its last block or in a table's padding entries (an earlier owner's data, or `torch.empty`
+    garbage): masked attention still multiplies those by a zero weight, so a NaN/inf there would
+    poison the output. Gathering slot by slot keeps sequences isolated without an extra pass.
+    """
+    _, block_size, kvh, d = cache.shape
+    dev = cache.device
+    last = (lens.to(device=dev, dtype=torch.long) - 1).clamp_min(0).view(-1, 1)
+    pos = torch.minimum(torch.arange(max_len, device=dev).view(1, max_len), last)  # [S, max_len]
+    blocks = block_tables.to(device=dev, dtype=torch.long).gather(1, pos // block_size)
+    slots = (blocks * block_size + pos % block_size).view(-1)
+    ctx = cache.view(-1, kvh, d).index_select(0, slots).view(-1, max_len, kvh, d)
+    return ctx.transpose(1, 2)
 
 
 def _decode(
@@ -69,10 +78,10 @@ def _decode(
     max_len = max(seq_lens)
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // kvh
-    k = _gather_context(k_cache, meta.block_tables[:nd], max_len)
-    v = _gather_context(v_cache, meta.block_tables[:nd], max_len)
-    q = query.view(nd, kvh, group, d)  # the group's heads play the role of query positions
     lens = meta.seq_lens[:nd].to(device=query.device, dtype=torch.long)
+    k = _gather_context(k_cache, meta.block_tables[:nd], lens, max_len)
+    v = _gather_context(v_cache, meta.block_tables[:nd], lens, max_len)
+    q = query.view(nd, kvh, group, d)  # the group's heads play the role of query positions
     mask = torch.arange(max_len, device=query.device).view(1, 1, 1, max_len) < lens.view(nd, 1, 1, 1)
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     return o.reshape(nd, kvh * group, d)
@@ -101,9 +110,10 @@ def _prefill(
     q = query[rows]  # [P, max_q, h, d]
     q = q.view(p, max_q, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(p, kvh, group * max_q, d)
 
-    k = _gather_context(k_cache, meta.block_tables[nd:], max_len)
-    v = _gather_context(v_cache, meta.block_tables[nd:], max_len)
-    ctx_before = torch.tensor(seq_lens, device=dev) - qlen_t  # cached tokens before the chunk
+    lens = torch.tensor(seq_lens, device=dev)
+    k = _gather_context(k_cache, meta.block_tables[nd:], lens, max_len)
+    v = _gather_context(v_cache, meta.block_tables[nd:], lens, max_len)
+    ctx_before = lens - qlen_t  # cached tokens before the chunk
     q_pos = ctx_before.view(p, 1) + offs.view(1, max_q)  # absolute position of each query
     mask = torch.arange(max_len, device=dev).view(1, 1, max_len) <= q_pos.view(p, max_q, 1)
     mask = mask.view(p, 1, 1, max_q, max_len).expand(p, 1, group, max_q, max_len)

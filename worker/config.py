@@ -76,14 +76,14 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 vocab_size=int(raw["vocab_size"]),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=float(raw.get("rope_theta") or _rope_params(raw).get("rope_theta") or 10000.0),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_eos_ids(raw.get("eos_token_id")),
-                rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+                rope_scaling=_rope_scaling(raw.get("rope_scaling") or _rope_params(raw)),
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json: missing required field {exc.args[0]!r}") from exc
@@ -136,6 +136,12 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, list):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers >= 5 writes `rope_parameters` (theta + scaling) instead of `rope_theta`/`rope_scaling`."""
+    value = raw.get("rope_parameters")
+    return value if isinstance(value, dict) else {}
 
 
 def _rope_scaling(value: Any) -> RopeScaling | None:

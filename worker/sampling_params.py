@@ -6,6 +6,7 @@ Invalid values raise `InvalidRequestError` naming the field and its limit; the f
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from chariot.worker.errors import InvalidRequestError
@@ -67,7 +68,8 @@ def _check_int(name: str, value: object, low: int, high: int | None) -> None:
 def _check_number(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequestError(name, f"must be a number, got {type(value).__name__}")
-    if value != value or value in (float("inf"), float("-inf")):
+    # Also rejects ints too large for a float (10**400 would pass an inf check, then overflow later).
+    if value != value or not -sys.float_info.max <= value <= sys.float_info.max:
         raise InvalidRequestError(name, f"must be finite, got {value}")
 
 

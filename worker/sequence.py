@@ -104,5 +104,10 @@ class Sequence:
         return self.output_token_ids[pos - self.prompt_len]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        tokens = self.prompt_token_ids + self.output_token_ids if stop > self.prompt_len else self.prompt_token_ids
-        return tokens[start:stop]
+        """Tokens [start, stop) across prompt and output, copying only that range."""
+        plen = self.prompt_len
+        if start >= plen:
+            return self.output_token_ids[start - plen : stop - plen]
+        if stop <= plen:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - plen]

@@ -1,0 +1,40 @@
+# Chariot — `make run` and `make test` do all set-up on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+MODEL  ?= models/tiny
+PROMPT ?= The quick brown fox
+
+.PHONY: run test install lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# torch first and pinned: a CPU wheel is on disk; a looser request would pull GBs of CUDA packages.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[test,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(MODEL)/config.json: | $(STAMP)
+	$(BIN)/chariot make-model $(MODEL) --preset tiny
+
+run: $(STAMP) $(MODEL)/config.json
+	$(BIN)/chariot generate --model $(MODEL) --max-tokens 48 "$(PROMPT)"
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy worker kernels router operator proto bench
+
+bench: $(STAMP)
+	$(BIN)/python -m chariot.bench.engine_bench --model models/100m
+
+clean:
+	rm -rf $(VENV) models build *.egg-info

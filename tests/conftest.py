@@ -1,0 +1,59 @@
+"""Shared fixtures: random-initialised preset checkpoints, made once per test session.
+
+`model_factory(preset, **make_model_kwargs)` writes (and caches) a checkpoint directory; the named
+fixtures are the common ones. Tests that modify a checkpoint must copy it first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chariot.worker.model.make_model import make_model
+
+ModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory) -> ModelFactory:
+    cache: dict[str, Path] = {}
+
+    def make(preset: str = "tiny", **kwargs: Any) -> Path:
+        key = json.dumps([preset, kwargs], sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"model-{preset}")
+            cache[key] = make_model(out, preset, progress=False, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_factory: ModelFactory) -> Path:
+    return model_factory("tiny")
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(model_factory: ModelFactory) -> Path:
+    return model_factory("small")
+
+
+@pytest.fixture(scope="session")
+def model_100m_dir(model_factory: ModelFactory) -> Path:
+    return model_factory("100m")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests are deselected (reported as such, not as skipped passes) where CUDA is absent."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]

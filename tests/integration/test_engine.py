@@ -1,0 +1,226 @@
+"""Engine end to end on real checkpoints: greedy parity with Hugging Face `transformers` under every
+policy, chunked prefills, preemption; stop conditions, streaming and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from chariot.worker import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
+from chariot.worker.config import EngineConfig
+from chariot.worker.engine import Engine
+
+MAX_NEW = 12
+PROMPT_LENS = (1, 3, 17, 33, 70)
+# Each of these crosses a 16-token block boundary while generating MAX_NEW tokens.
+PREEMPT_LENS = (10, 12, 14, 15, 20, 30)
+
+
+def make_prompts(vocab: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Independent reference: HF model, full recompute every step, plain argmax."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            outs.append(ids[len(prompt):])
+    return outs
+
+
+@pytest.fixture(scope="module", params=["tiny", "small"])
+def model_and_reference(request, tiny_model_dir, small_model_dir):
+    model_dir = tiny_model_dir if request.param == "tiny" else small_model_dir
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    cases = {}
+    for name, lengths in (("mixed", PROMPT_LENS), ("preempt", PREEMPT_LENS)):
+        prompts = make_prompts(vocab, lengths)
+        cases[name] = (prompts, hf_greedy(model_dir, prompts, MAX_NEW))
+    return model_dir, cases
+
+
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+POLICY_CASES = [
+    ("sarathi", 16), ("sarathi", 64), ("sarathi", 128), ("sarathi", None),
+    ("vllm", None), ("orca", None), ("fastertransformer", None),
+]
+
+
+@pytest.mark.parametrize(("policy", "budget"), POLICY_CASES)
+def test_greedy_matches_transformers(model_and_reference, policy, budget):
+    model_dir, cases = model_and_reference
+    prompts, expected = cases["mixed"]
+    llm = LLM(str(model_dir), policy=policy, token_budget=budget, dtype="float32", max_model_len=256,
+              kv_cache_tokens=4096, progress=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    if budget == 16:
+        assert llm.engine.iterations >= MAX_NEW + 4  # the 70-token prompt needed 5 chunks before its first token
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "fastertransformer"])
+def test_output_identical_after_forced_preemption(model_and_reference, policy):
+    model_dir, cases = model_and_reference
+    prompts, expected = cases["preempt"]
+    # 9 blocks of 16 tokens: the six requests are admitted with 8 blocks and each needs one more to decode.
+    llm = LLM(str(model_dir), policy=policy, token_budget=128 if policy == "sarathi" else None,
+              dtype="float32", max_model_len=128, kv_cache_tokens=9 * 16, progress=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
+
+
+def test_streamed_deltas_and_timestamps(tiny_llm):
+    engine = tiny_llm.engine
+    rid = engine.add_request("Hello world, this is", SamplingParams(max_tokens=10, temperature=0.0,
+                                                                    ignore_eos=True))
+    deltas, tokens, final = [], [], None
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.request_id == rid
+            deltas.append(out.new_text)
+            tokens += out.new_token_ids
+            final = out
+    assert final is not None and final.finished and final.finish_reason.value == "length"
+    assert tokens == final.token_ids and len(tokens) == 10
+    assert "".join(deltas) == final.text == tiny_llm.tokenizer.decode(final.token_ids)
+    t = final.times
+    assert t.arrival <= t.first_scheduled <= t.first_token <= t.token_times[-1] <= t.finished
+    assert len(t.token_times) == 10 and t.token_times == sorted(t.token_times)
+
+
+def test_stop_token_and_stop_string(tiny_llm):
+    base = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=0.0,
+                                                                 ignore_eos=True))[0]
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    out = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == base.token_ids[: first + 1] and out.finish_reason.value == "stop"
+
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), "random model produced whitespace only"
+    out = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                stop=[stop]))[0]
+    assert out.finish_reason.value == "stop"
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
+    base = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    eos = base.token_ids[2]
+    llm.engine.eos_token_ids = frozenset({eos})  # pretend the third generated token is EOS
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert out.token_ids == base.token_ids[: base.token_ids.index(eos) + 1]
+    assert out.finish_reason.value == "stop"
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == base.token_ids
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_llm):
+    p = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    alone = tiny_llm.generate("A seeded prompt", p)[0].token_ids
+    other = SamplingParams(max_tokens=7, temperature=1.0, ignore_eos=True)
+    mixed = tiny_llm.generate(["Something else", "A seeded prompt", "x"], [other, p, other])[1].token_ids
+    assert alone == mixed
+    reseeded = tiny_llm.generate("A seeded prompt", SamplingParams(
+        max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=43, ignore_eos=True))[0].token_ids
+    assert reseeded != alone
+
+
+def test_bad_requests_are_rejected_and_others_keep_running(tiny_llm):
+    engine = tiny_llm.engine
+    good = engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    engine.step()
+    cases = [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1] * 256, SamplingParams(), "prompt"),
+        ([1] * 250, SamplingParams(max_tokens=10), "max_tokens"),
+        ([1, 10**7], SamplingParams(), "prompt"),
+        ([1, -1], SamplingParams(), "prompt"),
+    ]
+    blocks_before = engine.blocks.num_free_blocks
+    for prompt, params, field in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            engine.add_request(prompt, params)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        engine.add_request([1, 2], request_id=good)
+    assert engine.blocks.num_free_blocks == blocks_before
+    with pytest.raises(InvalidRequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    final = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            final = out
+    assert final.request_id == good and final.finished and len(final.token_ids) == 6
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    rids = [engine.add_request([1] * 40, SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(3)]
+    for _ in range(3):
+        engine.step()
+    assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
+    for rid in rids:
+        out = engine.abort(rid)
+        assert out is not None and out.finished and out.finish_reason.value == "abort"
+    assert not engine.has_unfinished
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.abort("unknown") is None
+
+
+def test_generate_validates_all_prompts_before_queueing(tiny_llm):
+    with pytest.raises(InvalidRequestError):
+        tiny_llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert not tiny_llm.engine.has_unfinished
+
+
+def test_bad_model_directories(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLM(str(tmp_path / "missing"), progress=False)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="malformed JSON"):
+        LLM(str(bad), progress=False)
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLM(str(bad), progress=False)
+
+
+def test_bad_engine_config(tiny_model_dir):
+    with pytest.raises(ConfigError, match="policy"):
+        EngineConfig(model=str(tiny_model_dir), policy="magic")
+    with pytest.raises(ConfigError, match="token_budget"):
+        Engine(EngineConfig(model=str(tiny_model_dir), policy="vllm", token_budget=16, max_model_len=64,
+                            kv_cache_tokens=1024), progress=False)
+    with pytest.raises(ConfigError, match="kv_cache_tokens"):
+        Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, kv_cache_tokens=64), progress=False)

@@ -1,0 +1,198 @@
+"""Scheduler policies driven with fake model outputs (no tensors): invariants under random load."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chariot.worker.block_manager import BlockManager
+from chariot.worker.sampling_params import SamplingParams
+from chariot.worker.scheduler import POLICY_CLASSES, SchedulerConfig, SchedulerOutput, make_scheduler
+from chariot.worker.sequence import Sequence, SequenceStatus
+
+BLOCK = 4
+
+
+class FakeRun:
+    """Drives a scheduler like the engine does, sampling token 7 for every sampling chunk."""
+
+    def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1) -> None:
+        max_len = 64
+        budget = budget if policy == "sarathi" else max(budget, max_len)
+        self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0)
+        self.config = SchedulerConfig(policy, budget, max_batch, max_len)
+        self.sched = make_scheduler(self.config, self.blocks)
+        self.in_flight: deque[SchedulerOutput] = deque()
+        self.depth = in_flight
+        self.finished: list[Sequence] = []
+        self.admission_order: list[int] = []
+        self.all: list[Sequence] = []
+
+    def add(self, seq_id: int, prompt_len: int, max_tokens: int) -> None:
+        seq = Sequence(seq_id, str(seq_id), [1] * prompt_len, SamplingParams(max_tokens=max_tokens))
+        self.all.append(seq)
+        self.sched.add(seq)
+
+    def step(self) -> SchedulerOutput:
+        idle_decodes = {s.seq_id for s in self.sched.running if s.is_decode and not s.in_flight}
+        before = {s.seq_id: s.num_computed_tokens for s in self.sched.seqs.values()}
+        out = self.sched.schedule()
+        self.check_batch(out, idle_decodes, before)
+        if not out.is_empty:
+            self.in_flight.append(out)
+        if self.in_flight and (len(self.in_flight) >= self.depth or out.is_empty):
+            self.complete(self.in_flight.popleft())
+        return out
+
+    def complete(self, out: SchedulerOutput) -> None:
+        self.sched.complete(out)
+        for chunk in out.chunks:
+            seq = self.sched.seqs.get(chunk.seq_id)
+            if seq is None or not chunk.samples:
+                continue
+            seq.output_token_ids.append(7)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self.sched.finish(seq)
+                self.finished.append(seq)
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.complete(self.in_flight.popleft())
+
+    def check_batch(self, out: SchedulerOutput, idle_decodes: set[int], before: dict[int, int]) -> None:
+        ids = out.seq_ids
+        assert len(ids) == len(set(ids)), "a sequence appears twice in one batch"
+        assert out.num_tokens <= self.config.token_budget
+        assert out.num_seqs <= self.config.max_batch_size
+        others = {c.seq_id for b in self.in_flight for c in b.chunks}
+        assert not others & set(ids), "a sequence is in two in-flight batches"
+        for i, chunk in enumerate(out.chunks):
+            assert chunk.num_tokens >= 1
+            assert chunk.start == (0 if chunk.seq_id in out.preempted else before[chunk.seq_id])
+            assert (i < out.num_decodes) == (chunk.seq_id in idle_decodes and chunk.num_tokens == 1
+                                             and chunk.start > 0)
+        if self.config.policy == "sarathi":
+            missing = idle_decodes - set(ids) - set(out.preempted)
+            assert not missing, f"stall-free violated: decodes {missing} left out"
+        self.check_blocks()
+
+    def check_blocks(self) -> None:
+        self.blocks.check_invariants()
+        owners = set(self.blocks.owners())
+        running = {s.seq_id for s in self.sched.running}
+        assert owners == running, "blocks owned by sequences that are not running"
+        for seq in self.sched.running:
+            covered = len(self.blocks.block_table(seq.seq_id)) * BLOCK
+            assert covered >= seq.num_computed_tokens
+
+
+request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  # (arrival step, prompt, out)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(request, min_size=1, max_size=12),
+    budget=st.sampled_from([8, 16, 32, 64]),
+    max_batch=st.integers(1, 8),
+    num_blocks=st.integers(16, 60),
+    in_flight=st.integers(1, 3),
+    abort_seed=st.integers(0, 3),
+)
+def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed):
+    run = FakeRun(policy, budget, max_batch, num_blocks, in_flight)
+    pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
+    rng = random.Random(abort_seed)
+    aborted: set[int] = set()
+    step = 0
+    limit = 50 + sum(p + o for _, p, o in reqs) * 4
+    while (pending or run.sched.has_unfinished or run.in_flight) and step < limit:
+        while pending and pending[0][1][0] <= step:
+            seq_id, (_, prompt, out) = pending.pop(0)
+            run.add(seq_id, prompt, out)
+        if abort_seed == 0 and rng.random() < 0.05 and run.sched.seqs:
+            victim = rng.choice(list(run.sched.seqs.values()))
+            run.sched.finish(victim)
+            aborted.add(victim.seq_id)
+        run.step()
+        step += 1
+    run.drain()
+    assert step < limit, "some request starved"
+    assert not run.sched.has_unfinished
+    assert {s.seq_id for s in run.finished} | aborted == set(range(len(reqs)))
+    assert run.blocks.num_free_blocks == run.blocks.num_blocks, "blocks leaked after all requests finished"
+    for seq in run.finished:
+        assert len(seq.output_token_ids) == seq.params.max_tokens
+
+
+def first_batches(run: FakeRun, n: int) -> list[SchedulerOutput]:
+    return [run.step() for _ in range(n)]
+
+
+def test_sarathi_chunks_prefill_under_budget_and_keeps_decodes():
+    run = FakeRun("sarathi", budget=16, max_batch=8, num_blocks=64)
+    run.add(0, 5, 10)
+    run.step()  # prefill of seq 0 (5 tokens), samples its first token
+    run.add(1, 40, 2)
+    sizes = [[(c.seq_id, c.num_tokens) for c in run.step().chunks] for _ in range(3)]
+    assert sizes == [[(0, 1), (1, 15)], [(0, 1), (1, 15)], [(0, 1), (1, 10)]]
+
+
+def test_vllm_prefill_iteration_pauses_decodes():
+    run = FakeRun("vllm", budget=64, max_batch=8, num_blocks=64)
+    run.add(0, 5, 10)
+    run.step()
+    run.add(1, 30, 2)
+    out = run.step()
+    assert out.seq_ids == (1,) and out.num_decodes == 0  # decode of seq 0 stalls
+    out = run.step()
+    assert set(out.seq_ids) == {0, 1} and out.num_decodes == 2
+
+
+def test_orca_mixes_decodes_with_whole_prompts():
+    run = FakeRun("orca", budget=64, max_batch=8, num_blocks=64)
+    run.add(0, 5, 10)
+    run.step()
+    run.add(1, 30, 2)
+    out = run.step()
+    assert [(c.seq_id, c.num_tokens) for c in out.chunks] == [(0, 1), (1, 30)]
+
+
+def test_fastertransformer_admits_only_when_batch_done():
+    run = FakeRun("fastertransformer", budget=64, max_batch=8, num_blocks=64)
+    run.add(0, 5, 3)
+    run.step()
+    run.add(1, 5, 1)
+    seen = [run.step().seq_ids for _ in range(3)]
+    assert seen == [(0,), (0,), (1,)]
+
+
+def test_preempts_newest_and_requeues_it_first():
+    run = FakeRun("sarathi", budget=64, max_batch=8, num_blocks=4)  # 16 token slots
+    run.add(0, 4, 20)
+    run.add(1, 4, 20)
+    run.step()  # both prefilled: 1 block each, first tokens sampled
+    for _ in range(20):
+        out = run.step()
+        if out.preempted:
+            break
+    assert out.preempted == (1,)
+    assert run.sched.waiting[0].seq_id == 1 and run.sched.waiting[0].status is SequenceStatus.WAITING
+    assert run.sched.waiting[0].num_computed_tokens == 0
+    assert 0 in out.seq_ids
+
+
+def test_fcfs_head_of_line_blocks_later_requests():
+    run = FakeRun("sarathi", budget=8, max_batch=8, num_blocks=64)
+    for i in range(3):
+        run.add(i, 20, 1)
+    order = []
+    for _ in range(10):
+        for c in run.step().chunks:
+            if c.start == 0:
+                order.append(c.seq_id)
+    assert order == [0, 1, 2]

@@ -1,0 +1,321 @@
+"""A Llama-family decoder *stage*: the layers [start, end) of a Llama / Mistral / Qwen2 model.
+
+Pipeline parallelism splits the model by layers, so the unit of execution is a stage, not a whole
+model: the first stage embeds token ids, the last one owns the final norm and the LM head, and
+every stage runs its layers over one flattened varlen batch whose attention goes through the paged
+KV cache (`chariot.kernels`). q/k/v and gate/up are fused into single matmuls (their checkpoint
+tensors are copied into row slices at load time), which matters for CPU speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chariot.kernels import AttentionMetadata, paged_attention, write_kv
+from chariot.worker.config import ModelConfig, RopeScaling
+from chariot.worker.errors import ConfigError, ModelLoadError
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face does, then scaled by the weight."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies (float32), with Llama-3 frequency scaling when configured."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryTable:
+    """cos/sin for every position up to `max_position_embeddings`, computed once in float32.
+
+    Kept outside the module's parameters and buffers so `Module.to(dtype)` never rounds it; a copy
+    per (device, dtype) is made on first use.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._base = (emb.cos(), emb.sin())
+        self._copies: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for the given positions."""
+        key = (positions.device, dtype)
+        table = self._copies.get(key)
+        if table is None:
+            cos0, sin0 = self._base
+            table = (cos0.to(device=positions.device, dtype=dtype), sin0.to(device=positions.device, dtype=dtype))
+            self._copies[key] = table
+        cos, sin = table
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by the per-token angles (HF `rotate_half` layout)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused q/k/v, RoPE, and the paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = config.head_dim**-0.5
+        o_bias = config.qkv_bias and config.architecture != "Qwen2ForCausalLM"
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaStage(nn.Module):
+    """Layers [start, end) of a Llama-family model, plus the embedding / head when at the ends."""
+
+    def __init__(self, config: ModelConfig, start: int = 0, end: int | None = None) -> None:
+        super().__init__()
+        end = config.num_layers if end is None else end
+        if not 0 <= start < end <= config.num_layers:
+            raise ConfigError(
+                "layer_range", f"must satisfy 0 <= start < end <= {config.num_layers}, got [{start}, {end})"
+            )
+        self.config, self.start, self.end = config, start, end
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if start == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(start, end))
+        last = end == config.num_layers
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        self.rotary = RotaryTable(config)
+        self.requires_grad_(False)
+        self.tie_weights()
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed_tokens is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint ties them (call after `to_empty`)."""
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        input_ids: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this stage's layers; returns hidden states [T, hidden] (not final-normed)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        if self.embed_tokens is not None:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            h = self.embed_tokens(input_ids)
+        elif hidden_states is None:
+            raise ValueError(f"stage [{self.start}, {self.end}) needs hidden_states")
+        else:
+            h = hidden_states
+        cos, sin = self.rotary.lookup(positions, h.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head over the rows to sample: [N, hidden] → [N, vocab] float32."""
+        if self.norm is None or self.lm_head is None:
+            raise RuntimeError(f"stage [{self.start}, {self.end}) is not the last stage")
+        return self.lm_head(self.norm(hidden)).float()
+
+    def weight_names(self) -> list[str]:
+        """The checkpoint (Hugging Face) tensor names this stage needs, in load order."""
+        names = ["model.embed_tokens.weight"] if self.embed_tokens is not None else []
+        for i in range(self.start, self.end):
+            names += _layer_weight_names(i, self.config)
+        if self.lm_head is not None:
+            names.append("model.norm.weight")
+            if not self.config.tie_word_embeddings:
+                names.append("lm_head.weight")
+            elif self.embed_tokens is None:
+                names.append("model.embed_tokens.weight")
+        return names
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into its (possibly fused) parameter slice."""
+        target = self._target(name)
+        if target.shape != tensor.shape:
+            raise ModelLoadError(f"tensor {name!r}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+        target.copy_(tensor)
+
+    def _target(self, name: str) -> torch.Tensor:
+        if name == "model.embed_tokens.weight":
+            module = self.embed_tokens if self.embed_tokens is not None else self.lm_head
+            return _weight(module, name)
+        if name == "model.norm.weight":
+            return _weight(self.norm, name)
+        if name == "lm_head.weight":
+            return _weight(self.lm_head, name)
+        return self._layer_target(name)
+
+    def _layer_target(self, name: str) -> torch.Tensor:
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            raise ModelLoadError(f"tensor {name!r} is not a parameter of this model")
+        index = int(parts[2])
+        if not self.start <= index < self.end:
+            raise ModelLoadError(f"tensor {name!r} belongs to a layer outside [{self.start}, {self.end})")
+        layer = self.layers[index - self.start]
+        sub, kind = ".".join(parts[3:-1]), parts[-1]
+        fused = _fused_slices(self.config).get(sub)
+        if fused is not None:
+            fused_name, lo, hi = fused
+            return layer.get_parameter(f"{fused_name}.{kind}")[lo:hi]
+        try:
+            return layer.get_parameter(f"{sub}.{kind}")
+        except AttributeError as exc:
+            raise ModelLoadError(f"tensor {name!r} is not a parameter of this model") from exc
+
+
+def _weight(module: nn.Module | None, name: str) -> torch.Tensor:
+    if module is None:
+        raise ModelLoadError(f"tensor {name!r} is not held by this stage")
+    return module.get_parameter("weight")
+
+
+def _fused_slices(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint sub-module → (fused parameter's module, row slice)."""
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+
+
+def _layer_weight_names(i: int, config: ModelConfig) -> list[str]:
+    p = f"model.layers.{i}."
+    names = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+    if config.qkv_bias:
+        names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]
+        if config.architecture != "Qwen2ForCausalLM":
+            names.append(p + "self_attn.o_proj.bias")
+    names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names
+
+
+def allocate_kv_caches(
+    config: ModelConfig,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[KVCache]:
+    """One zeroed (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim].
+
+    Zeroed rather than empty: masked-out cache slots still enter the attention matmul, and garbage
+    NaNs there would poison the output.
+    """
+    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]

@@ -1,0 +1,129 @@
+"""Load one pipeline stage from a Hugging Face checkpoint directory, reading only its own tensors.
+
+A stage worker must not pay (in memory or I/O) for layers it does not run: the module is built on
+the `meta` device, allocated once at its final dtype/device, and filled tensor by tensor from only
+the safetensors files (shards) that hold its layer range. Every way a directory can be broken
+surfaces as a `ModelLoadError` naming the file, field or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from chariot.worker.config import ModelConfig
+from chariot.worker.errors import ConfigError, ModelLoadError
+from chariot.worker.model.llama import LlamaStage
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_stage(
+    model_dir: str | Path,
+    layer_range: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> LlamaStage:
+    """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`."""
+    path = Path(model_dir)
+    config = ModelConfig.from_dir(path)
+    start, end = layer_range
+    with torch.device("meta"):
+        stage = LlamaStage(config, start, end)
+    stage = stage.to(dtype=dtype).to_empty(device=device)
+    stage.tie_weights()
+    plan = _plan_reads(path, stage.weight_names())
+    _read_tensors(stage, plan, progress)
+    return stage.eval()
+
+
+def split_layers(num_layers: int, num_stages: int, override: list[int] | None = None) -> list[tuple[int, int]]:
+    """Layer ranges per pipeline stage: an even split (earlier stages take the remainder), or the
+    explicit per-stage layer counts in `override`."""
+    if num_stages < 1 or num_stages > num_layers:
+        raise ConfigError("pipeline_stages", f"must be in [1, {num_layers}] (the number of layers), got {num_stages}")
+    if override is None:
+        base, rem = divmod(num_layers, num_stages)
+        counts = [base + (1 if i < rem else 0) for i in range(num_stages)]
+    else:
+        counts = _check_override(num_layers, num_stages, override)
+    ranges, start = [], 0
+    for count in counts:
+        ranges.append((start, start + count))
+        start += count
+    return ranges
+
+
+def _check_override(num_layers: int, num_stages: int, override: list[int]) -> list[int]:
+    if len(override) != num_stages:
+        raise ConfigError("layer_split", f"needs one layer count per stage ({num_stages}), got {len(override)}")
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in override):
+        raise ConfigError("layer_split", f"every stage needs at least 1 layer, got {override}")
+    if sum(override) != num_layers:
+        raise ConfigError("layer_split", f"counts must sum to num_layers ({num_layers}), got {sum(override)}")
+    return list(override)
+
+
+def _plan_reads(path: Path, names: list[str]) -> dict[Path, list[str]]:
+    """Group the needed tensor names by the file that holds them; check those files exist."""
+    index_path, single_path = path / INDEX_FILE, path / SINGLE_FILE
+    if index_path.is_file():
+        weight_map = _read_index(index_path)
+        plan: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in weight_map:
+                raise ModelLoadError(f"{index_path}: missing tensor {name!r} in weight_map")
+            plan.setdefault(path / weight_map[name], []).append(name)
+    elif single_path.is_file():
+        plan = {single_path: list(names)}
+    else:
+        raise ModelLoadError(f"{path}: no weights found (expected {SINGLE_FILE} or {INDEX_FILE})")
+    for file, wanted in plan.items():
+        if not file.is_file():
+            raise ModelLoadError(f"missing weight file {file} (holds {wanted[0]!r} and {len(wanted) - 1} more)")
+    return plan
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        raw: Any = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{index_path}: malformed JSON ({exc})") from exc
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ModelLoadError(f"{index_path}: missing field 'weight_map'")
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _read_tensors(stage: LlamaStage, plan: dict[Path, list[str]], progress: bool) -> None:
+    total = sum(len(names) for names in plan.values())
+    desc = f"Loading layers [{stage.start}, {stage.end})"
+    with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress) as bar:
+        for file, names in plan.items():
+            with _open_safetensors(file) as handle:
+                available = set(handle.keys())
+                for name in names:
+                    if name not in available:
+                        raise ModelLoadError(f"{file}: missing tensor {name!r}")
+                    stage.load_weight(name, handle.get_tensor(name))
+                    bar.update()
+
+
+@contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own error type for corrupt headers
+        raise ModelLoadError(f"{file}: cannot read safetensors file ({exc})") from exc
+    with handle as opened:
+        yield opened

@@ -1,0 +1,213 @@
+"""Batched next-token sampling for one iteration (runs on the last pipeline stage).
+
+Why a module of its own: every iteration turns one row of logits per scheduled sequence into a token,
+and two properties must hold whatever the batch looks like:
+
+- Greedy rows (temperature 0) are the exact argmax of their logits, untouched by other rows; a batch
+  of only greedy rows costs one argmax (no softmax, no sort).
+- A request with a `seed` gets the same k-th token no matter which rows share its batch, where it sits
+  in the batch, or whether it was preempted and recomputed.
+
+Sampling uses the exponential race: the argmax of `probs / E` with `E ~ Exp(1)` i.i.d. per token is a
+draw from `probs` (E is made as -log U, U uniform). Temperatures below `GREEDY_TEMPERATURE` count as
+greedy. Only rows that use top-k/top-p are ranked, and with top-k alone only `topk`, not a full sort.
+The noise of a seeded row depends only on (seed, step), so its draw is a function of
+its own logits and (seed, step); unseeded rows share one draw from the sampler's own generator.
+Everything is batched tensor ops except generating the noise of seeded rows (one small generator each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chariot.worker.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them would overflow to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
+# Temperatures above this behave as uniform sampling anyway; capping keeps them finite in float32.
+MAX_TEMPERATURE = 1e30
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: seed * _GOLDEN is a bijection mod 2**64
+
+
+def row_seed(seed: int, step: int) -> int:
+    """The generator seed for a seeded request's `step`-th token: splitmix64(seed, step), 63 bits.
+
+    Deterministic across processes and platforms, so the token depends only on (seed, step, logits).
+    """
+    x = (seed * _GOLDEN + step) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & _MASK63
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one iteration, as device tensors plus host-side facts.
+
+    Row i describes row i of the logits. `steps[i]` is how many tokens that request has generated
+    so far (the index of the token being sampled). The host-side row sets let the sampler pick its
+    path without device syncs: greedy rows never reach the sampling code, rows without top-k/top-p
+    are never sorted.
+    """
+
+    temperatures: torch.Tensor  # [N] float32; 0 for greedy rows
+    top_ks: torch.Tensor  # [N] int64; 0 = off
+    top_ps: torch.Tensor  # [N] float32; 1.0 = off
+    seeds: tuple[int | None, ...]
+    steps: tuple[int, ...]
+    sample_rows: tuple[int, ...]  # non-greedy rows
+    filter_rows: tuple[int, ...]  # non-greedy rows that use top-k or top-p (subset of sample_rows)
+    top_k_bound: int | None  # max top_k of filter_rows when all use top-k (no full sort), else None
+    sample_index: torch.Tensor  # [len(sample_rows)] int64: sample_rows on the device
+    filter_index: torch.Tensor  # [len(filter_rows)] int64: their positions within sample_rows
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        steps: Sequence[int],
+        device: torch.device | str | None = None,
+    ) -> SamplingBatch:
+        """Build the batch for rows `params[i]` at generation step `steps[i]`."""
+        if len(params) != len(steps):
+            raise ValueError(f"got {len(params)} sampling params but {len(steps)} steps")
+        if any(s < 0 for s in steps):
+            raise ValueError(f"steps must be >= 0, got {list(steps)}")
+        sample_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
+        filter_pos = [j for j, i in enumerate(sample_rows) if _filters(params[i])]
+        ks = [params[sample_rows[j]].top_k for j in filter_pos]
+        return cls(
+            temperatures=_tensor([_row_temperature(p.temperature) for p in params], torch.float32, device),
+            top_ks=_tensor([p.top_k for p in params], torch.int64, device),
+            top_ps=_tensor([p.top_p for p in params], torch.float32, device),
+            seeds=tuple(p.seed for p in params),
+            steps=tuple(int(s) for s in steps),
+            sample_rows=tuple(sample_rows),
+            filter_rows=tuple(sample_rows[j] for j in filter_pos),
+            top_k_bound=max(ks) if ks and min(ks) > 0 else None,
+            sample_index=_tensor(sample_rows, torch.int64, device),
+            filter_index=_tensor(filter_pos, torch.int64, device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.steps)
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.sample_rows
+
+
+def _tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _filters(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0
+
+
+def _row_temperature(temperature: float) -> float:
+    """0 for greedy rows, else the temperature capped to stay finite in float32."""
+    return 0.0 if temperature < GREEDY_TEMPERATURE else min(float(temperature), MAX_TEMPERATURE)
+
+
+class Sampler:
+    """Turns a [N, V] float32 logits batch into N token ids; see the module docstring.
+
+    `seed` seeds the generator used for rows without their own seed, so a whole engine run is
+    reproducible given the same schedule.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {batch.num_rows} batch rows")
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
+        all_sampled = len(batch.sample_rows) == batch.num_rows
+        rows = logits if all_sampled else logits.index_select(0, batch.sample_index)
+        sampled = self._sample(rows.float(), batch)
+        if all_sampled:
+            return sampled
+        return logits.argmax(dim=-1).index_copy_(0, batch.sample_index, sampled)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Sample the non-greedy rows (`logits` holds exactly `batch.sample_rows`)."""
+        idx = batch.sample_index
+        scaled = logits / batch.temperatures.index_select(0, idx).unsqueeze(1)
+        if batch.filter_rows:
+            scaled = _filter_rows(scaled, batch)
+        probs = scaled.softmax(dim=-1)
+        # Race: argmax p / E with E = -log U ~ Exp(1) is argmin p / log U (log U < 0 as U < 1).
+        return probs.div_(self._log_uniform(probs, batch)).argmin(dim=-1)
+
+    def _log_uniform(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """log U, U ~ Uniform[0, 1), shaped like `probs`: per (seed, step) for seeded rows.
+
+        (`uniform_` + `log_` is several times faster than `exponential_` on CPU.)
+        """
+        noise = torch.empty_like(probs)
+        if any(batch.seeds[r] is None for r in batch.sample_rows):
+            noise.uniform_(generator=self._generator(probs.device))
+        for i, r in enumerate(batch.sample_rows):
+            seed = batch.seeds[r]
+            if seed is not None:
+                gen = torch.Generator(device=probs.device).manual_seed(row_seed(seed, batch.steps[r]))
+                noise[i].uniform_(generator=gen)
+        return noise.log_()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+
+def _filter_rows(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Apply top-k/top-p to the rows of `scaled` (the sample rows) that use them, and only those."""
+    if len(batch.filter_rows) == len(batch.sample_rows):
+        rows, pos = scaled, None
+    else:
+        pos = batch.filter_index
+        rows = scaled.index_select(0, pos)
+    ids = batch.sample_index if pos is None else batch.sample_index.index_select(0, pos)
+    ks, ps = batch.top_ks.index_select(0, ids), batch.top_ps.index_select(0, ids)
+    filtered = apply_top_k_top_p(rows, ks, ps, batch.top_k_bound)
+    return filtered if pos is None else scaled.index_copy_(0, pos, filtered)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, k_bound: int | None = None
+) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its nucleus, to -inf.
+
+    `top_ks[i] == 0` disables top-k; `top_ps[i] == 1` disables top-p. The nucleus is the smallest
+    set of most likely tokens (after top-k) whose probability mass is >= top_p; the top token is
+    always kept. `k_bound`, when given, promises every row has `0 < top_k <= k_bound`: only the top
+    `k_bound` candidates are then ranked (`topk`) instead of sorting the whole vocabulary.
+    """
+    vocab = logits.shape[-1]
+    width = vocab if k_bound is None else min(k_bound, vocab)
+    if width == vocab:
+        values, order = logits.sort(dim=-1, descending=True)
+    else:
+        values, order = logits.topk(width, dim=-1)
+    ranks = torch.arange(width, device=logits.device).unsqueeze(0)
+    k = torch.where(top_ks > 0, top_ks.clamp(max=width), width).unsqueeze(1)
+    drop = ranks >= k
+    values.masked_fill_(drop, float("-inf"))
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # exactly 0 for the top token
+    p = torch.where(top_ps < 1.0, top_ps, float("inf")).unsqueeze(1)
+    values.masked_fill_(mass_before >= p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, values)

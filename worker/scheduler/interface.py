@@ -1,0 +1,198 @@
+"""Scheduler base: request queues, block accounting and preemption shared by every policy.
+
+A policy only decides *which* sequences get *how many* tokens this iteration; the mechanics
+(growing block tables for decodes, preempting by recompute, FCFS admission, in-flight exclusion for
+pipelining) live here once. `schedule()` never blocks and never touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass
+
+from chariot.worker.block_manager import BlockManager
+from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
+from chariot.worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Validated by `EngineConfig`; `token_budget` is already resolved for the policy."""
+
+    policy: str
+    token_budget: int
+    max_batch_size: int
+    max_model_len: int
+
+    @property
+    def max_running(self) -> int:
+        """Cap on running sequences so every running decode always fits in one iteration."""
+        return min(self.max_batch_size, self.token_budget)
+
+
+class BatchBuilder:
+    """Accumulates one iteration's chunks under the token budget and batch-size cap."""
+
+    def __init__(self, token_budget: int, max_seqs: int) -> None:
+        self.token_budget = token_budget
+        self.max_seqs = max_seqs
+        self.chunks: list[ScheduledChunk] = []
+        self.num_tokens = 0
+        self.num_decodes = 0
+        self.preempted: list[int] = []
+        self.seq_ids: set[int] = set()
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.num_tokens
+
+    @property
+    def has_room(self) -> bool:
+        return self.tokens_left > 0 and len(self.chunks) < self.max_seqs
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        end = seq.num_computed_tokens + num_tokens
+        self.chunks.append(ScheduledChunk(seq.seq_id, seq.num_computed_tokens, num_tokens, end == seq.num_tokens))
+        self.num_tokens += num_tokens
+        self.seq_ids.add(seq.seq_id)
+        if seq.is_decode:
+            self.num_decodes += 1
+
+    def build(self) -> SchedulerOutput:
+        return SchedulerOutput(tuple(self.chunks), tuple(self.preempted), self.num_decodes)
+
+
+class Scheduler(ABC):
+    """FCFS iteration-level scheduler over one block manager; subclasses implement `_fill`."""
+
+    chunked_prefill = False
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, oldest first
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire a sequence (finished or aborted) and free its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        self.seqs.pop(seq.seq_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens not yet computed, over waiting and partially prefilled sequences."""
+        return sum(s.num_remaining for s in self.seqs.values() if not s.is_decode and not s.in_flight)
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick the next batch; marks its sequences in flight and advances their progress."""
+        builder = BatchBuilder(self.config.token_budget, self.config.max_batch_size)
+        self._fill(builder)
+        now = time.time()
+        for chunk in builder.chunks:
+            seq = self.seqs[chunk.seq_id]
+            seq.num_computed_tokens += chunk.num_tokens
+            seq.in_flight = True
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+        return builder.build()
+
+    def complete(self, output: SchedulerOutput) -> None:
+        """The batch's results are processed: its sequences may be scheduled again."""
+        for chunk in output.chunks:
+            seq = self.seqs.get(chunk.seq_id)
+            if seq is not None:
+                seq.in_flight = False
+
+    @abstractmethod
+    def _fill(self, builder: BatchBuilder) -> None:
+        """Add this iteration's chunks to `builder` (decodes first)."""
+
+    # ---- shared mechanics --------------------------------------------------------------------
+    def _idle_running(self) -> list[Sequence]:
+        return [s for s in self.running if not s.in_flight]
+
+    def _schedule_decodes(self, builder: BatchBuilder) -> None:
+        """Give every idle running decode one token, preempting the newest requests for room."""
+        for seq in self._idle_running():
+            if not seq.is_decode or seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop, or still prefilling
+            if not self._reserve_decode_slot(seq, builder):
+                continue  # preempted itself
+            builder.add(seq, 1)
+
+    def _reserve_decode_slot(self, seq: Sequence, builder: BatchBuilder) -> bool:
+        while not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
+            victim = self._preemption_victim(seq, builder)
+            self._preempt(victim, builder)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.seq_id, seq.num_tokens)
+        return True
+
+    def _preemption_victim(self, needy: Sequence, builder: BatchBuilder) -> Sequence:
+        for cand in reversed(self.running):
+            if cand is needy or not (cand.in_flight or cand.seq_id in builder.seq_ids):
+                return cand
+        return needy
+
+    def _preempt(self, seq: Sequence, builder: BatchBuilder) -> None:
+        """Preemption by recompute: drop the KV, requeue at the front of the waiting queue."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        builder.preempted.append(seq.seq_id)
+
+    def _schedule_partial_prefills(self, builder: BatchBuilder) -> None:
+        for seq in self._idle_running():
+            if seq.is_decode or seq.seq_id in builder.seq_ids or not builder.has_room:
+                continue
+            self._add_prefill_chunk(seq, builder)
+
+    def _admit_waiting(self, builder: BatchBuilder) -> None:
+        """FCFS admission: the head of the queue blocks the rest if it does not fit."""
+        while self.waiting and builder.has_room and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if not self.chunked_prefill and seq.num_tokens > builder.tokens_left:
+                return
+            if not self.blocks.can_admit(seq.num_tokens):
+                return
+            self.waiting.popleft()
+            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._add_prefill_chunk(seq, builder)
+
+    def _add_prefill_chunk(self, seq: Sequence, builder: BatchBuilder) -> None:
+        size = min(seq.num_remaining, builder.tokens_left) if self.chunked_prefill else seq.num_remaining
+        if size > 0 and size <= builder.tokens_left:
+            builder.add(seq, size)
