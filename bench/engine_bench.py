@@ -25,7 +25,7 @@ from chariot.worker.engine import Engine
 from chariot.worker.outputs import IterationTimes
 from chariot.worker.sampling_params import SamplingParams
 
-NEVER_STOP = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+NEVER_STOP = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,11 @@ def bench_hybrid(model: str, decodes: int, budget: int, context: int, iters: int
         engine.add_request([7] * context, NEVER_STOP)
     while engine.scheduler.num_waiting or any(not s.is_decode for s in engine.scheduler.running):
         engine.step()
-    engine.add_request([9] * 8000, NEVER_STOP)  # a long prompt, chunked over many iterations
-    hybrid = run_steps(engine, iters, lambda e: e.scheduler.running[-1].num_computed_tokens < 8000)
-    return summarize(f"sarathi hybrid: {decodes} decodes + {budget - decodes} prefill", budget, hybrid)
+    prompt = 2048
+    engine.add_request([9] * prompt, NEVER_STOP)  # chunked over several iterations
+    hybrid = run_steps(engine, iters, lambda e: e.scheduler.running[-1].num_computed_tokens < prompt)
+    label = f"sarathi hybrid: {decodes} decodes + {budget - decodes}-token chunks of a {prompt}-token prompt"
+    return summarize(label, budget, hybrid)
 
 
 def main(argv: list[str] | None = None) -> int:
