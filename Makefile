@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 PROMPT ?= The quick brown fox
 
-.PHONY: run test install lint bench clean
+.PHONY: run test install lint bench clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
+
+# Regenerate the gRPC/protobuf code (committed, so installs need no codegen).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto --grpc_python_out=proto \
+		proto/chariot/v1/*.proto
+	sed -i 's/^from chariot.v1 import/from chariot.proto.chariot.v1 import/' proto/chariot/v1/*_pb2_grpc.py

@@ -31,3 +31,54 @@ class ConfigError(ChariotError, ValueError):
 
 class ModelLoadError(ChariotError):
     """A model directory cannot be loaded (missing files, malformed config, unsupported architecture)."""
+
+
+class PipelineError(ChariotError):
+    """A pipeline stage died or stopped answering; the whole group must be restarted.
+
+    The engine fails every live request with FinishReason.ERROR carrying this message, sets
+    `Engine.failed`, and refuses new requests; the worker process then exits non-zero.
+    """
+
+
+class EngineDeadError(ChariotError):
+    """The engine has failed (see `Engine.failed`) and accepts no more requests."""
+
+
+class AdmissionRejected(ChariotError):
+    """Admission control shed the request (SLO would be missed, queue bound, or tenant rate limit)."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"request shed by admission control ({reason}); retry after {retry_after_s:.1f}s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class NoReplicaAvailable(ChariotError):
+    """No ready replica can serve the request."""
+
+
+class UnknownModelError(InvalidRequestError):
+    """The request names a model this deployment does not serve."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", f"unknown model {model!r}; this server serves {served!r}")
+
+
+# The one error → status mapping (DESIGN.md §4), used by every gRPC and HTTP front.
+# Order matters: the first matching class wins.
+_STATUS_TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
+    (InvalidRequestError, "INVALID_ARGUMENT", 400),
+    (AdmissionRejected, "RESOURCE_EXHAUSTED", 429),
+    (NoReplicaAvailable, "UNAVAILABLE", 503),
+    (EngineDeadError, "UNAVAILABLE", 503),
+    (PipelineError, "UNAVAILABLE", 503),
+)
+
+
+def error_status(exc: BaseException) -> tuple[str, int]:
+    """(gRPC status code name, HTTP status) for an exception; anything unknown is INTERNAL/500."""
+    for cls, grpc_code, http_status in _STATUS_TABLE:
+        if isinstance(exc, cls):
+            return grpc_code, http_status
+    return "INTERNAL", 500

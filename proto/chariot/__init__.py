@@ -1,0 +1,1 @@
+"""Protobuf packages generated from `proto/chariot/*` (`make proto`)."""

@@ -1,0 +1,1 @@
+"""chariot.v1 wire API: generated protobuf and gRPC code (`make proto`), committed."""
