@@ -6,10 +6,13 @@ Subcommands import their component lazily so `chariot --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
-from chariot.worker.config import POLICIES
+from chariot.worker.errors import ConfigError
+from chariot.worker.flags import add_engine_flags, config_from_args
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -33,21 +36,35 @@ def _run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
-    p.add_argument("--policy", choices=POLICIES, default="sarathi")
-    p.add_argument("--token-budget", type=int, default=None)
-    p.add_argument("--max-batch-size", type=int, default=128)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="run one pipeline stage (rank from RANK/WORLD_SIZE)",
+                       description="Run one stage of a pipeline group. Rank and rendezvous come from the "
+                                   "standard torch.distributed environment: RANK, WORLD_SIZE, MASTER_ADDR, "
+                                   "MASTER_PORT. Stages 1..P-1 execute micro-batches sent by stage 0.")
+    add_engine_flags(p)
+    p.set_defaults(handler=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from chariot.worker.pipeline.stage import run_downstream_stage
+    from chariot.worker.pipeline.transport import Topology
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    topo = Topology.from_env() if config.pipeline_stages > 1 or "RANK" in os.environ else None
+    if topo is not None and topo.world_size != config.pipeline_stages:
+        raise ConfigError("WORLD_SIZE", f"is {topo.world_size} but --stages is {config.pipeline_stages}")
+    if topo is not None and topo.rank > 0:
+        return run_downstream_stage(config, topo)
+    raise ConfigError("RANK", "stage 0 serves requests over gRPC, which arrives with the router issue; "
+                              "use `LLM(pipeline_stages=P)` for now")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion (offline engine in this process)",
                        description="Load the model in this process and stream a completion to stdout.")
     p.add_argument("prompt")
-    _add_engine_flags(p)
+    add_engine_flags(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,15 +74,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from chariot.worker.config import EngineConfig
     from chariot.worker.engine import Engine
     from chariot.worker.sampling_params import SamplingParams
 
-    engine = Engine(EngineConfig(
-        model=args.model, policy=args.policy, token_budget=args.token_budget,
-        max_batch_size=args.max_batch_size, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
-        max_model_len=args.max_model_len,
-    ))
+    if args.stages != 1:
+        raise ConfigError("stages", "`generate` runs a single-process engine; use --stages 1")
+    engine = Engine(config_from_args(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     engine.add_request(args.prompt, params)
@@ -84,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chariot", description="Chariot: LLM serving with Sarathi-Serve scheduling")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
+    _add_worker(sub)
     _add_generate(sub)
     return parser
 

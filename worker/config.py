@@ -183,6 +183,8 @@ class EngineConfig:
     watermark: float = 0.01
     device: str = "cpu"
     seed: int = 0
+    layer_split: tuple[int, ...] | None = None
+    stage_timeout_s: float = 15.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -201,6 +203,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ConfigError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if not 0.0 < self.stage_timeout_s <= 3600:
+            raise ConfigError("stage_timeout_s", f"must be in (0, 3600], got {self.stage_timeout_s}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
 

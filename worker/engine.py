@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,12 +20,15 @@ import torch
 
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.errors import InvalidRequestError
-from chariot.worker.executor import InputBuilder, ModelInput, ModelRunner
+from chariot.worker.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
+from chariot.worker.executor import InputBuilder, LocalExecutor, ModelInput, ModelRunner
 from chariot.worker.kv_cache import num_kv_blocks
 from chariot.worker.model.llama import allocate_kv_caches
 from chariot.worker.model.loader import load_stage
 from chariot.worker.outputs import EngineStats, IterationTimes, RequestOutput
+from chariot.worker.pipeline.driver import PipelineExecutor
+from chariot.worker.pipeline.stage import StageContext
+from chariot.worker.pipeline.transport import Topology
 from chariot.worker.sampler import Sampler
 from chariot.worker.sampling_params import SamplingParams
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
@@ -35,9 +39,22 @@ Prompt = str | Seq[int]
 
 
 class Executor(Protocol):
-    """Runs one batch and returns the sampled token id of every sampling chunk, in order."""
+    """Runs batches; up to `max_in_flight` may be submitted before the oldest result is awaited.
 
-    def execute(self, inp: ModelInput) -> torch.Tensor: ...
+    `wait()` returns the sampled token id of every sampling chunk of the oldest submitted batch, in
+    chunk order. A broken pipeline raises `PipelineError` from submit/wait and sets `failed`.
+    """
+
+    max_in_flight: int
+    failed: str | None
+
+    def submit(self, inp: ModelInput) -> None: ...
+
+    def wait(self) -> torch.Tensor: ...
+
+    def bubble_fraction(self) -> float: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -51,7 +68,7 @@ class _Detok:
 class Engine:
     """Single-driver LLM engine: scheduler + block manager on this process, model via an executor."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True, topology: Topology | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.max_model_len = config.resolved_max_model_len(self.model_config)
@@ -61,27 +78,35 @@ class Engine:
         self.tokenizer = Tokenizer(config.model)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
-        num_blocks = num_kv_blocks(config, self.model_config, self.model_config.num_layers, self.dtype,
-                                   self.max_model_len)
+        self.executor, num_blocks = self._make_executor(topology, progress)
         self.blocks = BlockManager(num_blocks, config.block_size, config.watermark)
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len),
             self.blocks,
         )
         self.inputs = InputBuilder(self.blocks, self.device)
-        self.executor = executor if executor is not None else self._local_executor(num_blocks, progress)
+        self.failed: str | None = None
+        self._in_flight: deque[SchedulerOutput] = deque()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
         self._detok: dict[int, _Detok] = {}
         self.iterations = 0
+        self.last_batch: SchedulerOutput | None = None
         self.last_times = IterationTimes(0.0, 0.0, 0.0, 0.0)
 
-    def _local_executor(self, num_blocks: int, progress: bool) -> ModelRunner:
+    def _make_executor(self, topology: Topology | None, progress: bool) -> tuple[Executor, int]:
+        if self.config.pipeline_stages > 1:
+            if topology is None or topology.world_size != self.config.pipeline_stages or topology.rank != 0:
+                raise ConfigError("pipeline_stages", "a pipelined engine runs on rank 0 of a group of "
+                                                     f"{self.config.pipeline_stages} stages")
+            ctx = StageContext.build(self.config, topology, progress)
+            return PipelineExecutor(ctx), ctx.num_blocks
         cfg = self.model_config
+        num_blocks = num_kv_blocks(self.config, cfg, cfg.num_layers, self.dtype, self.max_model_len)
         stage = load_stage(self.config.model, (0, cfg.num_layers), self.dtype, self.device, progress=progress)
         caches = allocate_kv_caches(cfg, cfg.num_layers, num_blocks, self.config.block_size, self.dtype,
                                     self.device)
-        return ModelRunner(stage, caches, Sampler(self.config.seed))
+        return LocalExecutor(ModelRunner(stage, caches, Sampler(self.config.seed))), num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -92,6 +117,8 @@ class Engine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises InvalidRequestError on bad input."""
+        if self.failed is not None:
+            raise EngineDeadError(f"engine failed and accepts no requests: {self.failed}")
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._by_request:
@@ -151,20 +178,55 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule → prepare → execute → postprocess. Returns changed requests."""
-        t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
+        """Fill the pipeline (schedule → prepare → submit, up to `max_in_flight` batches), then
+        wait for the oldest batch and postprocess it. Returns the requests that changed."""
+        if self.failed is not None:
             return []
-        t1 = time.perf_counter()
-        inp = self.inputs.build(batch, self.scheduler.seqs)
+        t0 = time.perf_counter()
+        sched = prep = 0.0
+        try:
+            while len(self._in_flight) < self.executor.max_in_flight:
+                t = time.perf_counter()
+                batch = self.scheduler.schedule()
+                if batch.is_empty:
+                    break
+                t1 = time.perf_counter()
+                inp = self.inputs.build(batch, self.scheduler.seqs)
+                sched, prep = sched + t1 - t, prep + time.perf_counter() - t1
+                self.executor.submit(inp)
+                self._in_flight.append(batch)
+            if not self._in_flight:
+                return []
+            tokens = self.executor.wait()
+        except PipelineError as exc:
+            return self._fail_all(str(exc))
         t2 = time.perf_counter()
-        tokens = self.executor.execute(inp)
-        t3 = time.perf_counter()
+        batch = self._in_flight.popleft()
         outputs = self.process_output(batch, tokens.tolist())
-        self.last_times = IterationTimes(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        self.last_batch = batch
+        self.last_times = IterationTimes(sched, prep, t2 - t0 - sched - prep, time.perf_counter() - t2)
         self.iterations += 1
         return outputs
+
+    def check_health(self) -> list[RequestOutput]:
+        """Notice a pipeline failure detected while idle (heartbeats); fails all live requests."""
+        if self.failed is None and self.executor.failed is not None:
+            return self._fail_all(self.executor.failed)
+        return []
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        """The group is broken: every live request finishes with an error, no new ones are taken."""
+        self.failed = message
+        self._in_flight.clear()
+        outputs = []
+        for seq in list(self._by_request.values()):
+            seq.error = message
+            outputs.append(self._finish(seq, FinishReason.ERROR))
+        return outputs
+
+    def shutdown(self) -> None:
+        """Stop the executor (and, for a pipeline, every downstream stage)."""
+        self.executor.shutdown()
 
     def process_output(self, batch: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, free finished requests' blocks."""
@@ -262,4 +324,6 @@ class Engine:
             num_preemptions=self.scheduler.num_preemptions,
             last_iteration_s=self.last_times.total,
             iterations=self.iterations,
+            pipeline_stages=self.config.pipeline_stages,
+            bubble_fraction=self.executor.bubble_fraction(),
         )

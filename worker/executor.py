@@ -9,6 +9,7 @@ also computes logits for the sampled rows only and samples.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ class ModelInput:
     attn: AttentionMetadata
     sample_indices: torch.Tensor  # [N] long
     sampling: SamplingBatch | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
 
 
 class InputBuilder:
@@ -127,3 +132,26 @@ class ModelRunner:
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Single-process path: all layers here; returns sampled token ids."""
         return self.sample(inp, self.forward(inp))
+
+
+class LocalExecutor:
+    """Executor for a single-process engine: one batch at a time, executed on submit."""
+
+    max_in_flight = 1
+    failed: str | None = None
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._results: deque[torch.Tensor] = deque()
+
+    def submit(self, inp: ModelInput) -> None:
+        self._results.append(self.runner.execute(inp))
+
+    def wait(self) -> torch.Tensor:
+        return self._results.popleft()
+
+    def bubble_fraction(self) -> float:
+        return 0.0
+
+    def shutdown(self) -> None:
+        self._results.clear()

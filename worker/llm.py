@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -9,7 +10,9 @@ from tqdm.auto import tqdm
 
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine, Prompt
+from chariot.worker.errors import PipelineError
 from chariot.worker.outputs import RequestOutput
+from chariot.worker.pipeline.launcher import LocalPipeline
 from chariot.worker.sampling_params import SamplingParams
 
 
@@ -40,9 +43,36 @@ class LLM:
             kv_cache_tokens=kv_cache_tokens,
             **engine_kwargs,
         )
-        if pipeline_stages != 1:
-            raise NotImplementedError("pipeline_stages > 1 arrives with the pipeline workers")
-        self.engine = Engine(self.config, progress=progress)
+        self.pipeline = LocalPipeline(self.config) if pipeline_stages > 1 else None
+        try:
+            topology = self.pipeline.topology if self.pipeline else None
+            self.engine = Engine(self.config, progress=progress, topology=topology)
+        except BaseException:
+            self._stop_pipeline()
+            raise
+
+    def close(self) -> None:
+        """Shut the engine down; with a pipeline, stop every stage process."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            del self.engine
+        self._stop_pipeline()
+
+    def _stop_pipeline(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.stop()
+            self.pipeline = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     @property
     def tokenizer(self) -> Any:
@@ -57,6 +87,7 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         All prompts are validated before any is queued, so a bad one raises and queues nothing.
+        Raises `PipelineError` if a pipeline stage fails (every request is failed with it).
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
@@ -70,6 +101,8 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
+                if self.engine.failed is not None:
+                    raise PipelineError(self.engine.failed)
         return [done[i] for i in ids]
 
 

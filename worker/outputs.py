@@ -63,4 +63,6 @@ class EngineStats:
     num_preemptions: int
     last_iteration_s: float
     iterations: int
+    pipeline_stages: int = 1
+    bubble_fraction: float = 0.0  # share of stage time idle while work was in flight (pipeline bubbles)
     extra: dict[str, float] = field(default_factory=dict)

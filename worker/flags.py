@@ -1,0 +1,56 @@
+"""Engine flags: one definition shared by `chariot worker`, `chariot generate`, `chariot up` and the
+local launcher, which turns an `EngineConfig` back into the same flags for child stage processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from chariot.worker.config import DTYPES, POLICIES, EngineConfig
+
+
+def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, help="Hugging Face model directory")
+    g.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default sarathi)")
+    g.add_argument("--token-budget", type=int, default=None,
+                   help="tokens per iteration (default: 512 for sarathi, max_model_len otherwise)")
+    g.add_argument("--max-batch-size", type=int, default=128)
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity in tokens")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3,
+                   help="KV capacity as a fraction of free device memory (when --kv-cache-tokens is unset)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--stages", type=int, default=1, help="pipeline stages in this group")
+    g.add_argument("--layer-split", default=None, help="layers per stage, comma separated (e.g. 5,3)")
+    g.add_argument("--stage-timeout", type=float, default=15.0,
+                   help="seconds before a silent pipeline stage is declared dead")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--engine-seed", type=int, default=0, help="seed of sampling for requests without a seed")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
+    return EngineConfig(
+        model=args.model, policy=args.policy, token_budget=args.token_budget, max_batch_size=args.max_batch_size,
+        pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,
+        kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,
+        stage_timeout_s=args.stage_timeout,
+    )
+
+
+def config_to_argv(c: EngineConfig) -> list[str]:
+    """The flags that reproduce `c` (inverse of `config_from_args`)."""
+    argv = ["--model", c.model, "--policy", c.policy, "--max-batch-size", str(c.max_batch_size),
+            "--dtype", c.dtype, "--block-size", str(c.block_size),
+            "--kv-cache-memory-fraction", str(c.kv_cache_memory_fraction), "--stages", str(c.pipeline_stages),
+            "--stage-timeout", str(c.stage_timeout_s), "--device", c.device, "--engine-seed", str(c.seed)]
+    optional = {"--token-budget": c.token_budget, "--kv-cache-tokens": c.kv_cache_tokens,
+                "--max-model-len": c.max_model_len}
+    for flag, value in optional.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if c.layer_split:
+        argv += ["--layer-split", ",".join(map(str, c.layer_split))]
+    return argv

@@ -1,0 +1,123 @@
+"""Point-to-point links between stages with deadlines, over torch.distributed.
+
+Every receive has a timeout; a peer that died (connection closed) or stopped answering surfaces
+as `PipelineError` within that time instead of a hang. Sends are asynchronous so a stage can go
+back to receiving while its output is still on the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from chariot.worker.errors import ConfigError, PipelineError
+
+MAX_PENDING_SENDS = 12
+# Stages start at different speeds (imports, model loading): joining the group may take longer than
+# any single message is allowed to. Per-message deadlines are `stage_timeout_s`.
+RENDEZVOUS_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in its pipeline group (the standard torch.distributed env)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> Topology:
+        try:
+            topo = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                       int(os.environ["MASTER_PORT"]))
+        except KeyError as exc:
+            raise ConfigError(exc.args[0], "must be set for a pipeline stage (RANK, WORLD_SIZE, "
+                                           "MASTER_ADDR, MASTER_PORT)") from exc
+        except ValueError as exc:
+            raise ConfigError("RANK/WORLD_SIZE/MASTER_PORT", f"must be integers ({exc})") from exc
+        if not 0 <= topo.rank < topo.world_size:
+            raise ConfigError("RANK", f"must be in [0, WORLD_SIZE={topo.world_size}), got {topo.rank}")
+        return topo
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class StageLink:
+    """This stage's sends and receives; owns the process group for its lifetime."""
+
+    def __init__(self, topo: Topology, device: torch.device, timeout_s: float) -> None:
+        if dist.is_initialized():
+            raise PipelineError("a torch.distributed process group already exists in this process")
+        self.topo = topo
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device  # tensors cross the wire from here (cuda for nccl, cpu for gloo)
+        dist.init_process_group(
+            backend_for(device), init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
+            rank=topo.rank, world_size=topo.world_size,
+            timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)),
+        )
+        self._sends: deque[tuple[dist.Work, list[torch.Tensor]]] = deque()
+
+    def send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Queue tensors to `dst` in order; buffers stay alive until the send completes."""
+        self._reap()
+        wire = [t.to(self.device).contiguous() for t in tensors]
+        for t in wire:
+            work = dist.isend(t, dst)
+            if work is None:
+                raise PipelineError(f"cannot send to stage {dst}")
+            self._sends.append((work, wire))
+        while len(self._sends) > MAX_PENDING_SENDS:
+            self._wait(self._sends.popleft()[0], dst, "send to")
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, timeout: datetime.timedelta | None = None,
+             ) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        work = dist.irecv(buf, src)
+        if work is None:
+            raise PipelineError(f"cannot receive from stage {src}")
+        self._wait(work, src, "receive from", timeout)
+        return buf
+
+    def flush(self) -> None:
+        while self._sends:
+            self._wait(self._sends.popleft()[0], -1, "send")
+
+    def close(self) -> None:
+        with contextlib.suppress(PipelineError):
+            self.flush()
+        dist.destroy_process_group()
+
+    def _reap(self) -> None:
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+
+    def _wait(self, work: dist.Work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
+        limit = timeout or self.timeout
+        try:
+            if not work.wait(limit):
+                raise RuntimeError("timed out")
+        except RuntimeError as exc:
+            who = f"stage {peer}" if peer >= 0 else "a peer stage"
+            raise PipelineError(
+                f"pipeline stage {self.topo.rank} could not {what} {who} within "
+                f"{limit.total_seconds():.0f}s: {str(exc).splitlines()[0][:200]}"
+            ) from exc
