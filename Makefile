@@ -5,8 +5,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 PROMPT ?= The quick brown fox
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install lint bench clean proto
+.PHONY: run test install lint bench clean proto system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +16,7 @@ $(BIN)/python:
 # torch first and pinned: a CPU wheel is on disk; a looser request would pull GBs of CUDA packages.
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[test,dev]"
+	$(BIN)/pip install --quiet -e ".[test,dev,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,7 +27,16 @@ $(MODEL)/config.json: | $(STAMP)
 run: $(STAMP) $(MODEL)/config.json
 	$(BIN)/chariot generate --model $(MODEL) --max-tokens 48 "$(PROMPT)"
 
-test: $(STAMP) lint
+# Real servers the tests run against (Debian packages): Prometheus and Redis.
+SYSTEM_BINS := prometheus redis-server
+system-deps:
+	@missing=""; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; \
+	fi
+
+test: $(STAMP) system-deps lint
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -8,6 +8,7 @@ It keeps cumulative busy/idle time so the pipeline-bubble fraction can be report
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.errors import PipelineError
+from chariot.worker.errors import ConfigError, PipelineError
 from chariot.worker.executor import ModelRunner
 from chariot.worker.kv_cache import num_kv_blocks
 from chariot.worker.model.llama import allocate_kv_caches
@@ -25,6 +26,7 @@ from chariot.worker.pipeline.transport import StageLink, Topology
 from chariot.worker.sampler import Sampler
 
 log = logging.getLogger(__name__)
+STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"
 
 
 @dataclass
@@ -34,6 +36,7 @@ class StageClock:
     rank: int
     busy_s: float = 0.0
     idle_s: float = 0.0
+    expecting: bool = False  # a micro-batch was just processed, so the next wait is a bubble
 
     def stamp(self, counters: torch.Tensor) -> torch.Tensor:
         """Write this stage's counters (microseconds) into a header's counter slots."""
@@ -57,6 +60,7 @@ class StageContext:
 
     @classmethod
     def build(cls, config: EngineConfig, topo: Topology, progress: bool = True) -> StageContext:
+        pin_stage_cpus(topo.rank)
         model = ModelConfig.from_dir(config.model)
         max_len = config.resolved_max_model_len(model)
         config.resolved_token_budget(max_len)  # validate on every rank, not just the driver
@@ -70,6 +74,20 @@ class StageContext:
         caches = allocate_kv_caches(model, end - start, num_blocks, config.block_size, dtype, device)
         sampler = Sampler(config.seed) if topo.is_last else None
         return cls(config, model, topo, link, ModelRunner(stage, caches, sampler), num_blocks, max_len)
+
+
+def pin_stage_cpus(rank: int) -> None:
+    """Optional CPU pinning for benchmarks on one machine: `CHARIOT_STAGE_CPUS="0,1"` gives stage r
+    the r-th core set (`a+b` joins cores) and as many torch threads as cores."""
+    spec = os.environ.get(STAGE_CPUS_ENV)
+    if not spec:
+        return
+    sets = spec.split(",")
+    if rank >= len(sets):
+        raise ConfigError(STAGE_CPUS_ENV, f"names {len(sets)} core sets but stage {rank} needs one")
+    cores = {int(c) for c in sets[rank].split("+")}
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
 
 
 def agree_num_blocks(local_blocks: int, device: torch.device) -> int:
@@ -102,9 +120,12 @@ def _serve_one(ctx: StageContext, clock: StageClock) -> bool:
     waited = time.perf_counter() - t0
     header = wire.decode_header(raw.cpu())
     if header.kind is not wire.Kind.BATCH:
+        clock.expecting = False  # heartbeats flow only while stage 0 has nothing in flight
         _relay_control(ctx, header, raw)
         return header.kind is not wire.Kind.SHUTDOWN
-    clock.idle_s += waited
+    if clock.expecting:
+        clock.idle_s += waited
+    clock.expecting = True
     payload = link.recv((header.payload_len,), torch.long, rank - 1)
     hidden = link.recv((header.num_tokens, ctx.model.hidden_size), ctx.config.torch_dtype(ctx.model), rank - 1)
     inp = wire.decode_batch(header, payload.cpu(), torch.device(ctx.config.device))
