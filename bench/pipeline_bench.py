@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpus", default=None, help=f"core set per stage (default 0,1,...; sets {STAGE_CPUS_ENV})")
     p.add_argument("--out", default="bench/results/pipeline")
     args = p.parse_args(argv)
-    os.environ[STAGE_CPUS_ENV] = args.cpus or ",".join(str(r % os.cpu_count()) for r in range(args.stages))
+    os.environ[STAGE_CPUS_ENV] = args.cpus or ",".join(str(r % (os.cpu_count() or 1)) for r in range(args.stages))
 
     results = []
     for policy in args.policies.split(","):

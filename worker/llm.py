@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -111,8 +111,8 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
-        return [items]  # a single prompt given as token ids
-    return items
+        return [cast(list[int], items)]  # a single prompt given as token ids
+    return cast(list[Prompt], items)
 
 
 def _as_params_list(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

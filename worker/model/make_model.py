@@ -369,7 +369,7 @@ def greedy_generate(stage: LlamaStage, prompt_ids: list[int], max_new_tokens: in
         raise ValueError("greedy_generate needs a stage holding the whole model")
     total = len(prompt_ids) + max_new_tokens
     num_blocks = -(-total // block_size)
-    dtype = stage.layers[0].mlp.down_proj.weight.dtype
+    dtype = next(stage.parameters()).dtype
     caches = allocate_kv_caches(stage.config, len(stage.layers), num_blocks, block_size, dtype)
     block_table = torch.arange(num_blocks, dtype=torch.int32)
     tokens, out = list(prompt_ids), []

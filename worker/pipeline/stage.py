@@ -24,6 +24,7 @@ from chariot.worker.model.loader import load_stage, split_layers
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.transport import StageLink, Topology
 from chariot.worker.sampler import Sampler
+from chariot.worker.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"
@@ -37,6 +38,15 @@ class StageClock:
     busy_s: float = 0.0
     idle_s: float = 0.0
     expecting: bool = False  # a micro-batch was just processed, so the next wait is a bubble
+
+    _reported: tuple[float, float] = (0.0, 0.0)
+
+    def report(self, telemetry: Telemetry) -> None:
+        """Export the busy/idle time accumulated since the previous report."""
+        busy, idle = self._reported
+        if self.busy_s > busy or self.idle_s > idle:
+            telemetry.add_stage_time(self.rank, self.busy_s - busy, self.idle_s - idle)
+            self._reported = (self.busy_s, self.idle_s)
 
     def stamp(self, counters: torch.Tensor) -> torch.Tensor:
         """Write this stage's counters (microseconds) into a header's counter slots."""
@@ -97,14 +107,17 @@ def agree_num_blocks(local_blocks: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def run_downstream_stage(config: EngineConfig, topo: Topology, progress: bool = True) -> int:
+def run_downstream_stage(
+    config: EngineConfig, topo: Topology, progress: bool = True, telemetry: Telemetry | None = None
+) -> int:
     """Loop of stages 1..P-1 until shutdown (exit 0) or a broken pipeline (exit 1)."""
     ctx = StageContext.build(config, topo, progress)
     log.info("stage %d/%d ready: layers loaded, %d KV blocks", topo.rank, topo.world_size, ctx.num_blocks)
     clock = StageClock(topo.rank)
     try:
         while _serve_one(ctx, clock):
-            pass
+            if telemetry is not None:
+                clock.report(telemetry)
     except PipelineError as exc:
         log.error("%s", exc)
         return 1

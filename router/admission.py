@@ -1,0 +1,294 @@
+"""SLO-driven admission control and load balancing (DESIGN.md §5), free of any transport.
+
+For each request the controller predicts its time to first token (TTFT) on every ready replica and
+sends it to the lowest prediction, or sheds it (`AdmissionRejected`, 429) when that cannot meet the
+SLO, when every replica's queue is at its bound, or when the tenant's rate limit is exhausted.
+
+Prediction, for a prompt of `p` tokens on replica r:
+
+    ttft(r) = r.last_iteration_s + (r.queued_prefill_tokens + pending(r) + p) / rate(r)
+
+- `r.queued_prefill_tokens`: prompt tokens waiting on r at its last report;
+- `pending(r)`: prompt tokens admitted to r by any router since that report whose first token has
+  not come back yet (from the `SharedState`, so other routers' admissions count too);
+- `rate(r)`: prefill tokens per second: the reported `prefill_tokens_per_s` when > 0, else
+  `token_budget / max(last_iteration_s, 1 ms)` — as if every iteration were full of prefill tokens,
+  an optimistic bound used only until the worker has measured a rate;
+- `r.last_iteration_s`: the iteration already running must finish before the prompt is scheduled.
+
+Shedding, checked in this order:
+1. "queue": every ready replica holds `max_queue_per_replica` requests (the larger of the shared
+   in-flight count, this router's own count, and the reported waiting + running); retry after
+   `queue_retry_after_s`.
+2. "slo": even the best prediction exceeds the target, `ttft_slo * (1 + slo_margin)`. A prompt that
+   alone takes longer than the SLO on an idle replica gets `its idle TTFT * (1 + slo_margin)` as its
+   target instead, so it is served when the replica is nearly idle instead of never. Retry after
+   the backlog has drained to the SLO: queued tokens drain at `rate`, so the prediction falls by one
+   second per second, and the hint is `ttft - max(slo, idle TTFT)` on the best replica.
+3. "rate_limit": the tenant's token bucket (see `chariot.router.ratelimit`) is short; retry after it
+   has refilled enough. Charged only for requests that passed 1 and 2, refunded if the final atomic
+   admission finds every candidate full after all.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from chariot.router.config import RouterConfig
+from chariot.router.ratelimit import Charge, RateLimiter
+from chariot.router.registry import ReplicaLoad, ReplicaRegistry, ReplicaView
+from chariot.router.state import DuplicateRequestError, SharedLoad, SharedState, StateHealth
+from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+MIN_ITERATION_S = 1e-3
+MIN_RETRY_AFTER_S = 0.05
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where an admitted request goes, and the TTFT predicted for it there."""
+
+    request_id: str
+    replica_name: str
+    address: str
+    predicted_ttft_s: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One replica's prediction for one prompt."""
+
+    replica: str
+    ttft_s: float
+    idle_ttft_s: float
+    queued_tokens: int
+    prefill_rate: float
+    queue_depth: int
+
+
+def prefill_rate(load: ReplicaLoad) -> float:
+    """Prompt tokens per second: the measured rate, else a full token budget per iteration."""
+    if load.prefill_tokens_per_s > 0:
+        return load.prefill_tokens_per_s
+    return load.token_budget / max(load.last_iteration_s, MIN_ITERATION_S)
+
+
+def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int) -> Prediction:
+    """The TTFT of a `prompt_tokens` prompt on `view` (which must have a load report)."""
+    load = view.load
+    assert load is not None
+    rate = prefill_rate(load)
+    queued = load.queued_prefill_tokens + shared.pending_prefill_tokens
+    depth = max(shared.in_flight, view.in_flight, load.num_waiting + load.num_running)
+    return Prediction(
+        replica=view.name,
+        ttft_s=load.last_iteration_s + (queued + prompt_tokens) / rate,
+        idle_ttft_s=load.last_iteration_s + prompt_tokens / rate,
+        queued_tokens=queued,
+        prefill_rate=rate,
+        queue_depth=depth,
+    )
+
+
+@dataclass
+class _Ticket:
+    replica: str
+    prompt_tokens: int
+    prefilled: bool = False
+
+
+RequestRef = str | Decision
+
+
+class AdmissionController:
+    """Decides, per request, a replica or a shed; keeps the accounting of admitted requests."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: ReplicaRegistry,
+        state: SharedState,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._state = state
+        self._limiter = RateLimiter(config, state)
+        self._clock = clock
+        self._tickets: dict[str, _Ticket] = {}
+        self._deciding: set[str] = set()
+
+    # decisions -----------------------------------------------------------------------------------
+
+    async def decide(
+        self,
+        prompt_tokens: int,
+        tenant: str = DEFAULT_TENANT,
+        now: float | None = None,
+        *,
+        max_tokens: int = 0,
+        request_id: str | None = None,
+    ) -> Decision:
+        """Admit the request to a replica, or raise AdmissionRejected / NoReplicaAvailable.
+
+        `now` is on the monotonic clock of the load reports (default: now). Every Decision must
+        be followed by `on_finish` (and `on_first_token` when the first token arrives).
+        """
+        t = self._clock() if now is None else now
+        if prompt_tokens < 0 or max_tokens < 0:
+            raise InvalidRequestError("prompt" if prompt_tokens < 0 else "max_tokens", "must not be negative")
+        request_id = self._new_id(request_id)
+        self._deciding.add(request_id)
+        try:
+            return await self._decide(request_id, prompt_tokens, tenant, t, max_tokens)
+        finally:
+            self._deciding.discard(request_id)
+
+    async def _decide(self, request_id: str, prompt_tokens: int, tenant: str, t: float, max_tokens: int) -> Decision:
+        ranked = await self.predictions(prompt_tokens, t, max_tokens=max_tokens)
+        candidates = self._admissible(ranked)
+        charge = await self._limiter.acquire(tenant or DEFAULT_TENANT, prompt_tokens, max_tokens)
+        for prediction in candidates:
+            if await self._try_admit(request_id, prediction, prompt_tokens, charge):
+                return self._admitted(request_id, prediction, prompt_tokens)
+        await self._limiter.refund(charge)
+        raise AdmissionRejected("queue", self._config.queue_retry_after_s)
+
+    async def predictions(
+        self, prompt_tokens: int, now: float | None = None, *, max_tokens: int = 0
+    ) -> list[Prediction]:
+        """Every ready replica that can hold the request, best (lowest TTFT) first."""
+        t = self._clock() if now is None else now
+        views = self._fitting(self._ready(t), prompt_tokens, max_tokens)
+        windows = {v.name: max(0.0, t - v.load.reported_at) for v in views if v.load is not None}
+        shared = await self._state.loads(windows)
+        ranked = [predict(v, shared.get(v.name, SharedLoad()), prompt_tokens) for v in views]
+        return sorted(ranked, key=lambda p: (p.ttft_s, p.queue_depth, p.replica))
+
+    def _ready(self, now: float) -> list[ReplicaView]:
+        ready = self._registry.ready(now)
+        if not ready:
+            known = len(self._registry.names())
+            raise NoReplicaAvailable(
+                f"no ready replica: {known} known, none with a load report from the last "
+                f"{self._config.stats_staleness_s:g}s"
+            )
+        return ready
+
+    @staticmethod
+    def _fitting(views: list[ReplicaView], prompt_tokens: int, max_tokens: int) -> list[ReplicaView]:
+        def fits(load: ReplicaLoad | None) -> bool:
+            limit = load.max_model_len if load else 0
+            return limit <= 0 or (prompt_tokens < limit and prompt_tokens + max_tokens <= limit)
+
+        fitting = [v for v in views if fits(v.load)]
+        if not fitting:
+            limit = max(v.load.max_model_len for v in views if v.load is not None)
+            if prompt_tokens >= limit:
+                raise InvalidRequestError(
+                    "prompt", f"is {prompt_tokens} tokens; max_model_len is {limit} (must leave room for output)"
+                )
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
+            )
+        return fitting
+
+    def _admissible(self, ranked: list[Prediction]) -> list[Prediction]:
+        """Replicas under their queue bound that meet the SLO target, best first; else shed."""
+        open_ = [p for p in ranked if p.queue_depth < self._config.max_queue_per_replica]
+        if not open_:
+            raise AdmissionRejected("queue", self._config.queue_retry_after_s)
+        meeting = [p for p in open_ if p.ttft_s <= self._target_s(p)]
+        if not meeting:
+            raise AdmissionRejected("slo", self._slo_retry_after_s(open_))
+        return meeting
+
+    def _target_s(self, prediction: Prediction) -> float:
+        return max(self._config.shed_threshold_s, prediction.idle_ttft_s * (1.0 + self._config.slo_margin))
+
+    def _slo_retry_after_s(self, open_: list[Prediction]) -> float:
+        """Seconds until the best replica's backlog has drained enough for the request to meet the SLO."""
+        wait = min(p.ttft_s - max(self._config.ttft_slo_s, p.idle_ttft_s) for p in open_)
+        wait = min(self._config.max_retry_after_s, max(MIN_RETRY_AFTER_S, wait))
+        return math.ceil(wait * 1000.0) / 1000.0
+
+    async def _try_admit(
+        self, request_id: str, prediction: Prediction, prompt_tokens: int, charge: Charge | None
+    ) -> bool:
+        try:
+            return await self._state.admit(
+                request_id, prediction.replica, prompt_tokens, self._config.max_queue_per_replica
+            )
+        except DuplicateRequestError:
+            await self._limiter.refund(charge)
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight") from None
+
+    def _admitted(self, request_id: str, prediction: Prediction, prompt_tokens: int) -> Decision:
+        self._tickets[request_id] = _Ticket(prediction.replica, prompt_tokens)
+        self._registry.note_admitted(prediction.replica, prompt_tokens)
+        address = self._registry.address(prediction.replica) or ""
+        return Decision(request_id, prediction.replica, address, prediction.ttft_s)
+
+    def _new_id(self, request_id: str | None) -> str:
+        if request_id is None:
+            return uuid.uuid4().hex
+        if not request_id:
+            raise InvalidRequestError("request_id", "must not be empty")
+        if request_id in self._tickets or request_id in self._deciding:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        return request_id
+
+    # accounting ----------------------------------------------------------------------------------
+
+    async def on_first_token(self, request: RequestRef) -> None:
+        """The request's first token arrived: its prompt no longer counts as queued prefill work."""
+        ticket = self._tickets.get(_request_id(request))
+        if ticket is None or ticket.prefilled:
+            return
+        ticket.prefilled = True
+        self._registry.note_first_token(ticket.replica, ticket.prompt_tokens)
+        await self._state.first_token(_request_id(request), ticket.replica)
+
+    async def on_finish(self, request: RequestRef) -> None:
+        """The request ended (finished, failed or cancelled): release everything it held. Idempotent."""
+        request_id = _request_id(request)
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None:
+            return
+        self._registry.note_finished(ticket.replica, 0 if ticket.prefilled else ticket.prompt_tokens)
+        await self._state.release(request_id, ticket.replica)
+
+    # introspection -------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this router admitted that have not finished."""
+        return len(self._tickets)
+
+    def in_flight_by_replica(self) -> Mapping[str, int]:
+        counts: dict[str, int] = {}
+        for ticket in self._tickets.values():
+            counts[ticket.replica] = counts.get(ticket.replica, 0) + 1
+        return counts
+
+    async def replica_of(self, request_id: str) -> str | None:
+        """The replica serving `request_id`, admitted by this router or another one (cancellation)."""
+        ticket = self._tickets.get(request_id)
+        return ticket.replica if ticket else await self._state.replica_of(request_id)
+
+    def health(self) -> StateHealth:
+        """Whether shared state is in use or the router decides locally (degraded), and why."""
+        return self._state.health()
+
+
+def _request_id(request: RequestRef) -> str:
+    return request.request_id if isinstance(request, Decision) else request

@@ -1,0 +1,140 @@
+"""The router's frozen, validated configuration.
+
+Admission control, rate limiting, the replica registry and the shared state all read their knobs from
+one `RouterConfig`, validated once here so that a bad flag or ConfigMap value fails at start-up with
+a `ConfigError` that names the field, instead of surfacing later as a strange routing decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from chariot.worker.errors import ConfigError
+
+RateLimitUnit = Literal["tokens", "requests"]
+RATE_LIMIT_UNITS: tuple[str, ...] = ("tokens", "requests")
+
+
+@dataclass(frozen=True)
+class TenantLimit:
+    """A token bucket: refills at `rate_per_s` units per second up to `burst` units."""
+
+    rate_per_s: float
+    burst: float
+
+    def validate(self, name: str) -> None:
+        _positive(f"{name}.rate_per_s", self.rate_per_s)
+        _positive(f"{name}.burst", self.burst)
+
+    def scaled(self, share: float) -> TenantLimit:
+        """This limit with rate and burst multiplied by `share` (a router's part of a shared limit)."""
+        return TenantLimit(rate_per_s=self.rate_per_s * share, burst=self.burst * share)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Every knob of the router's decision core.
+
+    - `ttft_slo_ms` / `tbt_slo_ms`: the latency SLOs; a request is shed when its predicted TTFT on the
+      best replica exceeds `ttft_slo_ms * (1 + slo_margin)`.
+    - `max_queue_per_replica`: the most admitted-but-unfinished requests one replica may hold.
+    - `default_rate_limit` / `tenant_rate_limits`: per-tenant token buckets (None = unlimited);
+      `rate_limit_unit` says what a request is charged: "tokens" = prompt_tokens + max_tokens, or
+      "requests" = 1.
+    - `redis_url`: shared state for several routers (None = in-memory, one router).
+    - `redis_timeout_s`: socket timeout of every Redis call; past it the router decides locally.
+    - `redis_retry_s`: how often a degraded router tries Redis again.
+    - `lease_s`: TTL of a router's contributions in Redis (renewed by heartbeats), so a crashed
+      router's load expires.
+    - `degraded_limit_share`: the share of each tenant limit one router enforces on its own while
+      Redis is unreachable (1/N with N routers keeps the total at the configured limit).
+    - `stats_staleness_s`: a replica whose latest load report is older than this is not ready.
+    - `replica_file` / `replica_poll_s`: the JSON replica list (a mounted ConfigMap) and how often its
+      modification time is checked.
+    """
+
+    ttft_slo_ms: float = 2000.0
+    tbt_slo_ms: float = 200.0
+    slo_margin: float = 0.1
+    max_queue_per_replica: int = 256
+    default_rate_limit: TenantLimit | None = None
+    tenant_rate_limits: Mapping[str, TenantLimit] = field(default_factory=dict, hash=False)
+    rate_limit_unit: RateLimitUnit = "tokens"
+    redis_url: str | None = None
+    redis_timeout_s: float = 0.2
+    redis_retry_s: float = 2.0
+    redis_key_prefix: str = "chariot"
+    lease_s: float = 30.0
+    degraded_limit_share: float = 1.0
+    stats_staleness_s: float = 5.0
+    replica_file: str | None = None
+    replica_poll_s: float = 2.0
+    queue_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive("ttft_slo_ms", self.ttft_slo_ms)
+        _positive("tbt_slo_ms", self.tbt_slo_ms)
+        _non_negative("slo_margin", self.slo_margin)
+        if isinstance(self.max_queue_per_replica, bool) or not isinstance(self.max_queue_per_replica, int):
+            raise ConfigError("max_queue_per_replica", f"must be an integer, got {self.max_queue_per_replica!r}")
+        if self.max_queue_per_replica < 1:
+            raise ConfigError("max_queue_per_replica", f"must be >= 1, got {self.max_queue_per_replica}")
+        self._validate_limits()
+        if self.rate_limit_unit not in RATE_LIMIT_UNITS:
+            raise ConfigError("rate_limit_unit", f"must be one of {RATE_LIMIT_UNITS}, got {self.rate_limit_unit!r}")
+        self._validate_redis()
+        _positive("stats_staleness_s", self.stats_staleness_s)
+        _positive("replica_poll_s", self.replica_poll_s)
+        _positive("queue_retry_after_s", self.queue_retry_after_s)
+        _positive("max_retry_after_s", self.max_retry_after_s)
+
+    def _validate_limits(self) -> None:
+        if self.default_rate_limit is not None:
+            self.default_rate_limit.validate("default_rate_limit")
+        for tenant, limit in self.tenant_rate_limits.items():
+            if not isinstance(tenant, str) or not tenant:
+                raise ConfigError("tenant_rate_limits", f"tenant names must be non-empty strings, got {tenant!r}")
+            limit.validate(f"tenant_rate_limits[{tenant!r}]")
+        # A read-only copy: the dataclass is frozen, its mapping should be too.
+        object.__setattr__(self, "tenant_rate_limits", MappingProxyType(dict(self.tenant_rate_limits)))
+
+    def _validate_redis(self) -> None:
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        _positive("redis_timeout_s", self.redis_timeout_s)
+        _positive("redis_retry_s", self.redis_retry_s)
+        if not self.redis_key_prefix or any(c in self.redis_key_prefix for c in "{} "):
+            raise ConfigError(
+                "redis_key_prefix", f"must be non-empty without braces or spaces: {self.redis_key_prefix!r}"
+            )
+        _positive("lease_s", self.lease_s)
+        if not 0.0 < self.degraded_limit_share <= 1.0:
+            raise ConfigError("degraded_limit_share", f"must be in (0, 1], got {self.degraded_limit_share}")
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.ttft_slo_ms / 1000.0
+
+    @property
+    def shed_threshold_s(self) -> float:
+        """Predicted TTFT above which a request is shed: the SLO widened by the margin."""
+        return self.ttft_slo_s * (1.0 + self.slo_margin)
+
+    def limit_for(self, tenant: str) -> TenantLimit | None:
+        """The tenant's own bucket if configured, else the default (None = unlimited)."""
+        return self.tenant_rate_limits.get(tenant, self.default_rate_limit)
+
+
+def _positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(name, f"must be a finite number > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(name, f"must be a finite number >= 0, got {value!r}")

@@ -1,0 +1,370 @@
+"""Asyncio front of the (synchronous, not thread-safe) `Engine`: one dedicated thread runs the loop.
+
+Why a module of its own: the gRPC server (and anything else on an event loop) must never block on a
+forward pass, and the engine must only ever be touched by one thread. So every engine call —
+construction, `add_request`, `abort`, `stats`, `step` — runs on the engine thread. Callers post
+commands to a queue; the thread blocks on that queue when there is nothing to do (no busy spin; it
+wakes every `HEALTH_POLL_S` to let the engine check its pipeline stages) and, while requests are
+live, alternates draining all queued commands with one `step()`. Step outputs go back to each
+request's `asyncio.Queue` through `loop.call_soon_threadsafe`.
+
+Prefill throughput (for the Stats RPC and the router's TTFT prediction) is measured, not modelled:
+each `step()` that completes a batch (`Engine.last_batch`) with prompt tokens in it is recorded as
+(its prefill tokens, the wall time of that `step()` call). Over the last `PREFILL_WINDOW` such steps,
+rate = their prefill tokens / their wall time, i.e. how fast this replica works through queued
+prompts while it has some (decodes sharing those batches included, as they would be). With a
+pipeline, `step()` returns once per completed micro-batch, so the ratio is the steady-state rate.
+It is 0.0 until the first prompt has been processed; an idle replica keeps its last measured rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar
+
+from chariot.worker.engine import Engine
+from chariot.worker.errors import EngineDeadError
+from chariot.worker.outputs import EngineStats, RequestOutput
+from chariot.worker.sampling_params import SamplingParams
+from chariot.worker.wire import PREFILL_TOKENS_PER_S
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Prompt = str | Sequence[int]
+_Item: TypeAlias = RequestOutput | BaseException  # what a request's queue carries
+PREFILL_WINDOW = 64  # steps that took on prompt tokens, averaged for prefill_tokens_per_s
+HEALTH_POLL_S = 0.5  # while idle, how often the engine is asked to check its pipeline (`check_health`)
+
+
+@dataclasses.dataclass
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any] | None  # None: fire and forget
+
+
+@dataclasses.dataclass
+class _Sink:
+    """Where one request's outputs go: its consumer's queue on its event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+
+
+def _send(items: list[tuple[_Sink, _Item]]) -> None:
+    """Hand items to their consumers' queues: one wake-up per event loop per step, not per item."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, _Item]]] = {}
+    for sink, item in items:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[_Sink, _Item]]) -> None:
+    for sink, item in batch:
+        sink.queue.put_nowait(item)
+
+
+class PrefillMeter:
+    """Prompt tokens per second over the last `window` steps that took on prompt tokens."""
+
+    def __init__(self, window: int = PREFILL_WINDOW) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def record(self, prefill_tokens: int, seconds: float) -> None:
+        if prefill_tokens > 0 and seconds > 0:
+            self._samples.append((prefill_tokens, seconds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = sum(s for _, s in self._samples)
+        return sum(n for n, _ in self._samples) / seconds if seconds > 0 else 0.0
+
+
+class AsyncEngine:
+    """Owns one Engine and runs it on a dedicated thread; the API is for asyncio callers.
+
+    Usage: `ae = AsyncEngine(factory); ae.start(); await ae.wait_ready()`, then `generate`, `abort`,
+    `stats`; finally `await ae.shutdown()`. `failed` is set (and `wait_failed()` resolves) when the
+    engine dies: it failed to load, its loop crashed, or the engine reported `Engine.failed`
+    (pipeline failure).
+    """
+
+    def __init__(self, engine_factory: Callable[[], Engine], name: str = "chariot-engine") -> None:
+        self._factory = engine_factory
+        self._name = name
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _closed against a concurrent final drain
+        self._closed = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._engine: Engine | None = None
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._meter = PrefillMeter()  # engine thread only
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._failed: str | None = None
+        self._dead: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; it builds the engine (loads the model) first."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Return once the engine is loaded; re-raises the load error if loading failed."""
+        await asyncio.shield(asyncio.wrap_future(self._ready))
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.done() and self._ready.exception() is None
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, for read-only facts (`max_model_len`, `model_config`). Never call it directly."""
+        if self._engine is None:
+            raise EngineDeadError("engine is not loaded")
+        return self._engine
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine died, or None while it is healthy."""
+        return self._failed
+
+    async def wait_failed(self) -> str:
+        """Resolve with the failure message when the engine dies (never, if it does not)."""
+        return await asyncio.shield(asyncio.wrap_future(self._dead))
+
+    async def shutdown(self) -> None:
+        """Stop the loop: live requests end with FinishReason.ABORT; queued commands fail."""
+        self._stopping = True
+        self._post(_Command(lambda: None, None), strict=False)  # wake the thread up
+        if self._thread is None:
+            self._close()
+        else:
+            await asyncio.to_thread(self._thread.join)
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs, one per engine step that changed it; the last is `finished`.
+
+        Validation errors (InvalidRequestError, EngineDeadError) are raised before the first item.
+        If the consumer stops early (closes or cancels the iteration), the request is aborted and its
+        KV blocks freed.
+        """
+        rid = request_id or uuid.uuid4().hex
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        finished = False
+        try:
+            await self._call(lambda: self._add(prompt, params, rid, sink))
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # consumer left early (or cancelled mid-add): free the request if it is ours
+                self._post(_Command(lambda: self._abort_if_mine(rid, sink), None), strict=False)
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (its stream ends with FinishReason.ABORT); None if it is not live."""
+        return await self._call(lambda: self._abort_now(request_id))
+
+    async def stats(self) -> EngineStats:
+        """The engine's load report, with `extra["prefill_tokens_per_s"]` filled in."""
+        return await self._call(self._stats_now)
+
+    # ---- command plumbing (any thread) -------------------------------------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread and await its result (or exception)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._post(_Command(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def _post(self, cmd: _Command, strict: bool = True) -> None:
+        with self._lock:
+            if not self._closed:
+                self._commands.put(cmd)
+                return
+        if strict:
+            raise EngineDeadError(self._failed or "engine is shut down")
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self._load()
+            if engine is not None:
+                try:
+                    self._loop(engine)
+                finally:
+                    self._abort_all()
+                    self._shutdown_engine(engine)
+        finally:
+            self._close()
+
+    def _load(self) -> Engine | None:
+        try:
+            self._engine = self._factory()
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            self._die(f"engine failed to load: {exc}")
+            return None
+        self._ready.set_result(None)
+        return self._engine
+
+    def _loop(self, engine: Engine) -> None:
+        last_health = time.monotonic()
+        while not self._stopping:
+            ran = self._drain(timeout=0.0 if engine.has_unfinished else HEALTH_POLL_S)
+            if self._stopping:
+                return
+            try:
+                if engine.has_unfinished:
+                    self._step(engine)
+                elif not ran or time.monotonic() - last_health >= HEALTH_POLL_S:
+                    last_health = time.monotonic()
+                    self._deliver(self._check_health(engine))
+            except Exception as exc:
+                self._crash(exc)
+                return
+            if getattr(engine, "failed", None) and self._failed is None:
+                self._die(str(engine.failed))
+
+    def _crash(self, exc: Exception) -> None:
+        """An unexpected exception escaped the engine: its state is unknown, so it is dead."""
+        log.exception("engine loop crashed")
+        reason = f"engine loop crashed: {exc!r}"
+        self._fail_all(EngineDeadError(reason))
+        self._die(reason)
+
+    def _drain(self, timeout: float) -> bool:
+        """Run queued commands, waiting up to `timeout` s for the first; True if any ran."""
+        try:
+            cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._execute(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    @staticmethod
+    def _execute(cmd: _Command) -> None:
+        if cmd.future is not None and not cmd.future.set_running_or_notify_cancel():
+            return  # the caller gave up before the command ran: do not run it
+        try:
+            result = cmd.fn()
+        except Exception as exc:
+            if cmd.future is not None:
+                cmd.future.set_exception(exc)
+            else:
+                log.warning("engine command failed: %r", exc)
+        else:
+            if cmd.future is not None:
+                cmd.future.set_result(result)
+
+    def _step(self, engine: Engine) -> None:
+        before = getattr(engine, "last_batch", None)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t0
+        batch = getattr(engine, "last_batch", None)
+        if batch is not None and batch is not before:
+            self._meter.record(batch.num_prefill_tokens, elapsed)
+        self._deliver(outputs)
+
+    @staticmethod
+    def _check_health(engine: Engine) -> list[RequestOutput]:
+        """Let the engine notice a pipeline failure while idle (it fails live requests, sets `failed`)."""
+        check = getattr(engine, "check_health", None)
+        return list(check()) if check is not None else []
+
+    @staticmethod
+    def _shutdown_engine(engine: Engine) -> None:
+        close = getattr(engine, "shutdown", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:
+            log.exception("engine shutdown failed")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        items: list[tuple[_Sink, _Item]] = []
+        for out in outputs:
+            sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
+            if sink is not None:
+                items.append((sink, out))
+        _send(items)
+
+    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, sink: _Sink) -> None:
+        if self._failed is not None:
+            raise EngineDeadError(self._failed)
+        self.engine.add_request(prompt, params, request_id=request_id, arrival_time=time.time())
+        self._sinks[request_id] = sink
+
+    def _abort_if_mine(self, request_id: str, sink: _Sink) -> None:
+        """Abort `request_id` only if `sink` registered it (an id reused by another caller is left alone)."""
+        if self._sinks.get(request_id) is sink:
+            self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> RequestOutput | None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver([out])
+        return out
+
+    def _stats_now(self) -> EngineStats:
+        stats = self.engine.stats()
+        extra = {**stats.extra, PREFILL_TOKENS_PER_S: self._meter.tokens_per_s}
+        return dataclasses.replace(stats, extra=extra)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._sinks):
+            try:
+                self._abort_now(request_id)
+            except Exception as exc:  # the engine is going away anyway; end the stream regardless
+                log.warning("abort of %s at shutdown failed: %r", request_id, exc)
+        self._fail_all(EngineDeadError("engine is shut down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        _send([(sink, exc) for sink in self._sinks.values()])
+        self._sinks.clear()
+
+    def _die(self, reason: str) -> None:
+        log.error("engine failed: %s", reason)
+        self._failed = reason
+        if not self._dead.done():
+            self._dead.set_result(reason)
+
+    def _close(self) -> None:
+        """Refuse new commands and fail those still queued, so no caller waits forever."""
+        with self._lock:
+            self._closed = True
+        dead = EngineDeadError(self._failed or "engine is shut down")
+        self._fail_all(dead)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd.future is not None:
+                cmd.future.set_exception(dead)

@@ -1,0 +1,188 @@
+"""The worker's gRPC server: `chariot.v1.Generation` (Generate, Stats), gRPC health and reflection.
+
+Why a module of its own: this is the only place where the engine meets the network. It turns wire
+requests into engine requests (`wire`), streams one `GenerateResponse` per engine output, maps every
+error through the one `error_status()` table, aborts a request when its call is cancelled (so its KV
+blocks are freed), and ties the process lifetime to the engine's: health goes SERVING once the model
+is loaded and NOT_SERVING when the engine fails or the server shuts down, and `serve` returns a
+non-zero exit code when the engine died so the pod (and its pipeline group) is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from chariot.proto.chariot.v1 import generation_pb2, generation_pb2_grpc
+from chariot.worker.async_engine import AsyncEngine
+from chariot.worker.engine import Engine
+from chariot.worker.errors import ConfigError, error_status
+from chariot.worker.wire import request_from_proto, response_from_output, stats_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+EXIT_OK = 0
+EXIT_ENGINE_FAILED = 1
+DEFAULT_GRACE_S = 5.0
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """`chariot.v1.Generation` backed by one AsyncEngine."""
+
+    def __init__(self, engine: AsyncEngine, served_model: str) -> None:
+        self._engine = engine
+        self._model = served_model
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Stream the request's outputs; a cancelled call aborts the request (its KV blocks are freed)."""
+        try:
+            prompt, params, request_id = request_from_proto(request, self._model)
+            stream = self._engine.generate(prompt, params, request_id or None)
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield response_from_output(out)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """This replica's load report."""
+        try:
+            stats = await self._engine.stats()
+            return stats_to_proto(stats, self._model, self._engine.engine.max_model_len)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End the call with the status `error_status()` gives `exc`; the message names the field."""
+    code, _ = error_status(exc)
+    if code == "INTERNAL":
+        log.error("internal error serving a call", exc_info=exc)
+    await context.abort(grpc.StatusCode[code], str(exc))
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+# ---- server assembly --------------------------------------------------------------------------
+def build_server(engine: AsyncEngine, served_model: str) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with Generation, health (initially NOT_SERVING) and reflection; not yet bound."""
+    # so_reuseport=0: a second worker on the same port must fail to bind, not silently share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served_model), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return server, health_servicer
+
+
+async def set_health(health_servicer: Any, status: int) -> None:
+    """Set the overall ("") and the Generation service's health status."""
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind an insecure port; returns the actual port (useful with port 0)."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError("port", f"cannot listen on {address}: {exc}") from exc
+    if bound == 0:
+        raise ConfigError("port", f"cannot listen on {address}")
+    return bound
+
+
+# ---- lifetime ---------------------------------------------------------------------------------
+async def serve(
+    engine_factory: Callable[[], Engine],
+    host: str,
+    port: int,
+    served_model: str,
+    ready: Callable[[int], None] | None = None,
+    *,
+    stop: asyncio.Event | None = None,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> int:
+    """Serve until SIGTERM/SIGINT (or `stop` is set): returns 0, or 1 if the engine failed.
+
+    The engine is built on its own thread while the server already answers health checks
+    (NOT_SERVING until loaded). `ready(port)` is called once the server listens, with the bound port.
+    A load failure (e.g. ModelLoadError, ConfigError) is re-raised. On shutdown, health goes
+    NOT_SERVING, in-flight calls get `grace_s` seconds to finish, then remaining requests are aborted.
+    """
+    stop = stop or asyncio.Event()
+    engine = AsyncEngine(engine_factory)
+    server, health_servicer = build_server(engine, served_model)
+    try:
+        await set_health(health_servicer, _NOT_SERVING)
+        bound = bind(server, host, port)  # before loading the model: a taken port fails fast
+        engine.start()
+        await server.start()
+        log.info("worker listening on %s:%d (model %s)", host, bound, served_model)
+        if ready is not None:
+            ready(bound)
+        with _signals_set(stop):
+            return await _run(engine, health_servicer, stop)
+    finally:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
+        await engine.shutdown()
+
+
+async def _run(engine: AsyncEngine, health_servicer: Any, stop: asyncio.Event) -> int:
+    """Wait for the model to load, serve until stopped or the engine dies; the exit code."""
+    if not await _first_or_stop(engine.wait_ready(), stop):
+        return EXIT_OK
+    await set_health(health_servicer, _SERVING)
+    log.info("engine ready; serving")
+    if not await _first_or_stop(engine.wait_failed(), stop):
+        log.info("shutting down")
+        return EXIT_OK
+    log.error("engine failed (%s); exiting", engine.failed)
+    return EXIT_ENGINE_FAILED
+
+
+async def _first_or_stop(awaitable: Any, stop: asyncio.Event) -> bool:
+    """Await `awaitable` unless `stop` is set first; True if it completed (its exception propagates)."""
+    work = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((work, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, stopped):
+            task.cancel()
+    if work.done() and not work.cancelled():
+        work.result()  # re-raise a failure
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` (only possible on the main thread; elsewhere `stop` is the only way)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,175 @@
+"""Conversion and validation between the `chariot.v1` protobuf messages and engine types.
+
+Why a module of its own: the worker's gRPC server and the router both speak `chariot.v1`, and both must
+turn the same wire request into the same engine request and reject the same bad input with the same
+field-naming `InvalidRequestError`. Keeping this transport-level (no server or engine state) lets both
+fronts share it. Checks that need the model (prompt length, token-id range) stay in
+`Engine.validate_prompt`; everything else is checked here or by `SamplingParams` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from chariot.proto.chariot.v1 import generation_pb2 as pb
+from chariot.worker.errors import InvalidRequestError, UnknownModelError
+from chariot.worker.outputs import EngineStats, RequestOutput
+from chariot.worker.sampling_params import SamplingParams
+from chariot.worker.sequence import FinishReason, RequestTimes
+
+Prompt = str | list[int]
+
+DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_CHARS = 256
+
+_FINISH_TO_PROTO: dict[FinishReason | None, pb.FinishReason] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+# Key of `EngineStats.extra` that the Stats RPC reports as `prefill_tokens_per_s` (set by AsyncEngine).
+PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
+
+
+# ---- requests ---------------------------------------------------------------------------------
+def request_from_proto(req: Any, served_model: str) -> tuple[Prompt, SamplingParams, str]:
+    """(prompt, params, request_id) of a `GenerateRequest`; raises InvalidRequestError naming the field.
+
+    An empty `request_id` stays empty (the engine side generates one).
+    """
+    if req.model and req.model != served_model:
+        raise UnknownModelError(req.model, served_model)
+    request_id = _request_id(req.request_id)
+    prompt = prompt_from_proto(req)
+    params = params_from_proto(req.sampling if req.HasField("sampling") else None)
+    return prompt, params, request_id
+
+
+def _request_id(value: str) -> str:
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}")
+    return value
+
+
+def prompt_from_proto(req: Any) -> Prompt:
+    """The prompt oneof: text or token ids, never absent or empty."""
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "must be set (text or token_ids)")
+    if kind == "text":
+        if not req.text:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return str(req.text)
+    ids = [int(t) for t in req.token_ids.ids]
+    if not ids:
+        raise InvalidRequestError("prompt", "token_ids must contain at least one token")
+    return ids
+
+
+def params_from_proto(msg: Any | None) -> SamplingParams:
+    """SamplingParams from the proto message; unset optional fields take the SamplingParams defaults."""
+    if msg is None:
+        return SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
+        ignore_eos=bool(msg.ignore_eos),
+        **kwargs,
+    )
+
+
+def params_to_proto(params: SamplingParams) -> Any:
+    """The `chariot.v1.SamplingParams` message carrying every field of `params` explicitly."""
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def request_to_proto(
+    prompt: str | Sequence[int],
+    params: SamplingParams,
+    request_id: str = "",
+    model: str = "",
+    tenant: str = "",
+) -> Any:
+    """A `GenerateRequest` (what a router or client sends to a worker)."""
+    req = pb.GenerateRequest(request_id=request_id, sampling=params_to_proto(params), model=model, tenant=tenant)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(int(t) for t in prompt)
+    return req
+
+
+# ---- responses --------------------------------------------------------------------------------
+def response_from_output(out: RequestOutput) -> Any:
+    """One streamed `GenerateResponse`: this step's new token ids and text delta, plus totals and timing."""
+    return pb.GenerateResponse(
+        request_id=out.request_id,
+        token_ids=out.new_token_ids,
+        text=out.new_text,
+        finish_reason=_FINISH_TO_PROTO[out.finish_reason],
+        timing=timing_to_proto(out.times),
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(out.token_ids),
+        error=out.error or "",
+    )
+
+
+def timing_to_proto(times: RequestTimes) -> Any:
+    """Wall-clock timestamps; 0 where an event has not happened yet."""
+    return pb.Timing(
+        arrival=times.arrival,
+        first_scheduled=times.first_scheduled or 0.0,
+        first_token=times.first_token or 0.0,
+        last_token=times.token_times[-1] if times.token_times else 0.0,
+    )
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """The engine's FinishReason for a proto enum value (None while generating or if unknown)."""
+    return _FINISH_FROM_PROTO.get(value)
+
+
+# ---- load reports -----------------------------------------------------------------------------
+def stats_to_proto(stats: EngineStats, model: str, max_model_len: int) -> Any:
+    """The `StatsResponse` load report.
+
+    `prefill_tokens_per_s` comes from `stats.extra` (AsyncEngine measures it; 0 when absent).
+    """
+    return pb.StatsResponse(
+        model=model,
+        num_waiting=stats.num_waiting,
+        num_running=stats.num_running,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_free_blocks=stats.num_free_blocks,
+        num_blocks=stats.num_blocks,
+        token_budget=stats.token_budget,
+        max_batch_size=stats.max_batch_size,
+        max_model_len=max_model_len,
+        num_preemptions=stats.num_preemptions,
+        last_iteration_s=stats.last_iteration_s,
+        prefill_tokens_per_s=float(stats.extra.get(PREFILL_TOKENS_PER_S, 0.0)),
+        pipeline_stages=stats.pipeline_stages,
+        bubble_fraction=stats.bubble_fraction,
+        iterations=stats.iterations,
+    )
