@@ -61,6 +61,9 @@ class _Sink:
     queue: asyncio.Queue[_Item]
 
 
+StepObserver: TypeAlias = Callable[[Engine, list[RequestOutput]], None]
+"""Called on the engine thread after each step with that step's outputs (metrics, logging)."""
+
 def _send(items: list[tuple[_Sink, _Item]]) -> None:
     """Hand items to their consumers' queues: one wake-up per event loop per step, not per item."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, _Item]]] = {}
@@ -101,9 +104,15 @@ class AsyncEngine:
     (pipeline failure).
     """
 
-    def __init__(self, engine_factory: Callable[[], Engine], name: str = "chariot-engine") -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], Engine],
+        name: str = "chariot-engine",
+        observer: StepObserver | None = None,
+    ) -> None:
         self._factory = engine_factory
         self._name = name
+        self._observer = observer  # called on the engine thread after every step
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _closed against a concurrent final drain
         self._closed = False
@@ -289,6 +298,8 @@ class AsyncEngine:
         batch = getattr(engine, "last_batch", None)
         if batch is not None and batch is not before:
             self._meter.record(batch.num_prefill_tokens, elapsed)
+        if self._observer is not None:
+            self._observer(engine, outputs)
         self._deliver(outputs)
 
     @staticmethod

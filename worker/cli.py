@@ -10,9 +10,17 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chariot.worker.errors import ConfigError
 from chariot.worker.flags import add_engine_flags, config_from_args
+
+if TYPE_CHECKING:
+    from chariot.worker.config import EngineConfig
+    from chariot.worker.pipeline.transport import Topology
+    from chariot.worker.sampling_params import SamplingParams
+    from chariot.worker.telemetry import Telemetry
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -42,29 +50,89 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                                    "standard torch.distributed environment: RANK, WORLD_SIZE, MASTER_ADDR, "
                                    "MASTER_PORT. Stages 1..P-1 execute micro-batches sent by stage 0.")
     add_engine_flags(p)
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="gRPC bind address of stage 0 (0.0.0.0 in pods)")
+    g.add_argument("--port", type=int, default=50061, help="gRPC port of stage 0 (0 = pick a free one)")
+    g.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
+    g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: dir name)")
+    g.add_argument("--otlp-endpoint", default=None, help="OTLP collector for metrics and traces")
     p.set_defaults(handler=_run_worker)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
     from chariot.worker.pipeline.stage import run_downstream_stage
     from chariot.worker.pipeline.transport import Topology
+    from chariot.worker.telemetry import setup_telemetry
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
     topo = Topology.from_env() if config.pipeline_stages > 1 or "RANK" in os.environ else None
     if topo is not None and topo.world_size != config.pipeline_stages:
         raise ConfigError("WORLD_SIZE", f"is {topo.world_size} but --stages is {config.pipeline_stages}")
-    if topo is not None and topo.rank > 0:
-        return run_downstream_stage(config, topo)
-    raise ConfigError("RANK", "stage 0 serves requests over gRPC, which arrives with the router issue; "
-                              "use `LLM(pipeline_stages=P)` for now")
+    served = args.served_model_name or Path(config.model).name
+    telemetry = setup_telemetry("chariot-worker", "worker", args.otlp_endpoint, model=served)
+    metrics_port = telemetry.start_metrics_server(args.metrics_host, args.metrics_port)
+    try:
+        if topo is not None and topo.rank > 0:
+            return run_downstream_stage(config, topo, telemetry=telemetry)
+        return _serve_stage0(args, config, topo, served, telemetry, metrics_port)
+    finally:
+        telemetry.shutdown()
+
+
+def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology | None, served: str,
+                  telemetry: Telemetry, metrics_port: int) -> int:
+    import asyncio
+
+    from chariot.worker.engine import Engine
+    from chariot.worker.observe import EngineMetrics
+    from chariot.worker.server import serve
+
+    bound: list[int] = []
+
+    def announce() -> None:
+        print(f"chariot worker ready grpc={args.host}:{bound[0]} metrics={args.metrics_host}:{metrics_port}",
+              flush=True)
+
+    return asyncio.run(serve(lambda: Engine(config, topology=topo), args.host, args.port, served,
+                             ready=bound.append, observer=EngineMetrics(telemetry), on_ready=announce))
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run router + stage workers as local processes (the embedded default)",
+                       description="Start R replicas of P pipeline stages and one router on this machine, "
+                                   "print the endpoints, and stop everything on Ctrl-C. With no --model, "
+                                   "the tiny preset is made first.")
+    add_engine_flags(p, model_required=False)
+    p.set_defaults(stages=2)
+    p.add_argument("--replicas", type=int, default=1, help="pipeline groups (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--redis-url", default=None, help="shared router state (optional)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None)
+    p.add_argument("--tbt-slo-ms", type=float, default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from chariot.worker.up import ensure_model, run_up
+
+    if args.replicas < 1:
+        raise ConfigError("replicas", f"must be >= 1, got {args.replicas}")
+    args.model = ensure_model(args.model)
+    return run_up(args, config_from_args(args))
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream a completion (offline engine in this process)",
-                       description="Load the model in this process and stream a completion to stdout.")
+    p = sub.add_parser("generate", help="stream a completion from a running router (or offline with --model)",
+                       description="Stream a completion to stdout from the router at --target (started by "
+                                   "`chariot up`), or, with --model, from an engine in this process.")
     p.add_argument("prompt")
-    add_engine_flags(p)
+    p.add_argument("--target", default="127.0.0.1:50051", help="router gRPC address")
+    add_engine_flags(p, model_required=False)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -74,14 +142,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from chariot.worker.engine import Engine
     from chariot.worker.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    if args.model is None:
+        from chariot.worker.client import stream_completion
+
+        return stream_completion(args.target, args.prompt, params)
+    return _generate_offline(args, params)
+
+
+def _generate_offline(args: argparse.Namespace, params: SamplingParams) -> int:
+    from chariot.worker.engine import Engine
 
     if args.stages != 1:
         raise ConfigError("stages", "`generate` runs a single-process engine; use --stages 1")
     engine = Engine(config_from_args(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     engine.add_request(args.prompt, params)
     print(args.prompt, end="", flush=True)
     while engine.has_unfinished:
@@ -99,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_model(sub)
     _add_worker(sub)
+    _add_up(sub)
     _add_generate(sub)
     return parser
 

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chariot.proto.chariot.v1 import generation_pb2, generation_pb2_grpc
-from chariot.worker.async_engine import AsyncEngine
+from chariot.worker.async_engine import AsyncEngine, StepObserver
 from chariot.worker.engine import Engine
 from chariot.worker.errors import ConfigError, error_status
 from chariot.worker.wire import request_from_proto, response_from_output, stats_to_proto
@@ -116,6 +116,8 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     grace_s: float = DEFAULT_GRACE_S,
+    observer: StepObserver | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set): returns 0, or 1 if the engine failed.
 
@@ -125,7 +127,7 @@ async def serve(
     NOT_SERVING, in-flight calls get `grace_s` seconds to finish, then remaining requests are aborted.
     """
     stop = stop or asyncio.Event()
-    engine = AsyncEngine(engine_factory)
+    engine = AsyncEngine(engine_factory, observer=observer)
     server, health_servicer = build_server(engine, served_model)
     try:
         await set_health(health_servicer, _NOT_SERVING)
@@ -136,19 +138,23 @@ async def serve(
         if ready is not None:
             ready(bound)
         with _signals_set(stop):
-            return await _run(engine, health_servicer, stop)
+            return await _run(engine, health_servicer, stop, on_ready)
     finally:
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace_s)
         await engine.shutdown()
 
 
-async def _run(engine: AsyncEngine, health_servicer: Any, stop: asyncio.Event) -> int:
+async def _run(
+    engine: AsyncEngine, health_servicer: Any, stop: asyncio.Event, on_ready: Callable[[], None] | None
+) -> int:
     """Wait for the model to load, serve until stopped or the engine dies; the exit code."""
     if not await _first_or_stop(engine.wait_ready(), stop):
         return EXIT_OK
     await set_health(health_servicer, _SERVING)
     log.info("engine ready; serving")
+    if on_ready is not None:
+        on_ready()
     if not await _first_or_stop(engine.wait_failed(), stop):
         log.info("shutting down")
         return EXIT_OK

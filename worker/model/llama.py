@@ -309,13 +309,14 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[KVCache]:
-    """One zeroed (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim].
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim].
 
-    Zeroed rather than empty: masked-out cache slots still enter the attention matmul, and garbage
-    NaNs there would poison the output.
+    Left uninitialised: the attention contract (`chariot.kernels`) never reads a slot at or past a
+    sequence's length (the kernel tests run on NaN-filled caches), and zero-filling a cache sized
+    from free memory would cost seconds at start-up and commit all of its memory at once.
     """
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]

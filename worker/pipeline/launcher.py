@@ -25,7 +25,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -45,7 +45,7 @@ class LocalPipeline:
         cmd = [sys.executable, "-m", "chariot.worker.cli", "worker", *config_to_argv(config)]
         out = subprocess.DEVNULL if quiet else None
         self.procs = [
-            subprocess.Popen(cmd, env=stage_env(self.topology, rank), preexec_fn=_die_with_parent,
+            subprocess.Popen(cmd, env=stage_env(self.topology, rank), preexec_fn=die_with_parent,
                              stdout=out, stderr=out)
             for rank in range(1, config.pipeline_stages)
         ]

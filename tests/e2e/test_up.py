@@ -1,0 +1,122 @@
+"""`chariot up` end to end: the embedded default as real processes (router + 2-stage worker), driven
+through real HTTP and gRPC clients and the `chariot generate` CLI, then stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from chariot.proto.chariot.v1 import generation_pb2_grpc
+from chariot.worker import LLM, SamplingParams
+from chariot.worker.wire import request_to_proto
+
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-tokens", "2048"]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = (int(x) for x in line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dir):
+    cmd = [sys.executable, "-m", "chariot.worker.cli", "up", "--model", str(tiny_model_dir), "--stages", "2",
+           "--http-port", "0", "--grpc-port", "0", *ENGINE_FLAGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 240
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("chariot up ready"):
+            break
+        assert time.monotonic() < deadline, "chariot up did not become ready"
+    ready = lines[-1]
+    assert ready.startswith("chariot up ready"), "".join(lines)
+    http = re.search(r"http=(\S+)", ready).group(1)
+    grpc_addr = re.search(r"grpc=(\S+)", ready).group(1)
+    yield proc, http, grpc_addr, "".join(lines)
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    with LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False) as llm:
+        return llm.generate(PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0]
+
+
+@pytest.mark.slow
+def test_http_completion_matches_offline(up, expected, tiny_model_dir):
+    _, http, _, banner = up
+    assert f"http://{http}/v1" in banner and "gRPC" in banner
+    body = {"model": Path(tiny_model_dir).name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"http://{http}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        out = json.loads(resp.read())
+    assert out["choices"][0]["text"] == expected.text
+    assert out["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.slow
+def test_grpc_stream_matches_offline(up, expected):
+    _, _, grpc_addr, _ = up
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(grpc_addr) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        tokens = [t for r in stub.Generate(request_to_proto(PROMPT, params), timeout=60) for t in r.token_ids]
+    assert tokens == expected.token_ids
+
+
+@pytest.mark.slow
+def test_generate_cli_streams_from_up(up, expected):
+    _, _, grpc_addr, _ = up
+    out = subprocess.run([sys.executable, "-m", "chariot.worker.cli", "generate", "--target", grpc_addr,
+                          "--max-tokens", str(MAX_TOKENS), PROMPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(PROMPT)
+    assert "finish=" in out.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_everything(up):
+    proc = up[0]
+    kids = descendants(proc.pid)
+    assert len(kids) >= 3  # two stages and the router
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{k}") and _alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [k for k in kids if os.path.exists(f"/proc/{k}") and _alive(k)], "orphaned processes"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
