@@ -4,7 +4,6 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
-PROMPT ?= The quick brown fox
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test install lint bench clean proto system-deps
@@ -24,8 +23,9 @@ install: $(STAMP)
 $(MODEL)/config.json: | $(STAMP)
 	$(BIN)/chariot make-model $(MODEL) --preset tiny
 
+# The embedded default: router + a 2-stage pipeline as local processes (Ctrl-C stops everything).
 run: $(STAMP) $(MODEL)/config.json
-	$(BIN)/chariot generate --model $(MODEL) --max-tokens 48 "$(PROMPT)"
+	$(BIN)/chariot up --model $(MODEL)
 
 # Real servers the tests run against (Debian packages): Prometheus and Redis.
 SYSTEM_BINS := prometheus redis-server

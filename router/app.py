@@ -1,0 +1,311 @@
+"""The router process: both fronts, the replica watcher, the Stats poller and shared-state upkeep on one
+event loop, and the `chariot router` subcommand (flags as in docs/cli-contract.md).
+
+Why one event loop: the admission controller, the registry and the data plane are plain objects
+without locks; running the gRPC server (grpc.aio), the HTTP server (uvicorn) and every background
+task on the same loop makes each admission decision atomic with respect to the others for free.
+
+Lifetime: `run_router` binds both ports first (a taken port is a `ConfigError`, exit code 2), starts
+everything, prints `chariot router ready http=HOST:PORT grpc=HOST:PORT`, and serves until SIGTERM /
+SIGINT (when on the main thread) or until `stop` is set; then health goes NOT_SERVING, both servers
+give in-flight calls `grace_s` seconds, and every background task and connection is closed. It
+returns 0 (a clean shutdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from chariot.router.admission import AdmissionController
+from chariot.router.config import RouterConfig, TenantLimit
+from chariot.router.dataplane import DataPlane
+from chariot.router.grpc_front import NOT_SERVING, SERVICE_NAME, HealthReporter, bind_grpc, build_grpc_server
+from chariot.router.http_front import build_http_app
+from chariot.router.registry import ReplicaRegistry
+from chariot.router.state import make_state, upkeep_interval_s
+from chariot.router.upstream import DEFAULT_STATS_INTERVAL_S
+from chariot.worker.errors import ConfigError
+from chariot.worker.telemetry import setup_telemetry
+from chariot.worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_GRACE_S = 5.0
+DEFAULT_TENANT_WILDCARD = "*"
+SERVICE = "chariot-router"
+
+ReadyCallback = Callable[[int, int], None]
+
+
+async def run_router(
+    config: RouterConfig,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    replicas: Sequence[str],
+    served_model: str,
+    model_dir: str | None,
+    otlp_endpoint: str | None,
+    ready: ReadyCallback | None = None,
+    stop: asyncio.Event | None = None,
+    *,
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
+    grace_s: float = DEFAULT_GRACE_S,
+) -> int:
+    """Serve until SIGTERM/SIGINT or `stop`; returns 0. `ready(http_port, grpc_port)` once listening.
+
+    Port 0 picks a free port (for either front). Raises `ConfigError` for a bad replica list or file,
+    a port that cannot be bound, and `ModelLoadError` for an unreadable `model_dir` tokenizer.
+    """
+    stop = stop or asyncio.Event()
+    tokenizer = Tokenizer(model_dir) if model_dir else None
+    registry = ReplicaRegistry.from_config(config, replicas)
+    async with contextlib.AsyncExitStack() as stack:
+        telemetry = setup_telemetry(SERVICE, "router", otlp_endpoint, model=served_model)
+        stack.callback(telemetry.shutdown)
+        state = make_state(config)
+        stack.push_async_callback(state.aclose)
+        state.start(upkeep_interval_s(config))
+        admission = AdmissionController(config, registry, state)
+        dataplane = DataPlane(
+            config, registry, admission, telemetry, tokenizer, served_model, stats_interval_s=stats_interval_s
+        )
+        stack.push_async_callback(dataplane.aclose)
+        dataplane.start()
+        if config.replica_file:
+            _cancel_on_exit(stack, registry.start_watching(config.replica_poll_s))
+        bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, grpc_port, grace_s))
+        bound_http = await stack.enter_async_context(_http_front(dataplane, host, http_port, grace_s))
+        print(f"chariot router ready http={_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}", flush=True)
+        log.info("router serving %s over %d replica(s)", served_model, len(registry.names()))
+        if ready is not None:
+            ready(bound_http, bound_grpc)
+        with _signals_set(stop):
+            await stop.wait()
+        log.info("router shutting down")
+    return EXIT_OK
+
+
+@contextlib.asynccontextmanager
+async def _grpc_front(dataplane: DataPlane, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
+    server, health_servicer = build_grpc_server(dataplane)
+    bound = bind_grpc(server, host, port)
+    await server.start()
+    reporter = HealthReporter(health_servicer, dataplane)
+    await reporter.update()
+    task = asyncio.get_running_loop().create_task(reporter.run(), name="router-grpc-health")
+    try:
+        yield bound
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, NOT_SERVING)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: `run_router` owns SIGTERM/SIGINT (and `stop`)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
+    sock = bind_http(host, port)
+    config = uvicorn.Config(
+        build_http_app(dataplane),
+        log_config=None,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        ws="none",
+        timeout_graceful_shutdown=max(1, round(grace_s)),
+    )
+    server = _UvicornServer(config)
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="router-http")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()  # re-raise why it stopped
+                raise ConfigError("http_port", f"the HTTP server on {_hostport(host, port)} did not start")
+            await asyncio.sleep(0.01)
+        yield int(sock.getsockname()[1])
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception, SystemExit):
+            await task
+        sock.close()
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for the HTTP front (port 0: a free one); `ConfigError` if it cannot bind."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError("host", f"cannot resolve {host!r}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("http_port", f"cannot listen on {_hostport(host, port)}: {exc}") from exc
+    return sock
+
+
+def _cancel_on_exit(stack: contextlib.AsyncExitStack, task: asyncio.Task[Any]) -> None:
+    async def cancel() -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    stack.push_async_callback(cancel)
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` (only possible on the main thread; elsewhere `stop` is the only way)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+# ---- the `chariot router` subcommand ------------------------------------------------------------
+
+
+def parse_rate_limits(values: Sequence[str]) -> tuple[TenantLimit | None, dict[str, TenantLimit]]:
+    """`--rate-limit TENANT=RATE:BURST` flags → (default limit from tenant `*`, per-tenant limits)."""
+    default: TenantLimit | None = None
+    tenants: dict[str, TenantLimit] = {}
+    for i, value in enumerate(values):
+        tenant, sep, spec = value.partition("=")
+        rate, sep2, burst = spec.partition(":")
+        try:
+            limit = TenantLimit(float(rate), float(burst))
+        except ValueError:
+            limit = None
+        if not (sep and sep2 and tenant.strip()) or limit is None:
+            raise ConfigError(f"rate_limit[{i}]", f"must be TENANT=RATE:BURST, got {value!r}")
+        limit.validate(f"rate_limit[{i}]")
+        if tenant.strip() == DEFAULT_TENANT_WILDCARD:
+            default = limit
+        else:
+            tenants[tenant.strip()] = limit
+    return default, tenants
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The `RouterConfig` of parsed `chariot router` flags (unset flags keep the config defaults)."""
+    default_limit, tenant_limits = parse_rate_limits(args.rate_limit)
+    overrides: dict[str, Any] = {
+        "ttft_slo_ms": args.ttft_slo_ms,
+        "tbt_slo_ms": args.tbt_slo_ms,
+        "max_queue_per_replica": args.max_queue_per_replica,
+    }
+    return RouterConfig(
+        redis_url=args.redis_url,
+        replica_file=args.replica_file,
+        default_rate_limit=default_limit,
+        tenant_rate_limits=tenant_limits,
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+
+
+def default_served_model(model_dir: str | None) -> str:
+    """The served model name when `--served-model-name` is not given: the model directory's name."""
+    return Path(model_dir).name if model_dir else "default"
+
+
+def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `chariot router` (docs/cli-contract.md) on an `add_subparsers()` object; returns it."""
+    p = subparsers.add_parser(
+        "router",
+        help="run a router: OpenAI HTTP + gRPC front, SLO admission control, load balancing",
+        description="Serve the OpenAI-compatible HTTP API and the chariot.v1.Generation gRPC API, admitting "
+        "each request to the replica with the lowest predicted time to first token (or shedding it with "
+        "429 / RESOURCE_EXHAUSTED when the TTFT SLO cannot be met, queues are full, or the tenant's rate "
+        "limit is exhausted). Prints 'chariot router ready http=HOST:PORT grpc=HOST:PORT' once serving.",
+    )
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address both fronts listen on (default {DEFAULT_HOST})")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OpenAI HTTP port (0: any free one)")
+    p.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT, help="gRPC port (0: any free one)")
+    p.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="a replica's stage-0 worker (repeatable); HOST:PORT alone names it by its address",
+    )
+    p.add_argument("--replica-file", default=None, metavar="FILE",
+                   help='JSON {"replicas": [{"name": ..., "address": "host:port"}]}, watched for changes '
+                        "(wins over --replica)")  # fmt: skip
+    p.add_argument("--redis-url", default=None, help="share router state through Redis (several routers)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="time-to-first-token SLO (default 2000)")
+    p.add_argument("--tbt-slo-ms", type=float, default=None, help="time-between-tokens SLO (default 200)")
+    p.add_argument(
+        "--max-queue-per-replica",
+        type=int,
+        default=None,
+        help="admitted, unfinished requests one replica may hold (default 256)",
+    )
+    p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RATE:BURST",
+                   help="token bucket per tenant, in tokens (prompt + max_tokens) per second and burst "
+                        "(repeatable; tenant '*' is the default for every other tenant)")  # fmt: skip
+    p.add_argument(
+        "--served-model-name", default=None, help="model name clients send (default: the --model directory's name)"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="model directory for the tokenizer (exact prompt lengths, chat template)",
+    )
+    p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for metrics and traces")
+    p.set_defaults(handler=run_router_command)
+    return p
+
+
+def run_router_command(args: argparse.Namespace) -> int:
+    """The `chariot router` handler: flags → `run_router`; a `ConfigError` propagates (exit code 2)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    served = args.served_model_name or default_served_model(args.model)
+    return asyncio.run(
+        run_router(
+            config, args.host, args.http_port, args.grpc_port, args.replica, served, args.model, args.otlp_endpoint
+        )
+    )

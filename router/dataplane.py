@@ -1,0 +1,388 @@
+"""The router's data plane: one transport-agnostic path from a parsed request to streamed chunks.
+
+Why one module for both fronts (the KServe "data plane" idea): the gRPC front and the OpenAI HTTP
+front differ only in how they parse requests and render chunks. Everything that decides what happens
+to a request — the model check, prompt-length counting, admission control, the call to the chosen
+replica, first-token and finish accounting, router-side TTFT/TBT metrics, traces and cancellation —
+lives here once, so both fronts behave identically and are tested through the same code.
+
+`DataPlane.generate(GenerateInput)` is an async generator of `Chunk`s:
+
+1. checks the model name (`UnknownModelError`) and counts prompt tokens — exactly with the tokenizer
+   (`--model`), or, for text without one, estimated as one token per `BYTES_PER_TOKEN_ESTIMATE`
+   UTF-8 bytes and capped so that the estimate alone never fails the length check (the worker, which
+   has the tokenizer, enforces the exact limit and its INVALID_ARGUMENT comes back here);
+2. asks `AdmissionController.decide` (which raises `AdmissionRejected`, `NoReplicaAvailable` or
+   `InvalidRequestError`), recording every outcome with `Telemetry.record_admission`;
+3. streams `Generate` from the chosen replica's stage-0 worker over that replica's shared channel,
+   relaying each response as a `Chunk` and timing it as the client feels it (TTFT, one TBT point per
+   token) with `Telemetry.request_timer`;
+4. always — finished, failed, or abandoned by the caller — cancels the worker call if it is still
+   running (so the worker aborts the request and frees its KV blocks), and calls
+   `on_first_token` / `on_finish` on the admission controller exactly once each.
+
+A caller that stops consuming must close the generator (`contextlib.aclosing`) or cancel the task
+iterating it; both run step 4 at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import time
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
+from chariot.router.config import RouterConfig
+from chariot.router.registry import ReplicaRegistry, ReplicaView
+from chariot.router.state import StateHealth
+from chariot.router.upstream import (
+    DEFAULT_STATS_INTERVAL_S,
+    ReplicaChannels,
+    ReplicaUnavailable,
+    StatsPoller,
+    aggregate_stats,
+    upstream_error,
+)
+from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.worker.sampling_params import SamplingParams
+from chariot.worker.sequence import FinishReason
+from chariot.worker.telemetry import RequestTimer, RequestTrace, Telemetry
+from chariot.worker.tokenizer import Tokenizer
+from chariot.worker.wire import finish_reason_from_proto, request_to_proto
+
+__all__ = [
+    "BYTES_PER_TOKEN_ESTIMATE",
+    "Chunk",
+    "DataPlane",
+    "GenerateInput",
+    "Health",
+    "ModelInfo",
+    "ReplicaUnavailable",
+    "StatsPoller",
+    "WorkerTiming",
+    "admission_outcome",
+]
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+# Without a tokenizer, a text prompt is assumed to be one token per this many UTF-8 bytes (typical
+# of BPE vocabularies on English). Used for load prediction only, never to reject a request.
+BYTES_PER_TOKEN_ESTIMATE = 4
+# Texts longer than this are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 8192
+
+_SHED_OUTCOMES = {"slo": "shed_slo", "queue": "shed_queue", "rate_limit": "rate_limited"}
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One parsed request, whatever front it came from."""
+
+    prompt: Prompt
+    params: SamplingParams
+    request_id: str = ""  # empty: the router makes one
+    tenant: str = ""  # empty: the default tenant
+    model: str = ""  # empty: the served model
+    trace_parent: Mapping[str, str] | None = None  # W3C trace context of the caller, if any
+
+
+@dataclass(frozen=True)
+class WorkerTiming:
+    """Wall-clock timestamps measured by the worker (0 where the event has not happened)."""
+
+    arrival: float = 0.0
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed piece of a completion: new tokens and their text, plus running totals."""
+
+    request_id: str
+    replica: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""  # set with FinishReason.ERROR: the replica failed the request
+    timing: WorkerTiming = field(default_factory=WorkerTiming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `/v1/models` lists."""
+
+    id: str
+    max_model_len: int
+    ready_replicas: int
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Health:
+    """Serving when at least one replica is ready; `state` tells whether shared state is degraded."""
+
+    ready_replicas: int
+    replicas: int
+    state: StateHealth
+    in_flight: int = 0  # requests this router admitted that have not finished
+
+    @property
+    def serving(self) -> bool:
+        return self.ready_replicas > 0
+
+
+def admission_outcome(exc: BaseException) -> str | None:
+    """The `chariot.admission.decisions` outcome of a rejection (None: not an admission outcome)."""
+    if isinstance(exc, AdmissionRejected):
+        return _SHED_OUTCOMES.get(exc.reason, "shed_queue")
+    if isinstance(exc, NoReplicaAvailable):
+        return "no_replica"
+    if isinstance(exc, InvalidRequestError):
+        return "invalid"
+    return None
+
+
+@dataclass
+class _Flight:
+    """One admitted request's bookkeeping while it streams."""
+
+    decision: Decision
+    timer: RequestTimer
+    trace: RequestTrace
+    prompt_tokens: int
+    completion_tokens: int = 0
+    first_token: asyncio.Task[None] | None = None
+    error: BaseException | str | None = None
+
+
+class DataPlane:
+    """Admission, routing and streaming for both fronts (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: ReplicaRegistry,
+        admission: AdmissionController,
+        telemetry: Telemetry,
+        tokenizer: Tokenizer | None,
+        served_model: str,
+        *,
+        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.admission = admission
+        self.telemetry = telemetry
+        self.tokenizer = tokenizer
+        self.served_model = served_model
+        self.channels = ReplicaChannels(registry)
+        self.poller = StatsPoller(registry, self.channels, stats_interval_s)
+        self._gauges: dict[str, Any] = {}
+        registry.subscribe(lambda _change: self._sync_gauges())
+
+    # lifetime ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start polling every replica's Stats (call on the serving event loop)."""
+        self._sync_gauges()
+        self.poller.start()
+
+    async def aclose(self) -> None:
+        await self.poller.aclose()
+        await self.channels.aclose()
+        for unregister in self._gauges.values():
+            unregister()
+        self._gauges.clear()
+
+    # introspection -------------------------------------------------------------------------------
+
+    def health(self) -> Health:
+        ready, known = len(self.registry.ready()), len(self.registry.names())
+        return Health(ready, known, self.admission.health(), self.admission.in_flight)
+
+    def models(self) -> list[ModelInfo]:
+        ready = self.registry.ready()
+        return [ModelInfo(self.served_model, _max_model_len(ready), len(ready), len(self.registry.names()))]
+
+    def stats(self) -> Any:
+        """The deployment's load: every ready replica's latest report, aggregated (`StatsResponse`)."""
+        ready = {view.name for view in self.registry.ready()}
+        reports = [stats for name, stats in self.poller.latest().items() if name in ready]
+        return aggregate_stats(reports, self.served_model)
+
+    # requests ------------------------------------------------------------------------------------
+
+    def reject(self, exc: BaseException) -> None:
+        """Record a request a front rejected before it reached `generate` (e.g. malformed input)."""
+        outcome = admission_outcome(exc)
+        if outcome is not None:
+            self.telemetry.record_admission(outcome)
+
+    async def count_prompt_tokens(self, prompt: Prompt, max_tokens: int) -> int:
+        """Prompt length in tokens: exact for token ids and with a tokenizer, else an estimate."""
+        if not isinstance(prompt, str):
+            return len(prompt)
+        if self.tokenizer is not None:
+            if len(prompt) <= INLINE_TOKENIZE_CHARS:
+                return len(self.tokenizer.encode(prompt))
+            return len(await asyncio.to_thread(self.tokenizer.encode, prompt))
+        estimate = max(1, math.ceil(len(prompt.encode("utf-8", "replace")) / BYTES_PER_TOKEN_ESTIMATE))
+        limit = _max_model_len(self.registry.ready())
+        return max(1, min(estimate, limit - max_tokens)) if limit > 0 else estimate
+
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[Chunk, None]:
+        """Admit `req`, stream its chunks from a replica; see the module docstring for the guarantees."""
+        flight = await self._admit(req)
+        try:
+            # aclosing: when the caller closes this generator, the worker call is cancelled right away.
+            async with contextlib.aclosing(self._relay(req, flight)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            await self._finish(flight)
+
+    async def _admit(self, req: GenerateInput) -> _Flight:
+        timer = self.telemetry.request_timer()
+        started_ns = time.time_ns()
+        try:
+            if req.model and req.model != self.served_model:
+                raise UnknownModelError(req.model, self.served_model)
+            prompt_tokens = await self.count_prompt_tokens(req.prompt, req.params.max_tokens)
+            decision = await self.admission.decide(
+                prompt_tokens,
+                req.tenant or DEFAULT_TENANT,
+                max_tokens=req.params.max_tokens,
+                request_id=req.request_id or None,
+            )
+        except Exception as exc:
+            self.reject(exc)
+            trace = self.telemetry.request_span(req.request_id, parent=req.trace_parent, timestamp_ns=started_ns)
+            trace.end(exc)
+            raise
+        self.telemetry.record_admission("admitted")
+        trace = self.telemetry.request_span(
+            decision.request_id,
+            {"chariot.replica": decision.replica_name, "chariot.tenant": req.tenant or DEFAULT_TENANT},
+            parent=req.trace_parent,
+            timestamp_ns=started_ns,
+        )
+        trace.stage("queue")  # until the first token: queued and prefilled on the replica
+        return _Flight(decision, timer, trace, prompt_tokens)
+
+    async def _relay(self, req: GenerateInput, flight: _Flight) -> AsyncGenerator[Chunk, None]:
+        decision = flight.decision
+        stub = self.channels.stub(decision.replica_name)
+        wire = request_to_proto(req.prompt, req.params, request_id=decision.request_id, tenant=req.tenant)
+        call = stub.Generate(wire, metadata=tuple(flight.trace.carrier().items()))
+        finished = False
+        try:
+            async for resp in call:
+                chunk = _chunk(resp, decision)
+                self._on_chunk(flight, chunk)
+                finished = chunk.finished
+                yield chunk
+        except grpc.aio.AioRpcError as err:
+            raise upstream_error(decision.replica_name, err, self.config.queue_retry_after_s) from err
+        finally:
+            call.cancel()  # a no-op once the call ended; otherwise the worker aborts the request
+        if not finished:  # e.g. the worker shut down mid-request and closed the stream cleanly
+            raise ReplicaUnavailable(f"replica {decision.replica_name} ended the stream before the request finished")
+
+    def _on_chunk(self, flight: _Flight, chunk: Chunk) -> None:
+        n = len(chunk.token_ids)
+        if n and flight.first_token is None:
+            flight.first_token = asyncio.get_running_loop().create_task(self.admission.on_first_token(flight.decision))
+            flight.trace.stage("decode")
+            flight.trace.event("first_token")
+        flight.timer.tokens(n)
+        flight.prompt_tokens = chunk.prompt_tokens or flight.prompt_tokens
+        flight.completion_tokens = chunk.completion_tokens
+        if chunk.error:
+            flight.error = chunk.error
+
+    async def _finish(self, flight: _Flight) -> None:
+        """Metrics, trace and admission release of one admitted request; runs exactly once."""
+        error_type = _error_type(flight.error)
+        flight.timer.finish(flight.prompt_tokens, flight.completion_tokens, error_type=error_type)
+        flight.trace.end("cancelled" if error_type == "cancelled" else flight.error)
+        release = asyncio.ensure_future(self._release(flight))
+        with contextlib.suppress(asyncio.CancelledError):  # cancelled again: the release still completes
+            await asyncio.shield(release)
+
+    async def _release(self, flight: _Flight) -> None:
+        if flight.first_token is not None:
+            with contextlib.suppress(Exception):
+                await flight.first_token
+        try:
+            await self.admission.on_finish(flight.decision)
+        except Exception:
+            log.exception("releasing request %s failed", flight.decision.request_id)
+
+    # replica gauges ------------------------------------------------------------------------------
+
+    def _sync_gauges(self) -> None:
+        """One running/waiting/KV-usage gauge series per replica (label `replica`)."""
+        names = set(self.registry.names())
+        for gone in set(self._gauges) - names:
+            self._gauges.pop(gone)()
+        for name in names - set(self._gauges):
+            self._gauges[name] = self.telemetry.observe_engine(
+                functools.partial(self._replica_gauges, name), {"replica": name}
+            )
+
+    def _replica_gauges(self, name: str) -> dict[str, float]:
+        stats = self.poller.latest().get(name)
+        if stats is None:
+            return {}
+        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage}
+
+
+def _chunk(resp: Any, decision: Decision) -> Chunk:
+    t = resp.timing
+    return Chunk(
+        request_id=decision.request_id,
+        replica=decision.replica_name,
+        token_ids=tuple(int(x) for x in resp.token_ids),
+        text=resp.text,
+        finish_reason=finish_reason_from_proto(resp.finish_reason),
+        prompt_tokens=int(resp.prompt_tokens),
+        completion_tokens=int(resp.completion_tokens),
+        error=resp.error,
+        timing=WorkerTiming(t.arrival, t.first_scheduled, t.first_token, t.last_token),
+    )
+
+
+def _error_type(error: BaseException | str | None) -> str | None:
+    if error is None:
+        return None
+    if isinstance(error, str):
+        return "replica_error"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return type(error).__name__
+
+
+def _max_model_len(ready: list[ReplicaView]) -> int:
+    """The tightest max_model_len among ready replicas (0 when none reports one)."""
+    return min((v.load.max_model_len for v in ready if v.load is not None and v.load.max_model_len > 0), default=0)

@@ -1,0 +1,167 @@
+"""The router's gRPC front: `chariot.v1.Generation` (the workers' own API), gRPC health and reflection.
+
+Why the router speaks the workers' API: a client can talk to one worker or to a whole deployment
+with the same stub, and the router relays responses unchanged (token ids, text deltas, finish reason,
+the worker's timing). Parsing reuses `wire.request_from_proto`, so a bad request is rejected with the
+very same field-naming INVALID_ARGUMENT as a worker would give; generation goes through the shared
+`DataPlane`; every error becomes a status through `error_status()` and nothing else. A shed request
+(RESOURCE_EXHAUSTED) carries its retry hint as trailing metadata: `retry-after` (whole seconds,
+rounded up, like HTTP's header) and `retry-after-ms`, besides the message.
+
+Health: the overall ("") and `chariot.v1.Generation` statuses are SERVING while at least one replica
+is ready and NOT_SERVING otherwise (`HealthReporter` re-evaluates them every `interval_s`).
+Cancelling a Generate call cancels the worker call, which aborts the request and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from chariot.proto.chariot.v1 import generation_pb2 as pb
+from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
+from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
+from chariot.worker.errors import AdmissionRejected, ConfigError, error_status
+from chariot.worker.sequence import FinishReason
+from chariot.worker.wire import request_from_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+TRACE_KEYS = ("traceparent", "tracestate")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+_FINISH_TO_PROTO: dict[FinishReason | None, pb.FinishReason] = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> pb.FinishReason:
+    return _FINISH_TO_PROTO[reason]
+
+
+def chunk_to_proto(chunk: Chunk) -> Any:
+    """The `GenerateResponse` relaying one chunk as the worker sent it."""
+    t = chunk.timing
+    return pb.GenerateResponse(
+        request_id=chunk.request_id,
+        token_ids=list(chunk.token_ids),
+        text=chunk.text,
+        finish_reason=finish_reason_to_proto(chunk.finish_reason),
+        timing=pb.Timing(
+            arrival=t.arrival, first_scheduled=t.first_scheduled, first_token=t.first_token, last_token=t.last_token
+        ),
+        prompt_tokens=chunk.prompt_tokens,
+        completion_tokens=chunk.completion_tokens,
+        error=chunk.error,
+    )
+
+
+def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata with the retry hint of a shed request (empty for other errors)."""
+    if not isinstance(exc, AdmissionRejected):
+        return ()
+    seconds = max(0.0, exc.retry_after_s)
+    return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(math.ceil(seconds * 1000))))
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with the status `error_status()` gives `exc` (plus the retry hint when shed)."""
+    code, _ = error_status(exc)
+    if code == "INTERNAL":
+        log.error("internal error serving a call", exc_info=exc)
+    await context.abort(grpc.StatusCode[code], str(exc), trailing_metadata=retry_metadata(exc))
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def trace_parent(metadata: Any) -> Mapping[str, str] | None:
+    """The caller's W3C trace context from the call's metadata, if any."""
+    found = {key: value for key, value in (metadata or ()) if key in TRACE_KEYS and isinstance(value, str)}
+    return found or None
+
+
+class RouterGenerationServicer(pb_grpc.GenerationServicer):
+    """`chariot.v1.Generation` on the router: every call goes through the shared `DataPlane`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self._dp = dataplane
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Stream the completion from a replica chosen by admission control."""
+        try:
+            prompt, params, request_id = request_from_proto(request, self._dp.served_model)
+        except Exception as exc:
+            self._dp.reject(exc)
+            await abort_with(context, exc)
+        req = GenerateInput(
+            prompt, params, request_id, request.tenant, request.model, trace_parent(context.invocation_metadata())
+        )
+        try:
+            async with contextlib.aclosing(self._dp.generate(req)) as stream:
+                async for chunk in stream:
+                    yield chunk_to_proto(chunk)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The deployment's load: the ready replicas' latest reports, aggregated."""
+        return self._dp.stats()
+
+
+class HealthReporter:
+    """Keeps the gRPC health statuses in step with `DataPlane.health()`."""
+
+    def __init__(self, servicer: Any, dataplane: DataPlane, interval_s: float = 0.5) -> None:
+        self._servicer = servicer
+        self._dp = dataplane
+        self._interval_s = interval_s
+        self._status: int | None = None
+
+    async def update(self) -> None:
+        status = SERVING if self._dp.health().serving else NOT_SERVING
+        if status != self._status:
+            self._status = status
+            for service in ("", SERVICE_NAME):
+                await self._servicer.set(service, status)
+
+    async def run(self) -> None:
+        while True:
+            await self.update()
+            await asyncio.sleep(self._interval_s)
+
+
+def build_grpc_server(dataplane: DataPlane) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with Generation, health and reflection; not yet bound or started."""
+    # so_reuseport=0: a second router on the same port must fail to bind, not silently share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(RouterGenerationServicer(dataplane), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server, health_servicer
+
+
+def bind_grpc(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind an insecure port; returns the actual port (useful with port 0)."""
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError("grpc_port", f"cannot listen on {address}: {exc}") from exc
+    if bound == 0:
+        raise ConfigError("grpc_port", f"cannot listen on {address}")
+    return bound

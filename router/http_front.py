@@ -1,0 +1,277 @@
+"""The router's OpenAI-compatible HTTP front (Starlette, served by uvicorn).
+
+Why Starlette and a hand-written parser rather than FastAPI models: every bad body must be a 400
+naming the field through the same `InvalidRequestError` the gRPC front raises (never a 422, never a
+500), so request bodies go through `chariot.router.openai_api` and nothing else; Starlette only
+routes and streams. Generation goes through the shared `DataPlane`, errors through `error_status()`.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events —
+one `data: {json}` event per chunk the replica streams, the last one with `finish_reason`, an optional
+usage chunk, then `data: [DONE]` — or one JSON response), `GET /v1/models`, `GET /health` (200 when
+at least one replica is ready, else 503), `GET /metrics` (Prometheus exposition).
+
+Headers: `X-Tenant` (overrides the body's `user` as the rate-limit tenant), `X-Request-Id`
+(client-chosen request id, echoed back), `traceparent` (continues the caller's trace). Responses
+carry `X-Request-Id` and `X-Chariot-Replica` (the replica that served the request).
+
+A client that disconnects — while its request is queued, while a non-streaming response is being
+generated, or mid-stream — cancels the upstream worker call at once (the worker aborts the request
+and frees its KV blocks): every wait on the data plane races a watch on the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
+from chariot.router.openai_api import (
+    MAX_BODY_BYTES,
+    OpenAIRequest,
+    check_request_id,
+    check_tenant,
+    choice,
+    envelope,
+    error_payload,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+from chariot.router.upstream import ReplicaUnavailable
+from chariot.worker.errors import InvalidRequestError
+from chariot.worker.sequence import FinishReason
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by the client
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_payload(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def response_headers(chunk: Chunk) -> dict[str, str]:
+    """The request id (echoing `X-Request-Id`) and the replica that served it (for debugging)."""
+    return {"X-Request-Id": chunk.request_id, "X-Chariot-Replica": chunk.replica}
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return once the client has disconnected (the request body must already have been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled (and `ClientGone` raised) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose producer is cancelled as soon as the client disconnects.
+
+    (Starlette only watches for the disconnect on older ASGI spec versions; this always does, so an
+    abandoned stream never waits for its next token to notice.)
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        watch = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait((stream, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stream, watch):
+                t.cancel()
+            results = await asyncio.gather(stream, watch, return_exceptions=True)
+            # Cancelled while sending, the producer sits at a `yield`: close it now (cancelling upstream).
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        if isinstance(results[0], Exception) and not isinstance(results[0], OSError):
+            raise results[0]
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing (400 naming `body`) more than `MAX_BODY_BYTES`."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise InvalidRequestError("body", f"exceeds {MAX_BODY_BYTES} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _next_chunk(stream: AsyncGenerator[Chunk, None]) -> Chunk:
+    return await stream.__anext__()
+
+
+async def _collect(stream: AsyncGenerator[Chunk, None]) -> list[Chunk]:
+    return [chunk async for chunk in stream]
+
+
+class OpenAIFront:
+    """The HTTP handlers, bound to one `DataPlane`."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self._dp = dataplane
+        self._created = int(time.time())
+
+    # generation ----------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, lambda body: parse_completion(body))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, lambda body: parse_chat(body, self._dp.tokenizer))
+
+    async def _generate(self, request: Request, parse: Callable[[bytes], OpenAIRequest]) -> Response:
+        try:
+            parsed = parse(await read_body(request))
+            request_id = check_request_id(request.headers.get("x-request-id", ""))
+            tenant = check_tenant(request.headers.get("x-tenant", "")) or parsed.user
+        except InvalidRequestError as exc:
+            self._dp.reject(exc)
+            return error_response(exc)
+        except ClientDisconnect:  # gone while sending its body
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        trace = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None)
+        stream = self._dp.generate(req)
+        if parsed.stream:
+            return await self._stream(request, parsed, stream)
+        return await self._complete(request, parsed, stream)
+
+    async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None]) -> Response:
+        try:
+            chunks = await until_disconnect(request, _collect(stream))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:
+            return error_response(exc)
+        last = chunks[-1]
+        if last.finish_reason == FinishReason.ERROR:
+            return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"))
+        text = "".join(c.text for c in chunks)
+        token_ids = [t for c in chunks for t in c.token_ids]
+        body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
+        body["choices"] = [choice(parsed, text, last.finish_reason, token_ids)]
+        body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
+        return JSONResponse(body, headers=response_headers(last))
+
+    async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None]) -> Response:
+        """Wait for the first chunk (so admission errors get their own status), then stream SSE."""
+        try:
+            first = await until_disconnect(request, _next_chunk(stream))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:  # (never StopAsyncIteration: the data plane ends with a finished chunk or raises)
+            return error_response(exc)
+        events = self._events(parsed, first, stream)
+        return EventStreamResponse(events, response_headers(first))
+
+    async def _events(
+        self, parsed: OpenAIRequest, first: Chunk, stream: AsyncGenerator[Chunk, None]
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        head = envelope(parsed, first.request_id, created, self._dp.served_model, chunk=True)
+        last = first
+        async with contextlib.aclosing(stream):
+            try:
+                yield sse({**head, "choices": [choice(parsed, first.text, first.finish_reason, first.token_ids,
+                                                      delta=True, first=True)]})  # fmt: skip
+                async for chunk in stream:
+                    last = chunk
+                    yield sse({**head, "choices": [choice(parsed, chunk.text, chunk.finish_reason, chunk.token_ids,
+                                                          delta=True)]})  # fmt: skip
+            except Exception as exc:
+                yield sse(error_payload(exc)[1])
+                yield DONE_EVENT
+                return
+        if last.finish_reason == FinishReason.ERROR:
+            yield sse(error_payload(ReplicaUnavailable(f"replica {last.replica} failed: {last.error}"))[1])
+        elif parsed.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(last.prompt_tokens, last.completion_tokens)})
+        yield DONE_EVENT
+
+    # introspection -------------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        data = [
+            {"id": m.id, "object": "model", "created": self._created, "owned_by": "chariot",
+             "max_model_len": m.max_model_len, "ready_replicas": m.ready_replicas}
+            for m in self._dp.models()
+        ]  # fmt: skip
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        h = self._dp.health()
+        body = {
+            "status": "ok" if h.serving else "unavailable",
+            "ready_replicas": h.ready_replicas,
+            "replicas": h.replicas,
+            "in_flight": h.in_flight,
+            "state": {"backend": h.state.backend, "degraded": h.state.degraded, "reason": h.state.reason},
+        }
+        return JSONResponse(body, status_code=200 if h.serving else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self._dp.telemetry.prometheus_response(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404/405 and friends as OpenAI-style JSON errors."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": f"{request.method} {request.url.path}: {detail}", "type": kind, "param": None,
+                      "code": str(status)}}  # fmt: skip
+    headers = getattr(exc, "headers", None)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_http_app(dataplane: DataPlane) -> Starlette:
+    """The ASGI application of the HTTP front."""
+    front = OpenAIFront(dataplane)
+    routes = [
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+        Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _http_error})

@@ -1,0 +1,292 @@
+"""The OpenAI request parser and response renderer (`chariot.router.openai_api`), without a server.
+
+Every malformed body must become an `InvalidRequestError` naming the field (→ 400), never another
+exception (→ 500): checked field by field, then by a hypothesis fuzz over arbitrary JSON and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chariot.router.openai_api import (
+    MAX_BODY_BYTES,
+    OpenAIRequest,
+    check_request_id,
+    check_tenant,
+    choice,
+    envelope,
+    error_payload,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+    usage,
+)
+from chariot.router.upstream import ReplicaUnavailable
+from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.worker.sampling_params import SamplingParams
+from chariot.worker.sequence import FinishReason
+from chariot.worker.tokenizer import Tokenizer
+from chariot.worker.wire import DEFAULT_MAX_TOKENS
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps(fields).encode()
+
+
+def field_of(fn: Any, *args: Any) -> str:
+    with pytest.raises(InvalidRequestError) as err:
+        fn(*args)
+    return err.value.field
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer(tiny_model_dir)
+
+
+# ---- completions ------------------------------------------------------------------------------------
+
+
+def test_minimal_completion_takes_defaults() -> None:
+    req = parse_completion(body(prompt="hello"))
+    assert req == OpenAIRequest(kind="completion", prompt="hello", params=SamplingParams(max_tokens=DEFAULT_MAX_TOKENS))
+
+
+def test_every_honoured_field() -> None:
+    req = parse_completion(
+        body(
+            prompt=[1, 2, 3],
+            model="tiny",
+            max_tokens=7,
+            temperature=0,
+            top_p=0.5,
+            top_k=4,
+            seed=9,
+            stop=["a", "b"],
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            return_token_ids=True,
+            user="acme",
+            frequency_penalty=0.0,  # accepted and ignored, as OpenAI's own server does with unknown fields
+        )
+    )
+    assert req.prompt == [1, 2, 3] and req.model == "tiny" and req.user == "acme"
+    assert (req.stream, req.include_usage, req.return_token_ids) == (True, True, True)
+    assert req.params == SamplingParams(
+        max_tokens=7, temperature=0.0, top_p=0.5, top_k=4, seed=9, stop=("a", "b"), ignore_eos=True
+    )
+
+
+def test_nulls_mean_not_given_and_a_batch_of_one_is_unwrapped() -> None:
+    nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "user")}
+    assert parse_completion(body(prompt=["hi"], **nulls)).prompt == "hi"
+    assert parse_completion(body(prompt=[[5, 6]])).prompt == [5, 6]
+    assert parse_completion(body(prompt="x", stop="end")).params.stop == ("end",)
+
+
+BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
+    ("no prompt", {}, "prompt"),
+    ("null prompt", {"prompt": None}, "prompt"),
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("empty ids", {"prompt": []}, "prompt"),
+    ("prompt number", {"prompt": 5}, "prompt"),
+    ("prompt object", {"prompt": {"a": 1}}, "prompt"),
+    ("batch", {"prompt": ["a", "b"]}, "prompt"),
+    ("float id", {"prompt": [1, 2.5]}, "prompt"),
+    ("bool id", {"prompt": [True]}, "prompt"),
+    ("negative id", {"prompt": [-1]}, "prompt"),
+    ("huge id", {"prompt": [2**64]}, "prompt"),
+    ("max_tokens 0", {"max_tokens": 0}, "max_tokens"),
+    ("max_tokens negative", {"max_tokens": -5}, "max_tokens"),
+    ("max_tokens huge", {"max_tokens": 2**40}, "max_tokens"),
+    ("max_tokens string", {"max_tokens": "10"}, "max_tokens"),
+    ("max_tokens float", {"max_tokens": 10.0}, "max_tokens"),
+    ("max_tokens bool", {"max_tokens": True}, "max_tokens"),
+    ("temperature < 0", {"temperature": -0.1}, "temperature"),
+    ("temperature string", {"temperature": "hot"}, "temperature"),
+    ("temperature huge", {"temperature": 10**400}, "temperature"),
+    ("top_p 0", {"top_p": 0}, "top_p"),
+    ("top_p > 1", {"top_p": 1.5}, "top_p"),
+    ("top_p list", {"top_p": [0.5]}, "top_p"),
+    ("top_k < 0", {"top_k": -1}, "top_k"),
+    ("top_k float", {"top_k": 1.5}, "top_k"),
+    ("seed < 0", {"seed": -1}, "seed"),
+    ("seed string", {"seed": "1"}, "seed"),
+    ("stop number", {"stop": 3}, "stop"),
+    ("stop mixed", {"stop": ["a", 1]}, "stop"),
+    ("stop empty string", {"stop": [""]}, "stop"),
+    ("ignore_eos string", {"ignore_eos": "no"}, "ignore_eos"),
+    ("stream string", {"stream": "yes"}, "stream"),
+    ("stream_options list", {"stream_options": []}, "stream_options"),
+    ("include_usage int", {"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("model number", {"model": 7}, "model"),
+    ("user number", {"user": 7}, "user"),
+    ("user too long", {"user": "u" * 300}, "user"),
+    ("n 2", {"n": 2}, "n"),
+    ("best_of 3", {"best_of": 3}, "best_of"),
+    ("echo", {"echo": True}, "echo"),
+    ("logprobs", {"logprobs": 5}, "logprobs"),
+    ("return_token_ids string", {"return_token_ids": "yes"}, "return_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "field"), BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
+def test_bad_completion_names_the_field(name: str, fields: dict[str, Any], field: str) -> None:
+    obj = fields if "prompt" in fields or not fields else {"prompt": "hello", **fields}
+    assert field_of(parse_completion, json.dumps(obj).encode()) == field
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"   ", b"{", b"[1, 2]", b'"text"', b"null", b"\xff\xfe\x00garbage", b"[" * 100_000, b"{'a': 1}"],
+    ids=["empty", "blank", "truncated", "array", "string", "null", "bad utf-8", "deep nesting", "single quotes"],
+)
+def test_malformed_body_names_body(raw: bytes) -> None:
+    assert field_of(parse_completion, raw) == "body"
+
+
+def test_oversized_body_and_headers() -> None:
+    assert field_of(parse_json_object, b" " * (MAX_BODY_BYTES + 1)) == "body"
+    assert field_of(parse_completion, b'{"prompt": 1' + b"0" * 5000 + b"}") == "body"  # int past the digit limit
+    assert field_of(check_request_id, "r" * 300) == "request_id"
+    assert field_of(check_tenant, "t" * 300) == "user"
+    assert check_request_id("abc") == "abc" and check_tenant("acme") == "acme"
+
+
+def test_nan_and_infinity_are_rejected_by_range() -> None:
+    assert field_of(parse_completion, b'{"prompt": "x", "temperature": NaN}') == "temperature"
+    assert field_of(parse_completion, b'{"prompt": "x", "top_p": Infinity}') == "top_p"
+
+
+# ---- chat -------------------------------------------------------------------------------------------
+
+
+def test_chat_renders_the_template(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    req = parse_chat(body(messages=messages, max_completion_tokens=5, temperature=0), tokenizer)
+    assert req.kind == "chat"
+    assert req.prompt == tokenizer.apply_chat_template(messages)
+    assert req.params.max_tokens == 5 and req.params.temperature == 0.0
+
+
+def test_chat_text_parts_are_joined(tokenizer: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    req = parse_chat(body(messages=[{"role": "user", "content": parts}]), tokenizer)
+    assert req.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}])
+
+
+def test_chat_without_tokenizer_names_messages() -> None:
+    err_field = field_of(parse_chat, body(messages=[{"role": "user", "content": "hi"}]), None)
+    assert err_field == "messages"
+
+
+BAD_CHATS: list[tuple[str, Any, str]] = [
+    ("no messages", {}, "messages"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("messages string", {"messages": "hi"}, "messages"),
+    ("message not object", {"messages": ["hi"]}, "messages[0]"),
+    ("bad role", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("missing content", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("content number", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ("max_completion_tokens 0", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("max_tokens too big", {"max_tokens": 2**40}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("name", "fields", "field"), BAD_CHATS, ids=[c[0] for c in BAD_CHATS])
+def test_bad_chat_names_the_field(name: str, fields: dict[str, Any], field: str, tokenizer: Tokenizer) -> None:
+    obj = fields if "messages" in fields or not fields else {"messages": [{"role": "user", "content": "x"}], **fields}
+    assert field_of(parse_chat, json.dumps(obj).encode(), tokenizer) == field
+
+
+# ---- rendering --------------------------------------------------------------------------------------
+
+
+def test_completion_and_chat_shapes() -> None:
+    comp = parse_completion(body(prompt="x", return_token_ids=True))
+    assert envelope(comp, "r1", 5, "tiny", chunk=False) == {
+        "id": "cmpl-r1",
+        "object": "text_completion",
+        "created": 5,
+        "model": "tiny",
+    }
+    assert choice(comp, "hi", FinishReason.LENGTH, [1, 2]) == {
+        "index": 0,
+        "text": "hi",
+        "logprobs": None,
+        "token_ids": [1, 2],
+        "finish_reason": "length",
+    }
+    chat = OpenAIRequest(kind="chat", prompt="p", params=SamplingParams())
+    assert envelope(chat, "r2", 5, "tiny", chunk=True)["object"] == "chat.completion.chunk"
+    assert envelope(chat, "r2", 5, "tiny", chunk=False)["id"] == "chatcmpl-r2"
+    assert choice(chat, "a", None, delta=True, first=True)["delta"] == {"role": "assistant", "content": "a"}
+    assert choice(chat, "b", FinishReason.STOP, delta=True) == {
+        "index": 0,
+        "delta": {"content": "b"},
+        "finish_reason": "stop",
+    }
+    assert choice(chat, "c", FinishReason.STOP)["message"] == {"role": "assistant", "content": "c"}
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "kind", "code", "param"),
+    [
+        (InvalidRequestError("top_p", "bad"), 400, "invalid_request_error", "invalid_argument", "top_p"),
+        (UnknownModelError("x", "tiny"), 400, "invalid_request_error", "model_not_found", "model"),
+        (AdmissionRejected("slo", 2.2), 429, "rate_limit_error", "resource_exhausted", None),
+        (NoReplicaAvailable("none"), 503, "service_unavailable_error", "unavailable", None),
+        (ReplicaUnavailable("died"), 503, "service_unavailable_error", "unavailable", None),
+        (RuntimeError("bug"), 500, "server_error", "internal", None),
+    ],
+)
+def test_error_payload_follows_error_status(exc: Exception, status: int, kind: str, code: str, param: Any) -> None:
+    got_status, payload, headers = error_payload(exc)
+    assert got_status == status
+    assert payload["error"]["type"] == kind and payload["error"]["code"] == code and payload["error"]["param"] == param
+    if isinstance(exc, AdmissionRejected):
+        assert headers == {"Retry-After": str(math.ceil(exc.retry_after_s))}
+    else:
+        assert headers == {}
+
+
+# ---- fuzz -------------------------------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+    "ignore_eos", "stream", "stream_options", "model", "user", "n", "best_of", "echo", "logprobs", "return_token_ids",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fields=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=8),
+    raw=st.none() | st.binary(max_size=64),
+)
+def test_fuzz_parse_raises_only_invalid_request(
+    fields: dict[str, Any], raw: bytes | None, tokenizer: Tokenizer
+) -> None:
+    data = raw if raw is not None else json.dumps(fields).encode()
+    for parse in (parse_completion, lambda b: parse_chat(b, tokenizer), lambda b: parse_chat(b, None)):
+        try:
+            req = parse(data)
+        except InvalidRequestError as exc:
+            assert exc.field and isinstance(exc.message, str)
+            continue
+        assert isinstance(req.params, SamplingParams)
+        assert isinstance(req.prompt, str | list) and req.prompt
