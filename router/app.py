@@ -30,12 +30,13 @@ import uvicorn
 from chariot.router.admission import AdmissionController
 from chariot.router.config import RouterConfig, TenantLimit
 from chariot.router.dataplane import DataPlane
-from chariot.router.grpc_front import NOT_SERVING, SERVICE_NAME, HealthReporter, bind_grpc, build_grpc_server
+from chariot.router.grpc_front import NOT_SERVING, HealthReporter, bind_grpc, build_grpc_server
 from chariot.router.http_front import build_http_app
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
 from chariot.router.upstream import DEFAULT_STATS_INTERVAL_S
 from chariot.worker.errors import ConfigError
+from chariot.worker.grpc_common import SERVICE_NAME
 from chariot.worker.telemetry import setup_telemetry
 from chariot.worker.tokenizer import Tokenizer
 

@@ -18,40 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator, Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
-from chariot.worker.errors import AdmissionRejected, ConfigError, error_status
-from chariot.worker.sequence import FinishReason
-from chariot.worker.wire import request_from_proto
+from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health
+from chariot.worker.wire import finish_reason_to_proto, request_from_proto
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 TRACE_KEYS = ("traceparent", "tracestate")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-_FINISH_TO_PROTO: dict[FinishReason | None, pb.FinishReason] = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
-}
-
-
-def finish_reason_to_proto(reason: FinishReason | None) -> pb.FinishReason:
-    return _FINISH_TO_PROTO[reason]
 
 
 def chunk_to_proto(chunk: Chunk) -> Any:
@@ -69,23 +52,6 @@ def chunk_to_proto(chunk: Chunk) -> Any:
         completion_tokens=chunk.completion_tokens,
         error=chunk.error,
     )
-
-
-def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata with the retry hint of a shed request (empty for other errors)."""
-    if not isinstance(exc, AdmissionRejected):
-        return ()
-    seconds = max(0.0, exc.retry_after_s)
-    return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(math.ceil(seconds * 1000))))
-
-
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status `error_status()` gives `exc` (plus the retry hint when shed)."""
-    code, _ = error_status(exc)
-    if code == "INTERNAL":
-        log.error("internal error serving a call", exc_info=exc)
-    await context.abort(grpc.StatusCode[code], str(exc), trailing_metadata=retry_metadata(exc))
-    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 
 
 def trace_parent(metadata: Any) -> Mapping[str, str] | None:
@@ -135,8 +101,7 @@ class HealthReporter:
         status = SERVING if self._dp.health().serving else NOT_SERVING
         if status != self._status:
             self._status = status
-            for service in ("", SERVICE_NAME):
-                await self._servicer.set(service, status)
+            await set_health(self._servicer, status)
 
     async def run(self) -> None:
         while True:
@@ -145,23 +110,10 @@ class HealthReporter:
 
 
 def build_grpc_server(dataplane: DataPlane) -> tuple[grpc.aio.Server, Any]:
-    """A grpc.aio server with Generation, health and reflection; not yet bound or started."""
-    # so_reuseport=0: a second router on the same port must fail to bind, not silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(RouterGenerationServicer(dataplane), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server, health_servicer
+    """A grpc.aio server with the router's Generation, health and reflection; not yet bound or started."""
+    return generation_server(RouterGenerationServicer(dataplane))
 
 
 def bind_grpc(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind an insecure port; returns the actual port (useful with port 0)."""
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError("grpc_port", f"cannot listen on {address}: {exc}") from exc
-    if bound == 0:
-        raise ConfigError("grpc_port", f"cannot listen on {address}")
-    return bound
+    return bind(server, host, port, field="grpc_port")

@@ -16,21 +16,19 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
-from chariot.proto.chariot.v1 import generation_pb2, generation_pb2_grpc
+from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.async_engine import AsyncEngine, StepObserver
 from chariot.worker.engine import Engine
-from chariot.worker.errors import ConfigError, error_status
+from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health
 from chariot.worker.wire import request_from_proto, response_from_output, stats_to_proto
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME: str = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 EXIT_OK = 0
 EXIT_ENGINE_FAILED = 1
 DEFAULT_GRACE_S = 5.0
@@ -65,45 +63,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
-    """End the call with the status `error_status()` gives `exc`; the message names the field."""
-    code, _ = error_status(exc)
-    if code == "INTERNAL":
-        log.error("internal error serving a call", exc_info=exc)
-    await context.abort(grpc.StatusCode[code], str(exc))
-    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
-
-
 # ---- server assembly --------------------------------------------------------------------------
 def build_server(engine: AsyncEngine, served_model: str) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with Generation, health (initially NOT_SERVING) and reflection; not yet bound."""
-    # so_reuseport=0: a second worker on the same port must fail to bind, not silently share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, served_model), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
-    return server, health_servicer
-
-
-async def set_health(health_servicer: Any, status: int) -> None:
-    """Set the overall ("") and the Generation service's health status."""
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, status)
-
-
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port; returns the actual port (useful with port 0)."""
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError("port", f"cannot listen on {address}: {exc}") from exc
-    if bound == 0:
-        raise ConfigError("port", f"cannot listen on {address}")
-    return bound
+    return generation_server(GenerationServicer(engine, served_model))
 
 
 # ---- lifetime ---------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ _FINISH_TO_PROTO: dict[FinishReason | None, pb.FinishReason] = {
 }
 _FINISH_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
+
+def finish_reason_to_proto(reason: FinishReason | None) -> pb.FinishReason:
+    return _FINISH_TO_PROTO[reason]
+
 # Key of `EngineStats.extra` that the Stats RPC reports as `prefill_tokens_per_s` (set by AsyncEngine).
 PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
 
@@ -126,7 +130,7 @@ def response_from_output(out: RequestOutput) -> Any:
         request_id=out.request_id,
         token_ids=out.new_token_ids,
         text=out.new_text,
-        finish_reason=_FINISH_TO_PROTO[out.finish_reason],
+        finish_reason=finish_reason_to_proto(out.finish_reason),
         timing=timing_to_proto(out.times),
         prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=len(out.token_ids),

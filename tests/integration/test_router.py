@@ -38,10 +38,10 @@ from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.app import run_router
 from chariot.router.config import RouterConfig, TenantLimit
-from chariot.router.grpc_front import SERVICE_NAME
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.grpc_common import SERVICE_NAME
 from chariot.worker.server import serve
 from chariot.worker.telemetry import Telemetry, setup_telemetry
 from chariot.worker.tokenizer import Tokenizer

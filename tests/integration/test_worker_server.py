@@ -39,7 +39,8 @@ from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
 from chariot.worker.errors import ConfigError, ModelLoadError, PipelineError
-from chariot.worker.server import EXIT_ENGINE_FAILED, EXIT_OK, SERVICE_NAME, serve
+from chariot.worker.grpc_common import SERVICE_NAME
+from chariot.worker.server import EXIT_ENGINE_FAILED, EXIT_OK, serve
 from chariot.worker.wire import request_to_proto
 
 SERVED = "tiny"
