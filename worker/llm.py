@@ -46,7 +46,8 @@ class LLM:
         self.pipeline = LocalPipeline(self.config) if pipeline_stages > 1 else None
         try:
             topology = self.pipeline.topology if self.pipeline else None
-            self.engine = Engine(self.config, progress=progress, topology=topology)
+            check = self.pipeline.startup_problem if self.pipeline else None
+            self.engine = Engine(self.config, progress=progress, topology=topology, peer_check=check)
         except BaseException:
             self._stop_pipeline()
             raise

@@ -57,10 +57,17 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str) -> 
     return child
 
 
-def wait_ready(child: Child, timeout: float) -> str:
-    if not child.ready.wait(timeout) or child.ready_line is None:
-        code = child.proc.poll()
-        raise RuntimeError(f"{child.name} did not become ready (exit code {code})")
+def wait_ready(child: Child, others: list[Child], timeout: float) -> str:
+    """The child's ready line; fails as soon as it or any other child exits first."""
+    deadline = time.monotonic() + timeout
+    while not child.ready.wait(0.2):
+        for c in [child, *others]:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} before {child.name} was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{child.name} did not become ready within {timeout:.0f}s")
+    if child.ready_line is None:
+        raise RuntimeError(f"{child.name} exited with code {child.proc.wait()} before it was ready")
     return child.ready_line
 
 
@@ -121,13 +128,13 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
             addresses.append((r, stage0))
         replicas = []
         for r, stage0 in addresses:
-            grpc_addr = re.search(r"grpc=(\S+)", wait_ready(stage0, READY_TIMEOUT_S))
+            grpc_addr = re.search(r"grpc=(\S+)", wait_ready(stage0, children, READY_TIMEOUT_S))
             assert grpc_addr is not None
             replicas.append(f"g{r}={grpc_addr.group(1)}")
         router = spawn("router", router_cmd(args, config_for.model, served, replicas), dict(os.environ),
                        "chariot router ready")
         children.append(router)
-        line = wait_ready(router, READY_TIMEOUT_S)
+        line = wait_ready(router, children, READY_TIMEOUT_S)
         print_endpoints(line, served, replicas, config_for)
         return supervise(children, stop)
     except RuntimeError as exc:

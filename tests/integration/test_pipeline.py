@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from chariot.worker import LLM, SamplingParams
+from chariot.worker.errors import PipelineError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = (1, 10, 14, 15, 20, 33, 45)
@@ -137,3 +138,16 @@ def test_dead_or_silent_stage_fails_requests_and_exits(small_model_dir, how):
     while not (pid_gone(stage1) and pid_gone(stage2)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pid_gone(stage2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stage_dying_at_start_up_fails_fast(tiny_model_dir, monkeypatch):
+    # Stage 1 asks for a CPU core that does not exist, so it exits before joining the group; stage 0
+    # must report that at once rather than wait out the rendezvous timeout.
+    monkeypatch.setenv("CHARIOT_STAGE_CPUS", "0+1,4096")
+    t0 = time.monotonic()
+    with pytest.raises(PipelineError, match="stage 1 exited with code"):
+        LLM(str(tiny_model_dir), pipeline_stages=2, dtype="float32", max_model_len=256, kv_cache_tokens=2048,
+            progress=False)
+    assert time.monotonic() - t0 < 60

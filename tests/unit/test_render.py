@@ -104,9 +104,10 @@ def test_engine_flags_come_from_the_spec() -> None:
                      "--otlp-endpoint": "http://otel:4317"}
 
 
-def test_tbt_slo_replaces_a_missing_token_budget() -> None:
-    args = render.stage_pod(OWNER, spec_of(1, slo={"tbtMs": 150}), "img", 0, 0)["spec"]["containers"][0]["args"]
-    assert args[args.index("--tbt-slo-ms") + 1] == "150" and "--token-budget" not in args
+def test_tbt_slo_goes_to_the_router_not_the_workers() -> None:
+    spec = spec_of(1, slo={"tbtMs": 150})
+    args = render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"]
+    assert "--tbt-slo-ms" not in args and "--token-budget" not in args  # the policy's default budget
 
 
 @pytest.mark.parametrize(("uri", "path", "volume"), [

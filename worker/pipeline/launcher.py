@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
@@ -37,18 +39,30 @@ def stage_env(topo: Topology, rank: int) -> dict[str, str]:
     return env
 
 
+def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as err:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdout=subprocess.DEVNULL, stderr=err)
+
+
 class LocalPipeline:
     """Stages 1..P-1 of one group as child processes; the caller is stage 0."""
 
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1", quiet: bool = True) -> None:
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
         self.topology = Topology(0, config.pipeline_stages, host, free_port(host))
-        cmd = [sys.executable, "-m", "chariot.worker.cli", "worker", *config_to_argv(config)]
-        out = subprocess.DEVNULL if quiet else None
-        self.procs = [
-            subprocess.Popen(cmd, env=stage_env(self.topology, rank), preexec_fn=die_with_parent,
-                             stdout=out, stderr=out)
-            for rank in range(1, config.pipeline_stages)
-        ]
+        cmd = [sys.executable, "-m", "chariot.worker.cli", "worker", *config_to_argv(config), "--metrics-port", "0"]
+        logdir, port = Path(tempfile.gettempdir()), self.topology.master_port
+        self.logs = [logdir / f"chariot-{port}-stage{r}.log" for r in range(1, config.pipeline_stages)]
+        self.procs = [_spawn(cmd, stage_env(self.topology, rank), log)
+                      for rank, log in enumerate(self.logs, start=1)]
+
+    def startup_problem(self) -> str | None:
+        """Why the group cannot form (a stage exited), with the end of its log; None if all live."""
+        for rank, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True), start=1):
+            code = proc.poll()
+            if code is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                return f"stage {rank} exited with code {code} ({' | '.join(tail)}; log: {log})"
+        return None
 
     @property
     def pids(self) -> list[int]:
@@ -64,4 +78,7 @@ class LocalPipeline:
                 p.kill()
                 p.wait()
                 codes.append(None)
+        if all(c == 0 for c in codes):  # keep the logs of a group that failed
+            for log in self.logs:
+                log.unlink(missing_ok=True)
         return codes

@@ -22,7 +22,7 @@ from chariot.worker.kv_cache import num_kv_blocks
 from chariot.worker.model.llama import allocate_kv_caches
 from chariot.worker.model.loader import load_stage, split_layers
 from chariot.worker.pipeline import protocol as wire
-from chariot.worker.pipeline.transport import StageLink, Topology
+from chariot.worker.pipeline.transport import PeerCheck, StageLink, Topology
 from chariot.worker.sampler import Sampler
 from chariot.worker.telemetry import Telemetry
 
@@ -69,7 +69,8 @@ class StageContext:
     max_model_len: int
 
     @classmethod
-    def build(cls, config: EngineConfig, topo: Topology, progress: bool = True) -> StageContext:
+    def build(cls, config: EngineConfig, topo: Topology, progress: bool = True,
+              peer_check: PeerCheck | None = None) -> StageContext:
         pin_stage_cpus(topo.rank)
         model = ModelConfig.from_dir(config.model)
         max_len = config.resolved_max_model_len(model)
@@ -78,7 +79,7 @@ class StageContext:
         split = list(config.layer_split) if config.layer_split else None
         start, end = split_layers(model.num_layers, topo.world_size, split)[topo.rank]
         local_blocks = num_kv_blocks(config, model, end - start, dtype, max_len)
-        link = StageLink(topo, device, config.stage_timeout_s)
+        link = StageLink(topo, device, config.stage_timeout_s, peer_check)
         num_blocks = agree_num_blocks(local_blocks, link.device)
         stage = load_stage(config.model, (start, end), dtype, device, progress=progress)
         caches = allocate_kv_caches(model, end - start, num_blocks, config.block_size, dtype, device)

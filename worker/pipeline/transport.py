@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ MAX_PENDING_SENDS = 12
 # Stages start at different speeds (imports, model loading): joining the group may take longer than
 # any single message is allowed to. Per-message deadlines are `stage_timeout_s`.
 RENDEZVOUS_TIMEOUT_S = 180.0
+_JOINED_KEY = "chariot/stages-joined"
 
 
 @dataclass(frozen=True)
@@ -60,20 +63,43 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+PeerCheck = Callable[[], str | None]
+"""Returns why a peer stage cannot join (e.g. a local child exited), or None while all is well."""
+
+
+def rendezvous(topo: Topology, timeout: datetime.timedelta, peer_check: PeerCheck | None = None) -> dist.TCPStore:
+    """Meet every stage at stage 0's TCP store, polling so a stage that died is reported at once
+    (through `peer_check`) instead of after the whole rendezvous timeout."""
+    store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=topo.is_first,
+                          timeout=timeout, wait_for_workers=False)
+    joined = store.add(_JOINED_KEY, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while joined < topo.world_size:
+        problem = peer_check() if peer_check is not None else None
+        if problem is not None:
+            raise PipelineError(f"pipeline rendezvous failed: {problem}")
+        if time.monotonic() > deadline:
+            raise PipelineError(f"pipeline rendezvous timed out: {joined} of {topo.world_size} stages joined "
+                                f"{topo.master_addr}:{topo.master_port}")
+        time.sleep(0.05)
+        joined = store.add(_JOINED_KEY, 0)
+    return store
+
+
 class StageLink:
     """This stage's sends and receives; owns the process group for its lifetime."""
 
-    def __init__(self, topo: Topology, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, topo: Topology, device: torch.device, timeout_s: float,
+                 peer_check: PeerCheck | None = None) -> None:
         if dist.is_initialized():
             raise PipelineError("a torch.distributed process group already exists in this process")
         self.topo = topo
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device  # tensors cross the wire from here (cuda for nccl, cpu for gloo)
-        dist.init_process_group(
-            backend_for(device), init_method=f"tcp://{topo.master_addr}:{topo.master_port}",
-            rank=topo.rank, world_size=topo.world_size,
-            timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)),
-        )
+        join_timeout = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+        store = rendezvous(topo, join_timeout, peer_check)
+        dist.init_process_group(backend_for(device), store=store, rank=topo.rank, world_size=topo.world_size,
+                                timeout=join_timeout)
         self._sends: deque[tuple[dist.Work, list[torch.Tensor]]] = deque()
 
     def send(self, tensors: list[torch.Tensor], dst: int) -> None:

@@ -1,0 +1,40 @@
+# One image for every Chariot component: `chariot worker`, `chariot router`, `chariot operator`,
+# `chariot make-model` (the operator starts pods from it with those commands).
+#
+#   docker build -t chariot .                                    # CPU torch (default, small)
+#   docker build -t chariot --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 .   # CUDA
+#
+# Non-root (uid 10001, matching the pods' securityContext), no build tools in the final image.
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim AS build
+ARG TORCH_VERSION=2.13.0  # what `make install` tests with
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/chariot
+ENV PATH=/opt/chariot/bin:$PATH
+# torch first, from the chosen index: the default CPU wheels avoid gigabytes of CUDA libraries.
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY worker worker
+COPY kernels kernels
+COPY router router
+COPY operator operator
+COPY proto proto
+COPY bench bench
+# The operator's own dependencies are named here too, so the image works whatever extras exist.
+RUN pip install . "kopf>=1.37" "kubernetes>=30" "pyyaml>=6"
+
+FROM python:${PYTHON_VERSION}-slim
+LABEL org.opencontainers.image.title="chariot" \
+      org.opencontainers.image.description="Kubernetes-native LLM serving with the Sarathi-Serve scheduler" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --gid 10001 chariot && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin chariot
+COPY --from=build /opt/chariot /opt/chariot
+ENV PATH=/opt/chariot/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 50061 9400 29500 8000 50051 8080
+ENTRYPOINT ["chariot"]
+CMD ["--help"]

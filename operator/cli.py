@@ -1,0 +1,86 @@
+"""`chariot operator`: run the ModelDeployment operator (in a pod, or locally against KUBECONFIG).
+
+`add_operator_parser(subparsers)` registers the subcommand on the `chariot` CLI; `run_operator(...)`
+is the handler's body, usable from Python and tests. `python -m chariot.operator` runs the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+from chariot.operator.controller import DEFAULT_IMAGE, Controller, Settings
+from chariot.operator.reconcile import Backoff
+
+IMAGE_ENV = "CHARIOT_IMAGE"
+REDIS_ENV = "CHARIOT_REDIS_URL"
+
+
+def add_operator_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "operator", help="run the Kubernetes operator (ModelDeployment → pods, services, router)",
+        description="Reconcile chariot.dev/v1alpha1 ModelDeployments into stage pods, a headless Service, a "
+                    "router Deployment + Service and a ConfigMap. Uses the in-cluster service account, else "
+                    "KUBECONFIG; watches all namespaces unless --namespace is given.")
+    add_operator_flags(p)
+    p.set_defaults(handler=_handle)
+    return p
+
+
+def add_operator_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", "-n", action="append", default=None,
+                   help="watch only this namespace (repeatable); default: all namespaces")
+    p.add_argument("--image", default=os.environ.get(IMAGE_ENV, DEFAULT_IMAGE),
+                   help=f"image for workers and routers when a spec sets none (env {IMAGE_ENV})")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_ENV) or None,
+                   help=f"Redis for routers of deployments that set no spec.router.redis.url (env {REDIS_ENV})")
+    p.add_argument("--resync-seconds", type=float, default=30.0, help="periodic full reconcile interval")
+    p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
+                   help="first delay before a failed group is recreated (doubles per restart)")
+    p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")
+    p.add_argument("--health-port", type=int, default=8080, help="liveness endpoint /healthz (0 = off)")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def _handle(args: argparse.Namespace) -> int:
+    backoff = Backoff(base_s=args.restart_backoff_seconds, max_s=args.max_restart_backoff_seconds,
+                      reset_after_s=args.max_restart_backoff_seconds)
+    return run_operator(args.namespace, image=args.image, redis_url=args.redis_url, resync_s=args.resync_seconds,
+                        backoff=backoff, health_port=args.health_port, verbose=args.verbose)
+
+
+def run_operator(namespace: str | Sequence[str] | None = None, *, image: str = DEFAULT_IMAGE,
+                 redis_url: str | None = None, resync_s: float = 30.0, backoff: Backoff | None = None,
+                 health_port: int = 8080, verbose: bool = False, stop_flag: threading.Event | None = None,
+                 ready_flag: threading.Event | None = None) -> int:
+    """Run until SIGINT/SIGTERM (or `stop_flag`); returns the exit status.
+
+    `namespace`: one name or several; None watches the whole cluster (needs the ClusterRole)."""
+    import kopf
+
+    from chariot.operator.handlers import register
+    from chariot.operator.kube import Kube, load_api_client
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    namespaces = [namespace] if isinstance(namespace, str) else list(namespace or [])
+    settings = Settings(default_image=image, default_redis_url=redis_url, backoff=backoff or Backoff(),
+                        resync_s=resync_s)
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(kopf.login_via_client)  # same credentials as our own client
+    register(registry, Controller(Kube(load_api_client()), settings), settings)
+    liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
+    asyncio.run(kopf.operator(registry=registry, standalone=True, clusterwide=not namespaces,
+                              namespaces=namespaces, liveness_endpoint=liveness, stop_flag=stop_flag,
+                              ready_flag=ready_flag))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chariot operator", description="Run the Chariot Kubernetes operator.")
+    add_operator_flags(parser)
+    return _handle(parser.parse_args(argv))

@@ -1,0 +1,200 @@
+"""One reconcile pass for one ModelDeployment: read, plan (pure), act, report.
+
+Why a class between kopf and the pure functions: kopf calls in from several places (spec changes,
+a resync timer, events of owned pods and the router Deployment) on a thread pool; passes for one
+deployment must not interleave, and every pass must start from fresh state — so each pass takes the
+deployment's lock and re-reads the object instead of trusting the (possibly stale) body it was
+handed. Nothing here is kopf-specific: `handlers.py` maps the `Outcome` to kopf's retry errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from chariot.operator import crd
+from chariot.operator.kube import Kube, Ref
+from chariot.operator.reconcile import (
+    Backoff,
+    Condition,
+    GroupStatus,
+    Plan,
+    PodState,
+    conditions_to_dicts,
+    group_conditions,
+    invalid_conditions,
+    plan_groups,
+)
+from chariot.operator.render import (
+    ANNOTATION_APPLIED_HASH,
+    Owner,
+    config_hash,
+    endpoint,
+    group_pods,
+    group_selector,
+    router_name,
+    scale_selector,
+    shared_object_names,
+    shared_objects,
+    with_applied_hash,
+)
+from chariot.operator.spec import InvalidSpec, Spec, parse_spec
+
+log = logging.getLogger("chariot.operator")
+Manifest = dict[str, Any]
+DEFAULT_IMAGE = "ghcr.io/chariot-serving/chariot:0.1.0"
+
+
+@dataclass(frozen=True)
+class Settings:
+    default_image: str = DEFAULT_IMAGE
+    default_redis_url: str | None = None
+    backoff: Backoff = field(default_factory=Backoff)
+    resync_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a pass ended: `converged` = nothing left to do; otherwise look again after `requeue_after`."""
+
+    converged: bool
+    message: str
+    requeue_after: float | None = None
+    invalid: InvalidSpec | None = None
+
+
+class Controller:
+    def __init__(self, kube: Kube, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.clock = clock
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    # --- entry points ----------------------------------------------------------------------------
+
+    def reconcile(self, namespace: str, name: str) -> Outcome:
+        """Bring the objects of ModelDeployment `namespace/name` in line with its spec, then write status."""
+        with self._lock(namespace, name):
+            body = self.kube.get(Ref(crd.KIND, namespace, name))
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return Outcome(True, "gone or being deleted")
+            return self._reconcile(body)
+
+    def cleanup(self, namespace: str, name: str) -> int:
+        """Delete every object the deployment owns (no reliance on garbage collection); returns the stage
+        pods still terminating, so the caller keeps the finalizer until they are gone."""
+        owner = Owner(name=name, namespace=namespace, uid="")
+        with self._lock(namespace, name):
+            pods = self.kube.list(Ref("Pod", namespace), group_selector(owner))
+            for pod in pods:
+                if not pod["metadata"].get("deletionTimestamp"):
+                    self.kube.delete(Ref("Pod", namespace, pod["metadata"]["name"]))
+            for kind, object_name in shared_object_names(owner):
+                self.kube.delete(Ref(kind, namespace, object_name))
+            remaining = len(self.kube.list(Ref("Pod", namespace), group_selector(owner)))
+            log.info("cleanup of %s/%s: %d stage pod(s) still terminating", namespace, name, remaining)
+            return remaining
+
+    # --- one pass --------------------------------------------------------------------------------
+
+    def _reconcile(self, body: Manifest) -> Outcome:
+        owner = Owner.from_body(body)
+        generation = int(body["metadata"].get("generation") or 0)
+        old_status = body.get("status") or {}
+        try:
+            spec = parse_spec(body.get("spec"), owner.name)
+        except InvalidSpec as exc:
+            self._write_status(owner, old_status, self._invalid_status(old_status, exc, generation))
+            return Outcome(False, str(exc), invalid=exc)
+        spec = self._with_defaults(spec)
+        image = spec.image or self.settings.default_image
+        hash_ = config_hash(owner, spec, image)
+        listed = self.kube.list(Ref("Pod", owner.namespace), group_selector(owner))
+        pods = [p for p in (PodState.from_manifest(m) for m in listed) if p is not None]
+        plan = self._plan(spec, hash_, pods, old_status)
+        self._execute(owner, spec, image, hash_, plan, pods)
+        for manifest in shared_objects(owner, spec, image, hash_, plan.ready_groups):
+            self._apply(manifest)
+        router_ready = self._router_ready(owner, spec)
+        conditions = group_conditions(spec, plan, hash_, router_ready)
+        self._write_status(owner, old_status, self._status(owner, hash_, plan, generation, old_status, conditions))
+        converged = not plan.waiting and router_ready
+        message = "; ".join(plan.waiting) or conditions[0].message
+        return Outcome(converged, message, requeue_after=plan.requeue_after)
+
+    def _with_defaults(self, spec: Spec) -> Spec:
+        """Operator-wide defaults (chart values) for what the spec leaves open."""
+        if spec.router.redis_url or not self.settings.default_redis_url:
+            return spec
+        return replace(spec, router=replace(spec.router, redis_url=self.settings.default_redis_url))
+
+    def _plan(self, spec: Spec, hash_: str, pods: list[PodState], old_status: Manifest) -> Plan:
+        previous = {g.index: g for g in (GroupStatus.from_dict(x) for x in old_status.get("groups") or [])}
+        return plan_groups(spec, hash_, pods, previous, self.clock(), self.settings.backoff)
+
+    def _execute(self, owner: Owner, spec: Spec, image: str, hash_: str, plan: Plan, pods: list[PodState]) -> None:
+        for pod in pods:
+            if pod.group in plan.delete and not pod.terminating:
+                log.info("%s/%s: deleting pod %s", owner.namespace, owner.name, pod.name)
+                self.kube.delete(Ref("Pod", owner.namespace, pod.name))
+        for g in plan.create:
+            log.info("%s/%s: creating group %d (%d stages, config %s)", owner.namespace, owner.name, g,
+                     spec.pipeline, hash_)
+            for manifest in group_pods(owner, spec, image, g, hash_):
+                self.kube.create(Ref("Pod", owner.namespace), manifest)
+
+    def _apply(self, manifest: Manifest) -> None:
+        """Create, or merge-patch when what we rendered last time differs; a no-op when nothing changed."""
+        desired = with_applied_hash(manifest)
+        meta = desired["metadata"]
+        ref = Ref(desired["kind"], meta["namespace"], meta["name"])
+        live = self.kube.get(ref)
+        if live is None:
+            self.kube.create(Ref(desired["kind"], meta["namespace"]), desired)
+        elif (live["metadata"].get("annotations") or {}).get(ANNOTATION_APPLIED_HASH) != \
+                meta["annotations"][ANNOTATION_APPLIED_HASH]:
+            self.kube.merge_patch(ref, desired)
+
+    def _router_ready(self, owner: Owner, spec: Spec) -> bool:
+        if spec.router.replicas == 0:
+            return True
+        deployment = self.kube.get(Ref("Deployment", owner.namespace, router_name(owner))) or {}
+        available = (deployment.get("status") or {}).get("availableReplicas") or 0
+        return bool(available >= spec.router.replicas)
+
+    # --- status ----------------------------------------------------------------------------------
+
+    def _status(self, owner: Owner, hash_: str, plan: Plan, generation: int, old: Manifest,
+                conditions: list[Condition]) -> Manifest:
+        existing = [g for g in plan.groups if g.pods]
+        return {
+            "observedGeneration": generation,
+            "replicas": len(existing),
+            "readyReplicas": len(plan.ready_groups),
+            "updatedReplicas": sum(1 for g in existing if g.config_hash == hash_ and g.phase != "Terminating"),
+            "selector": scale_selector(owner),
+            "endpoint": endpoint(owner),
+            "configHash": hash_,
+            "groups": [g.to_dict() for g in plan.groups],
+            "conditions": conditions_to_dicts(conditions, old.get("conditions") or [], generation, self.clock()),
+        }
+
+    def _invalid_status(self, old: Manifest, exc: InvalidSpec, generation: int) -> Manifest:
+        conditions = conditions_to_dicts(invalid_conditions(str(exc)), old.get("conditions") or [], generation,
+                                         self.clock())
+        return {**old, "observedGeneration": generation, "conditions": conditions}
+
+    def _write_status(self, owner: Owner, old: Manifest, new: Manifest) -> None:
+        if all(old.get(k) == v for k, v in new.items()):
+            return
+        self.kube.merge_patch(Ref(crd.KIND, owner.namespace, owner.name), {"status": new}, subresource="status")
+

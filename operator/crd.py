@@ -1,0 +1,236 @@
+"""The `ModelDeployment` CustomResourceDefinition, defined once, here.
+
+Why in Python: the operator needs the schema at run time (to apply the same defaults and reject the
+same values as the API server, also where the server did not — an old cluster, a test emulator), and
+the Helm chart needs it as YAML. Keeping the dict here and *generating* the chart's copy
+(`python -m chariot.operator.crd > charts/chariot/crds/modeldeployments.chariot.dev.yaml`; a unit
+test fails when the file is stale) leaves exactly one hand-maintained definition.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+GROUP = "chariot.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ModelDeployment"
+PLURAL = "modeldeployments"
+SINGULAR = "modeldeployment"
+SHORT_NAMES = ["mdep"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+CHART_CRD_PATH = "charts/chariot/crds/modeldeployments.chariot.dev.yaml"
+
+POLICIES = ["sarathi", "vllm", "orca", "fastertransformer"]
+DTYPES = ["auto", "float32", "float16", "bfloat16"]
+MODEL_URI_PATTERN = r"^(preset://(tiny|small|100m)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
+GROUP_PHASES = ["Pending", "Starting", "Ready", "Restarting", "BackingOff", "Terminating"]
+
+Schema = dict[str, Any]
+
+
+def _int(description: str, minimum: int | None = None, default: int | None = None,
+         maximum: int | None = None) -> Schema:
+    s: Schema = {"type": "integer", "description": description}
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+def _str(description: str, **extra: Any) -> Schema:
+    return {"type": "string", "description": description, **extra}
+
+
+def _obj(description: str, properties: dict[str, Schema], required: list[str] | None = None,
+         default: dict[str, Any] | None = None) -> Schema:
+    s: Schema = {"type": "object", "description": description, "properties": properties}
+    if required:
+        s["required"] = required
+    if default is not None:
+        s["default"] = default
+    return s
+
+
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _quantity(description: str, default: str) -> Schema:
+    """A resource.Quantity, declared the way controller-gen does (int-or-string + pattern)."""
+    return {"description": description, "x-kubernetes-int-or-string": True, "default": default,
+            "anyOf": [{"type": "integer"}, {"type": "string"}], "pattern": QUANTITY_PATTERN}
+
+
+def _model() -> Schema:
+    return _obj("The model every stage loads (its own layer range) and the router tokenizes with.", {
+        "uri": _str("Where the Hugging Face model directory comes from: `preset://tiny|small|100m` (a random-"
+                    "initialised preset made by an init container), `pvc://CLAIM[/PATH]` (a PersistentVolumeClaim"
+                    " mounted read-only), or an absolute path already present in the image (`/models/m` or "
+                    "`file:///models/m`).", pattern=MODEL_URI_PATTERN),
+        "name": _str("Model name clients use (OpenAI `model`); default: the ModelDeployment's name.",
+                     maxLength=253),
+        "dtype": _str("Weights and activations dtype; `auto` takes the checkpoint's.", enum=DTYPES,
+                      default="auto"),
+        "maxModelLen": _int("Longest prompt + output in tokens; default: the model's max_position_embeddings.",
+                            minimum=1),
+    }, required=["uri"])
+
+
+def _scheduler() -> Schema:
+    return _obj("Batching policy and its knobs (every stage of a group gets the same).", {
+        "policy": _str("Scheduling policy; `sarathi` = chunked prefills + stall-free batching.", enum=POLICIES,
+                       default="sarathi"),
+        "tokenBudget": _int("Tokens per iteration. Unset: derived from `slo.tbtMs` when set, else the policy's "
+                            "default (512 for sarathi, maxModelLen for the others, which must fit a whole prompt).",
+                            minimum=1),
+        "maxBatchSize": _int("Most sequences in one iteration.", minimum=1, default=128),
+        "blockSize": _int("KV-cache block size in tokens.", minimum=1, maximum=1024, default=16),
+    }, default={})
+
+
+def spec_schema() -> Schema:
+    """OpenAPI v3 schema of `.spec` (structural: every field typed, defaults and bounds declared)."""
+    return _obj("Desired state of a served model: R replicas (pipeline groups) of P stage pods plus routers.", {
+        "model": _model(),
+        "replicas": _int("Pipeline groups (replicas) serving the model; each is `parallelism.pipeline` pods.",
+                         minimum=0, default=1),
+        "parallelism": _obj("How one replica is split over processes.", {
+            "pipeline": _int("Pipeline stages per replica (pods per group).", minimum=1, maximum=64, default=1),
+            "tensor": _int("Tensor-parallel ranks inside a stage; only 1 is supported today.", minimum=1,
+                           default=1),
+        }, default={}),
+        "scheduler": _scheduler(),
+        "slo": _obj("Latency targets: the router's admission control and, without tokenBudget, the token budget.", {
+            "ttftMs": {"type": "number", "minimum": 1, "description": "Time-to-first-token SLO in milliseconds."},
+            "tbtMs": {"type": "number", "minimum": 1, "description": "Time-between-tokens SLO in milliseconds."},
+        }, default={}),
+        "resources": _obj("Per stage pod.", {
+            "gpusPerStage": _int("`nvidia.com/gpu` per stage pod; 0 runs on CPU.", minimum=0, maximum=16, default=1),
+            "cpu": _quantity("CPU request (and limit) per stage pod.", "2"),
+            "memory": _quantity("Memory request (and limit) per stage pod.", "8Gi"),
+        }, default={}),
+        "image": _str("Container image for workers and routers; default: the operator's own image."),
+        "router": _obj("The request router in front of the replicas.", {
+            "replicas": _int("Router pods.", minimum=0, default=1),
+            "redis": _obj("Shared router state; needed for consistent limits with more than one router.", {
+                "url": _str("Redis URL (`redis://`, `rediss://` or `unix://`).",
+                            pattern=r"^(redis|rediss|unix)://.+$"),
+            }),
+        }, default={}),
+        "observability": _obj("Telemetry export.", {
+            "otlpEndpoint": _str("OTLP gRPC collector for metrics and traces (e.g. `http://collector:4317`).",
+                                 pattern=r"^https?://.+$"),
+        }, default={}),
+    }, required=["model"])
+
+
+def _condition() -> Schema:
+    return _obj("A standard condition.", {
+        "type": _str("Ready, Progressing or Degraded."),
+        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _str("CamelCase reason."),
+        "message": _str("Human-readable details; names the spec field when the spec is invalid."),
+        "lastTransitionTime": _str("When status last changed.", format="date-time"),
+        "observedGeneration": _int("The generation this condition was computed for.", minimum=0),
+    }, required=["type", "status"])
+
+
+def _group_status() -> Schema:
+    return _obj("One pipeline group.", {
+        "index": _int("Group number g (pods `<name>-g<g>-s<s>`).", minimum=0),
+        "phase": _str("Lifecycle phase of the group.", enum=GROUP_PHASES),
+        "readyPods": _int("Stage pods that are Ready.", minimum=0),
+        "pods": _int("Stage pods that exist.", minimum=0),
+        "configHash": _str("Hash of the rendered configuration the group's pods run."),
+        "restarts": _int("Gang restarts since the group was last stable.", minimum=0),
+        "restartAfter": _str("Earliest time of the next restart (backoff).", format="date-time"),
+        "readySince": _str("When the group last became Ready.", format="date-time"),
+        "lastFailure": _str("Why the group was last restarted."),
+        "message": _str("Why the group is in this phase."),
+    }, required=["index", "phase"])
+
+
+def status_schema() -> Schema:
+    return _obj("Observed state, written by the operator.", {
+        "observedGeneration": _int("The spec generation the operator last acted on.", minimum=0),
+        "replicas": _int("Groups whose pods exist (the scale subresource's status).", minimum=0),
+        "readyReplicas": _int("Groups whose every stage pod is Ready.", minimum=0),
+        "updatedReplicas": _int("Groups running the current configuration.", minimum=0),
+        "selector": _str("Label selector of the stage-0 pods (for autoscalers)."),
+        "endpoint": _str("The router Service's in-cluster HTTP URL."),
+        "configHash": _str("Hash of the current configuration."),
+        "groups": {"type": "array", "description": "Per-group state.", "items": _group_status()},
+        "conditions": {"type": "array", "description": "Ready, Progressing, Degraded.", "items": _condition(),
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    })
+
+
+def printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+         "description": "Whether every replica and the router are ready."},
+        {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired groups."},
+        {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas",
+         "description": "Ready groups.", "priority": 1},
+        {"name": "Stages", "type": "integer", "jsonPath": ".spec.parallelism.pipeline",
+         "description": "Pipeline stages per replica."},
+        {"name": "Policy", "type": "string", "jsonPath": ".spec.scheduler.policy", "description": "Scheduler."},
+        {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint", "priority": 1,
+         "description": "Router URL."},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition object (apiextensions.k8s.io/v1)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "chariot"}},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "plural": PLURAL, "singular": SINGULAR, "shortNames": SHORT_NAMES,
+                      "listKind": f"{KIND}List", "categories": ["chariot"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A served LLM: pipeline-parallel stage pods per replica, routers, config.",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema(),
+                        "status": status_schema(),
+                    },
+                    "required": ["spec"],
+                }},
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                              "labelSelectorPath": ".status.selector"},
+                },
+                "additionalPrinterColumns": printer_columns(),
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = ("# Generated by `python -m chariot.operator.crd` from operator/crd.py (the single source of truth);\n"
+              "# do not edit by hand. tests/unit/test_crd.py fails when this file is stale.\n")
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(crd_yaml())

@@ -1,0 +1,302 @@
+"""Pure decisions of one reconcile pass: which groups to create, delete or roll, and the status to report.
+
+Why separate from the API calls: the gang, backoff and rolling rules are the subtle part of the
+operator, and as a function of (spec, observed pods, previous status, now) they are unit-testable for
+every case without a cluster; the controller only executes the returned `Plan`.
+
+Rules (DESIGN.md §6):
+- a group is `P` pods sharing one configuration hash; if any pod of a group failed or vanished, the
+  whole group is deleted and recreated after a backoff (`base * 2^(restarts-1)`, capped), as
+  LeaderWorkerSet's RecreateGroupOnPodRestart does; a group that stays Ready for `reset_after_s`
+  forgets its restarts;
+- pods are never reused across configurations: a group whose pods carry an old hash is replaced —
+  at once if it is not serving anyway, otherwise only when every other group is Ready, so at most one
+  serving group is down for a rollout at a time;
+- groups `>= spec.replicas` are deleted (scale down); missing groups are created (scale up);
+- nothing is recreated while a pod of the group is still terminating (pod names are fixed).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from chariot.operator.render import ANNOTATION_CONFIG_HASH, LABEL_GROUP, LABEL_STAGE
+from chariot.operator.spec import Spec
+
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before a failed group is recreated: `base_s * 2^(restarts-1)`, at most `max_s`."""
+
+    base_s: float = 5.0
+    max_s: float = 300.0
+    reset_after_s: float = 300.0
+
+    def delay(self, restarts: int) -> float:
+        return float(min(self.base_s * 2 ** max(restarts - 1, 0), self.max_s))
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the planner needs to know about one stage pod."""
+
+    name: str
+    group: int
+    stage: int
+    config_hash: str
+    phase: str
+    ready: bool
+    terminating: bool
+
+    @property
+    def failed(self) -> bool:
+        """With restartPolicy Never a pod whose worker exited (for any reason) never runs again."""
+        return self.phase in ("Failed", "Succeeded")
+
+    @classmethod
+    def from_manifest(cls, pod: Manifest) -> PodState | None:
+        meta, status = pod.get("metadata", {}), pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        try:
+            group, stage = int(labels[LABEL_GROUP]), int(labels[LABEL_STAGE])
+        except (KeyError, ValueError):
+            return None
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        return cls(name=meta.get("name", ""), group=group, stage=stage,
+                   config_hash=(meta.get("annotations") or {}).get(ANNOTATION_CONFIG_HASH, ""),
+                   phase=status.get("phase") or "Pending", ready=ready,
+                   terminating=bool(meta.get("deletionTimestamp")))
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """One entry of `status.groups` (times are epoch seconds here, RFC 3339 in the object)."""
+
+    index: int
+    phase: str = "Pending"
+    pods: int = 0
+    ready_pods: int = 0
+    config_hash: str = ""
+    restarts: int = 0
+    restart_after: float | None = None
+    ready_since: float | None = None
+    last_failure: str = ""
+    message: str = ""
+
+    def to_dict(self) -> Manifest:
+        out: Manifest = {"index": self.index, "phase": self.phase, "pods": self.pods, "readyPods": self.ready_pods,
+                         "configHash": self.config_hash, "restarts": self.restarts, "message": self.message}
+        if self.restart_after is not None:
+            out["restartAfter"] = format_time(self.restart_after)
+        if self.ready_since is not None:
+            out["readySince"] = format_time(self.ready_since)
+        if self.last_failure:
+            out["lastFailure"] = self.last_failure
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Manifest) -> GroupStatus:
+        return cls(index=int(raw["index"]), phase=raw.get("phase", "Pending"), pods=raw.get("pods", 0),
+                   ready_pods=raw.get("readyPods", 0), config_hash=raw.get("configHash", ""),
+                   restarts=raw.get("restarts", 0), restart_after=parse_time(raw.get("restartAfter")),
+                   ready_since=parse_time(raw.get("readySince")), last_failure=raw.get("lastFailure", ""),
+                   message=raw.get("message", ""))
+
+
+@dataclass
+class Plan:
+    """What one pass does: `delete` groups (all their pods), then `create` groups; `groups` is the status."""
+
+    create: list[int] = field(default_factory=list)
+    delete: list[int] = field(default_factory=list)
+    groups: list[GroupStatus] = field(default_factory=list)
+    requeue_after: float | None = None
+    waiting: list[str] = field(default_factory=list)
+
+    @property
+    def ready_groups(self) -> list[int]:
+        return [g.index for g in self.groups if g.phase == "Ready"]
+
+    def wait(self, reason: str, after: float | None = None) -> None:
+        self.waiting.append(reason)
+        if after is not None:
+            self.requeue_after = after if self.requeue_after is None else min(self.requeue_after, after)
+
+
+def format_time(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> float | None:
+    if not value:
+        return None
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previous: dict[int, GroupStatus],
+                now: float, backoff: Backoff) -> Plan:
+    by_group: dict[int, list[PodState]] = defaultdict(list)
+    for pod in pods:
+        by_group[pod.group].append(pod)
+    plan = Plan()
+    _scale_down(plan, by_group, spec.replicas)
+    candidates = []
+    for g in range(spec.replicas):
+        prev = previous.get(g, GroupStatus(g))
+        status, action = _plan_group(spec, current_hash, by_group.get(g, []), prev, now, backoff)
+        plan.groups.append(status)
+        if action == "create":
+            plan.create.append(g)
+        elif action == "delete":
+            plan.delete.append(g)
+        elif action == "roll":
+            candidates.append(g)
+    _roll_one(plan, candidates, current_hash)
+    _collect_waits(plan, now)
+    return plan
+
+
+def _scale_down(plan: Plan, by_group: dict[int, list[PodState]], replicas: int) -> None:
+    for g in sorted(by_group):
+        if g < replicas:
+            continue
+        if any(not p.terminating for p in by_group[g]):
+            plan.delete.append(g)
+        plan.wait(f"group {g} is being removed (scale down)")
+
+
+def _plan_group(spec: Spec, current_hash: str, pods: list[PodState], prev: GroupStatus, now: float,
+                backoff: Backoff) -> tuple[GroupStatus, str | None]:
+    base = replace(prev, pods=len(pods), ready_pods=sum(p.ready for p in pods),
+                   config_hash=pods[0].config_hash if pods else prev.config_hash)
+    if any(p.terminating for p in pods):
+        return replace(base, phase="Terminating", message="waiting for the old pods to terminate"), None
+    if not pods:
+        if prev.restart_after is not None and now < prev.restart_after:
+            return replace(base, phase="BackingOff", message=f"{prev.last_failure}; restart {prev.restarts} backing "
+                                                             f"off until {format_time(prev.restart_after)}"), None
+        return replace(base, phase="Pending", config_hash=current_hash, restart_after=None, ready_since=None,
+                       message="creating the group's pods"), "create"
+    stale = any(p.config_hash != current_hash for p in pods)
+    complete = sorted(p.stage for p in pods) == list(range(spec.pipeline)) or stale
+    ready = complete and all(p.ready for p in pods) and not any(p.failed for p in pods)
+    if stale:
+        if ready:
+            return _ready(base, now, backoff), "roll"
+        return replace(base, phase="Terminating", ready_since=None,
+                       message=f"replacing the group with configuration {current_hash}"), "delete"
+    if not complete or any(p.failed for p in pods):
+        return _gang_restart(base, spec, pods, now, backoff), "delete"
+    if ready:
+        return _ready(base, now, backoff), None
+    running = all(p.phase == "Running" for p in pods)
+    return replace(base, phase="Starting" if running else "Pending", ready_since=None,
+                   message=f"{base.ready_pods}/{spec.pipeline} stage pods ready"), None
+
+
+def _ready(base: GroupStatus, now: float, backoff: Backoff) -> GroupStatus:
+    since = base.ready_since if base.ready_since is not None else now
+    stable = now - since >= backoff.reset_after_s
+    return replace(base, phase="Ready", ready_since=since, restarts=0 if stable else base.restarts,
+                   last_failure="" if stable else base.last_failure, restart_after=None,
+                   message="all stage pods ready")
+
+
+def _gang_restart(base: GroupStatus, spec: Spec, pods: list[PodState], now: float, backoff: Backoff) -> GroupStatus:
+    failed = [p.name for p in pods if p.failed]
+    present = {p.stage for p in pods}
+    missing = [s for s in range(spec.pipeline) if s not in present]
+    why = f"pod {', '.join(failed)} failed" if failed else f"stage {', '.join(map(str, missing))} vanished"
+    restarts = base.restarts + 1
+    after = now + backoff.delay(restarts)
+    return replace(base, phase="Restarting", restarts=restarts, restart_after=after, ready_since=None, last_failure=why,
+                   message=f"{why}; recreating the whole group (restart {restarts}) after "
+                           f"{backoff.delay(restarts):g}s")
+
+
+def _roll_one(plan: Plan, candidates: list[int], current_hash: str) -> None:
+    """Replace at most one serving outdated group, and only while every other group is Ready."""
+    if not candidates:
+        return
+    unavailable = [g.index for g in plan.groups if g.phase != "Ready"]
+    if unavailable:
+        plan.wait(f"rollout waits for group(s) {', '.join(map(str, unavailable))} to be Ready")
+        return
+    g = candidates[0]
+    plan.delete.append(g)
+    plan.groups[g] = replace(plan.groups[g], phase="Terminating", ready_since=None,
+                             message=f"rolling to configuration {current_hash}")
+
+
+def _collect_waits(plan: Plan, now: float) -> None:
+    for g in plan.groups:
+        if g.phase == "BackingOff" and g.restart_after is not None:
+            plan.wait(f"group {g.index} backing off", after=max(g.restart_after - now, 0.0))
+        elif g.phase != "Ready":
+            plan.wait(f"group {g.index} is {g.phase}")
+    if plan.create or plan.delete:
+        plan.wait("pods changed")
+
+
+# --- status --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str
+
+    def to_dict(self, previous: list[Manifest], generation: int, now: float) -> Manifest:
+        status = "True" if self.status else "False"
+        old = next((c for c in previous if c.get("type") == self.type), None)
+        since = old.get("lastTransitionTime") if old and old.get("status") == status else None
+        return {"type": self.type, "status": status, "reason": self.reason, "message": self.message,
+                "lastTransitionTime": since or format_time(now), "observedGeneration": generation}
+
+
+def group_conditions(spec: Spec, plan: Plan, current_hash: str, router_ready: bool) -> list[Condition]:
+    ready = len(plan.ready_groups)
+    stale = [g.index for g in plan.groups if g.pods and g.config_hash != current_hash]
+    failing = [g for g in plan.groups if g.phase in ("Restarting", "BackingOff")]
+    all_ready = ready == spec.replicas and router_ready
+    if all_ready:
+        ready_c = Condition("Ready", True, "AllReplicasReady", f"{ready}/{spec.replicas} replicas and the router "
+                                                               "are ready")
+    elif ready < spec.replicas:
+        ready_c = Condition("Ready", False, "ReplicasNotReady", f"{ready}/{spec.replicas} replicas ready")
+    else:
+        ready_c = Condition("Ready", False, "RouterNotReady", "the router Deployment is not available yet")
+    if stale:
+        progressing = Condition("Progressing", True, "RollingUpdate",
+                                f"group(s) {', '.join(map(str, stale))} run an old configuration; "
+                                f"rolling one group at a time to {current_hash}")
+    elif plan.waiting or not all_ready:
+        progressing = Condition("Progressing", True, "Reconciling", "; ".join(plan.waiting) or ready_c.message)
+    else:
+        progressing = Condition("Progressing", False, "Complete", f"{spec.replicas} replicas up to date")
+    if failing:
+        degraded = Condition("Degraded", True, "GroupRestarting",
+                             "; ".join(f"group {g.index}: {g.message}" for g in failing))
+    else:
+        degraded = Condition("Degraded", False, "AsExpected", "no group is failing")
+    return [ready_c, progressing, degraded]
+
+
+def invalid_conditions(message: str) -> list[Condition]:
+    return [Condition("Ready", False, "InvalidSpec", message),
+            Condition("Progressing", False, "InvalidSpec", "nothing applied until the spec is fixed"),
+            Condition("Degraded", True, "InvalidSpec", message)]
+
+
+def conditions_to_dicts(conditions: list[Condition], previous: list[Manifest], generation: int,
+                        now: float) -> list[Manifest]:
+    return [c.to_dict(previous, generation, now) for c in conditions]

@@ -1,0 +1,411 @@
+"""Pure functions from a ModelDeployment to the Kubernetes objects that serve it (DESIGN.md §6).
+
+Why pure: every manifest the operator writes is decided here, from the owner's identity and a
+validated `Spec`, with no API calls, clocks or randomness — so unit tests check the objects for any
+spec directly, a re-run renders byte-identical objects (idempotent reconciles), and a hash of the
+rendered pods tells exactly when a group runs an outdated configuration (rolling updates).
+
+The process contract these manifests follow is docs/cli-contract.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from chariot.operator import crd
+from chariot.operator.spec import Spec
+
+Manifest = dict[str, Any]
+
+LABEL_DEPLOYMENT = "chariot.dev/deployment"
+LABEL_GROUP = "chariot.dev/group"
+LABEL_STAGE = "chariot.dev/stage"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+ANNOTATION_CONFIG_HASH = "chariot.dev/config-hash"
+ANNOTATION_APPLIED_HASH = "chariot.dev/applied-hash"
+
+GRPC_PORT = 50061
+METRICS_PORT = 9400
+RENDEZVOUS_PORT = 29500
+ROUTER_HTTP_PORT = 8000
+ROUTER_GRPC_PORT = 50051
+CONFIG_DIR = "/etc/chariot"
+REPLICA_FILE = f"{CONFIG_DIR}/replicas.json"
+MODELS_DIR = "/models"
+RUN_AS = 10001  # the image's non-root user (Dockerfile)
+ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Identity of the ModelDeployment that owns every rendered object."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Manifest) -> Owner:
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta.get("namespace") or "default", uid=meta.get("uid", ""))
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+def pod_name(owner: Owner, group: int, stage: int) -> str:
+    return f"{owner.name}-g{group}-s{stage}"
+
+
+def stages_service_name(owner: Owner) -> str:
+    return f"{owner.name}-stages"
+
+
+def router_name(owner: Owner) -> str:
+    return f"{owner.name}-router"
+
+
+def config_map_name(owner: Owner) -> str:
+    return f"{owner.name}-config"
+
+
+def stage_host(owner: Owner, group: int, stage: int) -> str:
+    """DNS name of a stage pod through the headless Service (`hostname` + `subdomain`)."""
+    return f"{pod_name(owner, group, stage)}.{stages_service_name(owner)}.{owner.namespace}.svc"
+
+
+def group_address(owner: Owner, group: int) -> str:
+    """Where the router reaches a group: stage 0's gRPC server."""
+    return f"{stage_host(owner, group, 0)}:{GRPC_PORT}"
+
+
+def endpoint(owner: Owner) -> str:
+    return f"http://{router_name(owner)}.{owner.namespace}.svc:{ROUTER_HTTP_PORT}"
+
+
+def served_model_name(owner: Owner, spec: Spec) -> str:
+    return spec.model.name or owner.name
+
+
+# --- metadata ------------------------------------------------------------------------------------
+
+def labels(owner: Owner, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "chariot",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/part-of": "chariot",
+        "app.kubernetes.io/managed-by": "chariot-operator",
+        LABEL_COMPONENT: component,
+        LABEL_DEPLOYMENT: owner.name,
+    }
+
+
+def owner_references(owner: Owner) -> list[Manifest]:
+    return [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": owner.name, "uid": owner.uid,
+             "controller": True, "blockOwnerDeletion": True}]
+
+
+def metadata(owner: Owner, name: str, component: str, **extra_labels: str) -> Manifest:
+    return {"name": name, "namespace": owner.namespace, "labels": {**labels(owner, component), **extra_labels},
+            "ownerReferences": owner_references(owner)}
+
+
+def group_selector(owner: Owner, group: int | None = None) -> str:
+    """Label selector of the stage pods (of one group when `group` is given)."""
+    sel = f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_COMPONENT}=worker"
+    return sel if group is None else f"{sel},{LABEL_GROUP}={group}"
+
+
+def scale_selector(owner: Owner) -> str:
+    """One pod per replica (stage 0), for the scale subresource's `labelSelectorPath`."""
+    return f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_COMPONENT}=worker,{LABEL_STAGE}=0"
+
+
+# --- model volume --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a pod gets the model directory: its path in the container plus volumes / an init container."""
+
+    path: str
+    volumes: tuple[Manifest, ...] = ()
+    mounts: tuple[Manifest, ...] = ()
+    preset: str | None = None
+
+
+def model_source(spec: Spec) -> ModelSource:
+    uri = spec.model.uri
+    if uri.startswith("preset://"):
+        preset = uri.removeprefix("preset://")
+        return ModelSource(path=f"{MODELS_DIR}/{preset}", volumes=({"name": "model", "emptyDir": {}},),
+                           mounts=({"name": "model", "mountPath": MODELS_DIR},), preset=preset)
+    if uri.startswith("pvc://"):
+        claim, _, sub = uri.removeprefix("pvc://").partition("/")
+        path = f"{MODELS_DIR}/{claim}" + (f"/{sub.strip('/')}" if sub.strip("/") else "")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return ModelSource(path=path, volumes=(volume,),
+                           mounts=({"name": "model", "mountPath": f"{MODELS_DIR}/{claim}", "readOnly": True},))
+    return ModelSource(path=uri.removeprefix("file://"))
+
+
+def make_model_container(spec: Spec, image: str, source: ModelSource) -> list[Manifest]:
+    """An init container writing a `preset://` model into the pod's emptyDir (same seed → same weights
+    in every pod, so all stages and the router agree)."""
+    if source.preset is None:
+        return []
+    return [{"name": "make-model", "image": image, "imagePullPolicy": "IfNotPresent",
+             "command": ["chariot", "make-model", source.path, "--preset", source.preset],
+             "env": base_env(), "volumeMounts": [*source.mounts, *scratch_mounts()],
+             "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+             "securityContext": container_security()}]
+
+
+# --- shared pod pieces ---------------------------------------------------------------------------
+
+def pod_security() -> Manifest:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security() -> Manifest:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def base_env() -> list[Manifest]:
+    return [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
+
+
+def scratch_volumes() -> list[Manifest]:
+    """/tmp for caches (the root filesystem is read-only) and a RAM-backed /dev/shm for torch.distributed."""
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+
+
+def scratch_mounts() -> list[Manifest]:
+    return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+
+
+# --- stage pods ----------------------------------------------------------------------------------
+
+def engine_args(spec: Spec, source: ModelSource) -> list[str]:
+    """`chariot worker` flags shared by every stage of a group (docs/cli-contract.md)."""
+    s = spec.scheduler
+    args = ["--model", source.path, "--policy", s.policy, "--max-batch-size", str(s.max_batch_size),
+            "--block-size", str(s.block_size), "--dtype", spec.model.dtype, "--stages", str(spec.pipeline),
+            "--device", "cuda" if spec.resources.gpus_per_stage > 0 else "cpu"]
+    # The TBT SLO goes to the router (admission); workers get an explicit budget or the policy default.
+    # Deriving the budget from the SLO on the worker (`--tbt-slo-ms`) arrives with `chariot tune`.
+    if s.token_budget is not None:
+        args += ["--token-budget", str(s.token_budget)]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    return args
+
+
+def worker_args(owner: Owner, spec: Spec, source: ModelSource) -> list[str]:
+    args = [*engine_args(spec, source), "--host", "0.0.0.0", "--port", str(GRPC_PORT),
+            "--metrics-host", "0.0.0.0", "--metrics-port", str(METRICS_PORT),
+            "--served-model-name", served_model_name(owner, spec)]
+    if spec.otlp_endpoint:
+        args += ["--otlp-endpoint", spec.otlp_endpoint]
+    return args
+
+
+def rendezvous_env(owner: Owner, spec: Spec, group: int, stage: int) -> list[Manifest]:
+    """torch.distributed rendezvous: rank = stage, world = pipeline length, master = the group's stage 0."""
+    return [{"name": "RANK", "value": str(stage)}, {"name": "WORLD_SIZE", "value": str(spec.pipeline)},
+            {"name": "MASTER_ADDR", "value": stage_host(owner, group, 0)},
+            {"name": "MASTER_PORT", "value": str(RENDEZVOUS_PORT)}]
+
+
+def stage_resources(spec: Spec) -> Manifest:
+    r = spec.resources
+    requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    limits: dict[str, Any] = {"memory": r.memory}
+    if r.gpus_per_stage > 0:
+        requests["nvidia.com/gpu"] = r.gpus_per_stage
+        limits["nvidia.com/gpu"] = r.gpus_per_stage
+    return {"requests": requests, "limits": limits}
+
+
+def stage_probes(stage: int) -> Manifest:
+    """Stage 0 is ready when its gRPC health says SERVING (model loaded, pipeline joined); the other
+    stages serve no gRPC, so their /metrics endpoint shows the process is up. A startup probe gives
+    model loading up to 20 minutes before liveness counts."""
+    check: Manifest = ({"grpc": {"port": GRPC_PORT}} if stage == 0
+                       else {"httpGet": {"path": "/metrics", "port": METRICS_PORT}})
+    alive: Manifest = ({"grpc": {"port": GRPC_PORT}} if stage == 0 else {"tcpSocket": {"port": METRICS_PORT}})
+    return {
+        "startupProbe": {**check, "periodSeconds": 5, "failureThreshold": 240},
+        "readinessProbe": {**check, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+        "livenessProbe": {**alive, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+def stage_ports(stage: int) -> list[Manifest]:
+    ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    if stage == 0:
+        ports = [{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+                 {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"}, *ports]
+    return ports
+
+
+def stage_container(owner: Owner, spec: Spec, image: str, group: int, stage: int) -> Manifest:
+    source = model_source(spec)
+    return {
+        "name": "worker", "image": image, "imagePullPolicy": "IfNotPresent",
+        "command": ["chariot", "worker"], "args": worker_args(owner, spec, source),
+        "env": [*rendezvous_env(owner, spec, group, stage), *base_env()],
+        "ports": stage_ports(stage), "resources": stage_resources(spec), **stage_probes(stage),
+        "securityContext": container_security(),
+        "volumeMounts": [*source.mounts, *scratch_mounts()],
+    }
+
+
+def stage_pod(owner: Owner, spec: Spec, image: str, group: int, stage: int, config_hash: str = "") -> Manifest:
+    """The pod of stage `stage` in group `group`: never restarted in place (the group restarts as one)."""
+    source = model_source(spec)
+    name = pod_name(owner, group, stage)
+    meta = metadata(owner, name, "worker", **{LABEL_GROUP: str(group), LABEL_STAGE: str(stage)})
+    meta["annotations"] = {ANNOTATION_CONFIG_HASH: config_hash, "prometheus.io/scrape": "true",
+                           "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+    pod_spec: Manifest = {
+        "restartPolicy": "Never", "hostname": name, "subdomain": stages_service_name(owner),
+        "automountServiceAccountToken": False, "enableServiceLinks": False, "terminationGracePeriodSeconds": 30,
+        "securityContext": pod_security(),
+        "initContainers": make_model_container(spec, image, source),
+        "containers": [stage_container(owner, spec, image, group, stage)],
+        "volumes": [*source.volumes, *scratch_volumes()],
+    }
+    if spec.resources.gpus_per_stage > 0:
+        pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def group_pods(owner: Owner, spec: Spec, image: str, group: int, config_hash: str) -> list[Manifest]:
+    return [stage_pod(owner, spec, image, group, s, config_hash) for s in range(spec.pipeline)]
+
+
+def config_hash(owner: Owner, spec: Spec, image: str) -> str:
+    """Hash of everything a group's pods run (group 0 as the reference); a group whose pods carry another
+    hash is outdated and gets rolled. Replica counts and router settings do not enter it."""
+    pods = [stage_pod(owner, spec, image, 0, s) for s in range(spec.pipeline)]
+    return _hash(pods)
+
+
+def _hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# --- services, router, config --------------------------------------------------------------------
+
+def stages_service(owner: Owner) -> Manifest:
+    """Headless Service giving each stage pod a DNS name; not-ready pods are published because stage 0
+    only becomes ready after the rendezvous that needs its name."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": metadata(owner, stages_service_name(owner), "worker"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker"},
+                     "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": GRPC_PORT},
+                               {"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT},
+                               {"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT}]}}
+
+
+def router_args(owner: Owner, spec: Spec, source: ModelSource) -> list[str]:
+    args = ["--host", "0.0.0.0", "--http-port", str(ROUTER_HTTP_PORT), "--grpc-port", str(ROUTER_GRPC_PORT),
+            "--replica-file", REPLICA_FILE, "--model", source.path,
+            "--served-model-name", served_model_name(owner, spec)]
+    optional = {"--ttft-slo-ms": spec.ttft_slo_ms, "--tbt-slo-ms": spec.tbt_slo_ms,
+                "--redis-url": spec.router.redis_url, "--otlp-endpoint": spec.otlp_endpoint}
+    for flag, value in optional.items():
+        if value is not None:
+            args += [flag, _num(value) if isinstance(value, float | int) else value]
+    return args
+
+
+def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
+    source = model_source(spec)
+    probe = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT}}
+    container = {
+        "name": "router", "image": image, "imagePullPolicy": "IfNotPresent",
+        "command": ["chariot", "router"], "args": router_args(owner, spec, source), "env": base_env(),
+        "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"}],
+        "resources": ROUTER_RESOURCES,
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6, "initialDelaySeconds": 30},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *source.mounts,
+                         *scratch_mounts()],
+    }
+    return {"automountServiceAccountToken": False, "enableServiceLinks": False, "securityContext": pod_security(),
+            "initContainers": make_model_container(spec, image, source), "containers": [container],
+            "volumes": [{"name": "config", "configMap": {"name": config_map_name(owner)}}, *source.volumes,
+                        *scratch_volumes()]}
+
+
+def router_deployment(owner: Owner, spec: Spec, image: str) -> Manifest:
+    selector = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
+    template_meta = {"labels": labels(owner, "router"),
+                     "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_HTTP_PORT),
+                                     "prometheus.io/path": "/metrics"}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, router_name(owner), "router"),
+            "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": {"metadata": template_meta, "spec": router_pod_spec(owner, spec, image)}}}
+
+
+def router_service(owner: Owner) -> Manifest:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(owner, router_name(owner), "router"),
+            "spec": {"type": "ClusterIP", "selector": {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"},
+                     "ports": [{"name": "http", "port": ROUTER_HTTP_PORT, "targetPort": "http"},
+                               {"name": "grpc", "port": ROUTER_GRPC_PORT, "targetPort": "grpc"}]}}
+
+
+def replicas_json(owner: Owner, ready_groups: list[int]) -> str:
+    """The router's `--replica-file`: stage 0 of every ready group."""
+    replicas = [{"name": f"g{g}", "address": group_address(owner, g)} for g in sorted(ready_groups)]
+    return json.dumps({"replicas": replicas}, indent=2, sort_keys=True) + "\n"
+
+
+def resolved_config(owner: Owner, spec: Spec, image: str, hash_: str) -> str:
+    """What the operator resolved from the spec (defaults applied, flags derived), for humans and tools."""
+    source = model_source(spec)
+    config = {"deployment": owner.name, "image": image, "configHash": hash_, "replicas": spec.replicas,
+              "pipelineStages": spec.pipeline, "modelPath": source.path,
+              "servedModelName": served_model_name(owner, spec),
+              "workerArgs": worker_args(owner, spec, source), "routerArgs": router_args(owner, spec, source),
+              "groups": [[stage_host(owner, g, s) for s in range(spec.pipeline)] for g in range(spec.replicas)],
+              "endpoint": endpoint(owner)}
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def config_map(owner: Owner, spec: Spec, image: str, hash_: str, ready_groups: list[int]) -> Manifest:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(owner, config_map_name(owner), "config"),
+            "data": {"replicas.json": replicas_json(owner, ready_groups),
+                     "config.json": resolved_config(owner, spec, image, hash_)}}
+
+
+def shared_objects(owner: Owner, spec: Spec, image: str, hash_: str, ready_groups: list[int]) -> list[Manifest]:
+    """Everything but the stage pods, in the order they are applied."""
+    return [config_map(owner, spec, image, hash_, ready_groups), stages_service(owner),
+            router_deployment(owner, spec, image), router_service(owner)]
+
+
+def shared_object_names(owner: Owner) -> list[tuple[str, str]]:
+    """(kind, name) of every owned object but the stage pods: what `shared_objects` renders, for cleanup."""
+    return [("ConfigMap", config_map_name(owner)), ("Service", stages_service_name(owner)),
+            ("Deployment", router_name(owner)), ("Service", router_name(owner))]
+
+
+def with_applied_hash(manifest: Manifest) -> Manifest:
+    """The manifest annotated with a hash of itself, so a reconcile can tell "already applied" without
+    diffing against server-side defaults."""
+    annotations = dict(manifest["metadata"].get("annotations", {}))
+    annotations[ANNOTATION_APPLIED_HASH] = _hash(manifest)
+    return {**manifest, "metadata": {**manifest["metadata"], "annotations": annotations}}

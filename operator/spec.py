@@ -1,0 +1,233 @@
+"""The ModelDeployment spec as typed, validated Python values.
+
+Why not trust the API server: it applies the CRD schema's defaults and bounds, but the operator also
+runs against servers that did not (an old CRD version, a test emulator), and some rules cannot be
+written in OpenAPI (tensor parallelism not implemented yet, a non-chunking policy with a budget below
+the model length, names too long for pod hostnames). So `parse_spec` applies the CRD schema itself,
+then the cross-field rules, and reports every problem as a `FieldError` naming the field — the text
+that ends up in the `Ready=False` condition.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from chariot.operator import crd
+
+MAX_POD_NAME = 63  # pod hostnames are DNS labels
+# (layers, max_position_embeddings) of `chariot make-model --preset`; tests check them against the presets
+# (the operator image must not need torch to validate a spec).
+PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 2048), "small": (4, 4096), "100m": (8, 8192)}
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One invalid field: `path` is the JSON path from the object root (e.g. `spec.parallelism.tensor`)."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class InvalidSpec(ValueError):
+    """A spec the operator refuses to apply; `errors` name every offending field."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        super().__init__("; ".join(str(e) for e in errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    uri: str
+    name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    policy: str = "sarathi"
+    token_budget: int | None = None
+    max_batch_size: int = 128
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class ResourceSpec:
+    gpus_per_stage: int = 1
+    cpu: str = "2"
+    memory: str = "8Gi"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = 1
+    redis_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A defaulted, validated `.spec` (field names follow the CRD, in snake_case)."""
+
+    model: ModelSpec
+    replicas: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+    scheduler: SchedulerSpec = SchedulerSpec()
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    resources: ResourceSpec = ResourceSpec()
+    image: str | None = None
+    router: RouterSpec = RouterSpec()
+    otlp_endpoint: str | None = None
+
+
+# --- the CRD schema, applied locally -------------------------------------------------------------
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fill `default`s the way the API server does (an absent object with a default becomes it, recursively)."""
+    if not isinstance(value, dict) or "properties" not in schema:
+        return value
+    out = dict(value)
+    for key, sub in schema["properties"].items():
+        if key not in out and "default" in sub:
+            out[key] = _copy(sub["default"])
+        if key in out:
+            out[key] = apply_defaults(sub, out[key])
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    return list(value) if isinstance(value, list) else value
+
+
+def schema_errors(schema: dict[str, Any], value: Any, path: str) -> list[FieldError]:
+    """What the API server's validation would reject: types, required fields, enums, bounds, patterns."""
+    kind_error = _type_error(schema, value)
+    if kind_error:
+        return [FieldError(path, kind_error)]
+    errors = _value_errors(schema, value, path)
+    if isinstance(value, dict):
+        errors += [FieldError(f"{path}.{k}", "is required") for k in schema.get("required", []) if k not in value]
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                errors += schema_errors(sub, value[key], f"{path}.{key}")
+    return errors
+
+
+def _type_error(schema: dict[str, Any], value: Any) -> str | None:
+    if schema.get("x-kubernetes-int-or-string"):
+        ok = isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+        return None if ok else f"must be an integer or a string, got {value!r}"
+    expected = schema.get("type")
+    checks = {
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+        "string": lambda v: isinstance(v, str),
+        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+    }
+    if expected is None or checks[expected](value):
+        return None
+    return f"must be of type {expected}, got {value!r}"
+
+
+def _value_errors(schema: dict[str, Any], value: Any, path: str) -> list[FieldError]:
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(FieldError(path, f"must be one of {', '.join(map(str, schema['enum']))}, got {value!r}"))
+    if "minimum" in schema and isinstance(value, int | float) and value < schema["minimum"]:
+        errors.append(FieldError(path, f"must be >= {schema['minimum']}, got {value}"))
+    if "maximum" in schema and isinstance(value, int | float) and value > schema["maximum"]:
+        errors.append(FieldError(path, f"must be <= {schema['maximum']}, got {value}"))
+    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+        errors.append(FieldError(path, f"{value!r} does not match {schema['pattern']}"))
+    if "maxLength" in schema and isinstance(value, str) and len(value) > schema["maxLength"]:
+        errors.append(FieldError(path, f"must be at most {schema['maxLength']} characters"))
+    return errors
+
+
+# --- rules OpenAPI cannot express ----------------------------------------------------------------
+
+def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
+    """Cross-field and not-yet-supported settings, each naming its field."""
+    errors = []
+    if spec.tensor != 1:
+        errors.append(FieldError("spec.parallelism.tensor", f"tensor parallelism inside a stage is not supported "
+                                                             f"yet; must be 1, got {spec.tensor}"))
+    s = spec.scheduler
+    if s.policy != "sarathi" and s.token_budget is not None and spec.model.max_model_len is not None \
+            and s.token_budget < spec.model.max_model_len:
+        errors.append(FieldError("spec.scheduler.tokenBudget",
+                                 f"policy {s.policy!r} does not chunk prompts, so tokenBudget must be >= "
+                                 f"spec.model.maxModelLen ({spec.model.max_model_len}), got {s.token_budget}"))
+    return errors + preset_errors(spec) + name_errors(name, spec)
+
+
+def preset_errors(spec: Spec) -> list[FieldError]:
+    """For `preset://` models the shape is known here, so a pipeline longer than the model is caught early."""
+    if not spec.model.uri.startswith("preset://"):
+        return []
+    preset = spec.model.uri.removeprefix("preset://")
+    layers, max_len = PRESET_SHAPES[preset]
+    errors = []
+    if spec.pipeline > layers:
+        errors.append(FieldError("spec.parallelism.pipeline", f"must be <= the {layers} layers of {spec.model.uri} "
+                                                               f"(every stage needs a layer), got {spec.pipeline}"))
+    if spec.model.max_model_len is not None and spec.model.max_model_len > max_len:
+        errors.append(FieldError("spec.model.maxModelLen", f"must be <= {max_len} (max_position_embeddings of "
+                                                            f"{spec.model.uri}), got {spec.model.max_model_len}"))
+    return errors
+
+
+def name_errors(name: str, spec: Spec) -> list[FieldError]:
+    """Names derived from metadata.name must be valid: `<name>-stages` is a Service (DNS-1035 label),
+    `<name>-g<g>-s<s>` a pod hostname (DNS label, at most 63 characters)."""
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        return [FieldError("metadata.name", f"{name!r} must start with a letter and contain only lower-case "
+                                            "letters, digits and '-' (it names Services and pod hostnames)")]
+    longest = f"{name}-g{max(spec.replicas - 1, 0)}-s{spec.pipeline - 1}"
+    if len(longest) > MAX_POD_NAME:
+        return [FieldError("metadata.name", f"is too long: pod hostname {longest!r} would exceed "
+                                            f"{MAX_POD_NAME} characters")]
+    return []
+
+
+# --- parse ---------------------------------------------------------------------------------------
+
+def parse_spec(raw: Any, name: str) -> Spec:
+    """Defaulted and validated spec of the ModelDeployment `name`; raises `InvalidSpec` naming every bad field."""
+    schema = crd.spec_schema()
+    value = apply_defaults(schema, raw if raw is not None else {})
+    errors = schema_errors(schema, value, "spec")
+    if errors:
+        raise InvalidSpec(errors)
+    spec = _from_dict(value)
+    errors = semantic_errors(spec, name)
+    if errors:
+        raise InvalidSpec(errors)
+    return spec
+
+
+def _from_dict(v: dict[str, Any]) -> Spec:
+    m, p, s, slo, r = v["model"], v["parallelism"], v["scheduler"], v["slo"], v["resources"]
+    router = v["router"]
+    return Spec(
+        model=ModelSpec(uri=m["uri"], name=m.get("name"), dtype=m["dtype"], max_model_len=m.get("maxModelLen")),
+        replicas=v["replicas"], pipeline=p["pipeline"], tensor=p["tensor"],
+        scheduler=SchedulerSpec(policy=s["policy"], token_budget=s.get("tokenBudget"),
+                                max_batch_size=s["maxBatchSize"], block_size=s["blockSize"]),
+        ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
+        resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"])),
+        image=v.get("image"),
+        router=RouterSpec(replicas=router["replicas"], redis_url=(router.get("redis") or {}).get("url")),
+        otlp_endpoint=v["observability"].get("otlpEndpoint"),
+    )

@@ -1,0 +1,126 @@
+"""Full local end to end (slow): `kubectl apply` → operator → pods run as processes → a streamed completion.
+
+The same path as on a cluster, with the kubelet replaced by `LocalRuntime` (tests/e2e/kubelet.py):
+`kubectl apply` of a 2-stage ModelDeployment of the tiny preset; the operator renders the stage pods,
+the headless Service, the router Deployment and the ConfigMap; the test kubelet runs each pod's init
+container (`chariot make-model ... --preset tiny`, i.e. `make_model`) and container as local
+processes — env and flags remapped to loopback and free ports, the ConfigMap projected into files
+(the mapping table is in kubelet.py) — and reports readiness from the pods' own probes; the operator
+turns the ready group into `replicas.json`, the router picks it up, and a completion streams
+through the router's OpenAI endpoint. Then a real Prometheus scrapes the router and both stages,
+and every panel query of the Grafana dashboard must return data.
+
+`$CHARIOT_E2E_COMMAND` (shell words) replaces the `chariot` entry point the pods run, if needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.cluster import Cluster, make_cluster, operator_process
+from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot
+from tests.prometheus import PrometheusServer, PrometheusUnavailable, find_prometheus
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "local"
+MANIFEST: dict[str, Any] = {
+    "apiVersion": "chariot.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": NAME},
+    "spec": {"model": {"uri": "preset://tiny", "dtype": "float32"}, "replicas": 1,
+             "parallelism": {"pipeline": 2},
+             "scheduler": {"policy": "sarathi", "tokenBudget": 64, "maxBatchSize": 8},
+             "slo": {"ttftMs": 60000, "tbtMs": 10000},  # CPU: never shed the test's requests
+             "resources": {"gpusPerStage": 0, "cpu": "1", "memory": "2Gi"}, "router": {"replicas": 1}},
+}
+
+
+def chariot_command() -> list[str]:
+    override = os.environ.get("CHARIOT_E2E_COMMAND")
+    return shlex.split(override) if override else which_chariot()
+
+
+class Deployment:
+    def __init__(self, cluster: Cluster, runtime: LocalRuntime) -> None:
+        self.cluster, self.runtime = cluster, runtime
+
+    def pod_names(self, component: str) -> list[str]:
+        return sorted(p["metadata"]["name"] for p in self.cluster.list(
+            "Pod", f"chariot.dev/deployment={NAME},app.kubernetes.io/component={component}"))
+
+    def router_http(self) -> str:
+        (router,) = self.pod_names("router")
+        return f"127.0.0.1:{self.runtime.port(router, 8000)}"
+
+    def stage_metrics(self) -> list[str]:
+        return [f"127.0.0.1:{self.runtime.port(p, 9400)}" for p in self.pod_names("worker")]
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("local-e2e")
+    with make_cluster(tmp, "local") as cluster:
+        runtime = LocalRuntime(cluster.kube, tmp / "pods", chariot=chariot_command())
+        with TestKubelet(cluster.kube, cluster.namespace, runtime, poll_s=0.2), \
+                operator_process(cluster, tmp / "operator.log"):
+            cluster.apply(MANIFEST)
+            try:
+                cluster.wait_ready(NAME, timeout=240)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n--- pod logs ---\n{runtime.logs()}") from None
+            yield Deployment(cluster, runtime)
+            cluster.kubectl("delete", "mdep", NAME, "-n", cluster.namespace, "--timeout=60s")
+            cluster.wait_for("stage pods gone", lambda: not cluster.list("Pod", f"chariot.dev/deployment={NAME}"))
+
+
+def complete(router: str, prompt: str, max_tokens: int = 8, stream: bool = True) -> list[dict[str, Any]]:
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": stream}).encode()
+    request = urllib.request.Request(f"http://{router}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as resp:
+        if not stream:
+            return [json.loads(resp.read())]
+        events = [line.decode().removeprefix("data: ").strip() for line in resp if line.startswith(b"data: ")]
+    assert events and events[-1] == "[DONE]", events
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_completion_streams_through_the_router(deployment: Deployment) -> None:
+    status = deployment.cluster.mdep(NAME)["status"]
+    assert (status["readyReplicas"], status["groups"][0]["phase"]) == (1, "Ready")
+    chunks = complete(deployment.router_http(), "The quick brown fox", max_tokens=8)
+    text = "".join(c["choices"][0].get("text", "") for c in chunks if c.get("choices"))
+    finish = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    assert len(chunks) >= 2 and text, chunks
+    assert finish[-1] in ("length", "stop")
+
+
+def test_every_dashboard_panel_returns_data_from_prometheus(deployment: Deployment) -> None:
+    try:
+        binary = find_prometheus()
+    except PrometheusUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    dashboard = json.loads((ROOT / "charts/chariot/dashboards/chariot-serving.json").read_text())
+    targets = {"router": [deployment.router_http()], "stages": deployment.stage_metrics()}
+    with PrometheusServer(targets, scrape_interval_s=0.5, binary=binary) as prom:
+        prom.wait_for("up", lambda r: len(r) == 3 and all(s["value"][1] == "1" for s in r), timeout=30)
+        router = deployment.router_http()
+        for i in range(6):  # traffic across two scrapes, so rate() over the window sees it
+            complete(router, f"Request number {i} says", max_tokens=12, stream=i % 2 == 0)
+            time.sleep(0.3)
+        prom.wait_for_scrape()
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                for component in (["router", "worker"] if "$component" in target["expr"] else ["-"]):
+                    expr = (target["expr"].replace("$__rate_interval", "1m").replace("$component", component)
+                            .replace("$model", ".*"))
+                    prom.wait_for(expr, bool, timeout=20)

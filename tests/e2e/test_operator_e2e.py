@@ -1,0 +1,210 @@
+"""The operator end to end: real kubectl, the operator process, an emulated API server, a test kubelet.
+
+Each test applies its own ModelDeployment (a renamed copy of examples/modeldeployment.yaml) and
+watches the operator drive it through the API alone — what DESIGN.md §6 promises: objects owned by
+the deployment, Ready status, gang restarts, scaling by group, rollouts one group at a time,
+invalid specs reported by field with nothing applied, cleanup through the finalizer.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from chariot.operator import crd
+from chariot.operator.render import ANNOTATION_CONFIG_HASH
+from tests.e2e.cluster import EXAMPLE, Cluster, example
+from tests.e2e.kubelet import FakeRuntime
+
+pytestmark = pytest.mark.usefixtures("operator")
+
+
+def pods(cluster: Cluster, name: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in cluster.list("Pod", f"chariot.dev/deployment={name},"
+                                                                  "app.kubernetes.io/component=worker")}
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in (pod.get("status") or {}).get("conditions", []))
+
+
+def owned_objects(cluster: Cluster, name: str) -> dict[str, dict[str, Any] | None]:
+    return {"pod g0-s0": cluster.get("Pod", f"{name}-g0-s0"), "pod g0-s1": cluster.get("Pod", f"{name}-g0-s1"),
+            "stages service": cluster.get("Service", f"{name}-stages"),
+            "router service": cluster.get("Service", f"{name}-router"),
+            "router deployment": cluster.get("Deployment", f"{name}-router"),
+            "config map": cluster.get("ConfigMap", f"{name}-config")}
+
+
+def test_applying_the_example_creates_owned_objects_and_becomes_ready(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "-n", cluster.namespace, "-f", str(EXAMPLE))
+    mdep = cluster.wait_ready("tiny")
+    uid = mdep["metadata"]["uid"]
+    objects = owned_objects(cluster, "tiny")
+    for what, obj in objects.items():
+        assert obj is not None, what
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == uid, what
+    stage1 = objects["pod g0-s1"]
+    assert stage1 is not None
+    env = {e["name"]: e["value"] for e in stage1["spec"]["containers"][0]["env"]}
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == f"tiny-g0-s0.tiny-stages.{cluster.namespace}.svc"
+    assert stage1["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    status = mdep["status"]
+    assert (status["replicas"], status["readyReplicas"], status["observedGeneration"]) == (1, 1, 1)
+    assert status["endpoint"] == f"http://tiny-router.{cluster.namespace}.svc:8000"
+    assert status["groups"][0]["phase"] == "Ready"
+    replicas = json.loads(objects["config map"]["data"]["replicas.json"])["replicas"]  # type: ignore[index]
+    assert replicas == [{"name": "g0", "address": f"tiny-g0-s0.tiny-stages.{cluster.namespace}.svc:50061"}]
+    table = cluster.kubectl("get", "mdep", "tiny", "-n", cluster.namespace).stdout.split("\n")
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "STAGES", "POLICY", "AGE"]
+    assert table[1].split()[:5] == ["tiny", "True", "1", "2", "sarathi"]
+
+
+def test_reconcile_is_idempotent_once_ready(cluster: Cluster) -> None:
+    cluster.apply(example("steady"))
+    cluster.wait_ready("steady")
+    time.sleep(1.5)  # let in-flight passes settle
+
+    def versions() -> dict[str, str]:
+        objs = {**owned_objects(cluster, "steady"), "mdep": cluster.get(crd.KIND, "steady")}
+        return {k: v["metadata"]["resourceVersion"] for k, v in objs.items() if v is not None}
+
+    before = versions()
+    time.sleep(3.5)  # > 3 resync periods of 1 s, plus pod events of the kubelet's status writes
+    assert versions() == before
+
+
+def test_deleting_one_stage_pod_recreates_the_whole_group(cluster: Cluster) -> None:
+    cluster.apply(example("gang", replicas=2))
+    cluster.wait_ready("gang")
+    old = {n: p["metadata"]["uid"] for n, p in pods(cluster, "gang").items()}
+    cluster.kubectl("delete", "pod", "gang-g0-s1", "-n", cluster.namespace, "--wait=false")
+
+    def group0_recreated() -> bool:
+        now = pods(cluster, "gang")
+        return all(n in now and now[n]["metadata"]["uid"] != old[n] and is_ready(now[n])
+                   for n in ("gang-g0-s0", "gang-g0-s1"))
+    cluster.wait_for("group 0 recreated with new pods", group0_recreated)
+    now = pods(cluster, "gang")
+    assert [now[n]["metadata"]["uid"] for n in ("gang-g1-s0", "gang-g1-s1")] == \
+        [old["gang-g1-s0"], old["gang-g1-s1"]], "group 1 must be left alone"
+    status = cluster.wait_ready("gang")["status"]
+    assert status["groups"][0]["restarts"] == 1 and status["groups"][1]["restarts"] == 0
+
+
+def test_a_failed_stage_pod_restarts_its_group_after_backoff(cluster: Cluster, fake_kubelet: FakeRuntime) -> None:
+    cluster.apply(example("crash"))
+    cluster.wait_ready("crash")
+    old = {n: p["metadata"]["uid"] for n, p in pods(cluster, "crash").items()}
+    fake_kubelet.fail("crash-g0-s0")
+    degraded = cluster.wait_for("Degraded=True", lambda: cluster.condition("crash", "Degraded").get("status") == "True"
+                                and cluster.condition("crash", "Degraded"))
+    assert degraded["reason"] == "GroupRestarting" and "crash-g0-s0 failed" in degraded["message"]
+    fake_kubelet.failed.clear()
+    cluster.wait_for("both pods replaced", lambda: all(
+        p["metadata"]["uid"] not in old.values() for p in pods(cluster, "crash").values())
+        and len(pods(cluster, "crash")) == 2)
+    cluster.wait_ready("crash")
+    assert cluster.condition("crash", "Degraded")["status"] == "False"
+
+
+def test_patching_replicas_scales_by_group(cluster: Cluster) -> None:
+    cluster.apply(example("scale"))
+    cluster.wait_ready("scale")
+    cluster.kubectl("patch", "mdep", "scale", "-n", cluster.namespace, "--type=merge", "-p", '{"spec":{"replicas":3}}')
+    status = cluster.wait_ready("scale")["status"]
+    assert (status["replicas"], status["readyReplicas"]) == (3, 3)
+    assert sorted(pods(cluster, "scale")) == [f"scale-g{g}-s{s}" for g in range(3) for s in range(2)]
+    data = cluster.get("ConfigMap", "scale-config")["data"]  # type: ignore[index]
+    assert [r["name"] for r in json.loads(data["replicas.json"])["replicas"]] == ["g0", "g1", "g2"]
+    cluster.kubectl("scale", "mdep", "scale", "-n", cluster.namespace, "--replicas=1")  # the scale subresource
+    cluster.wait_for("groups 1 and 2 removed", lambda: sorted(pods(cluster, "scale")) == ["scale-g0-s0", "scale-g0-s1"])
+    status = cluster.wait_ready("scale")["status"]
+    assert (status["replicas"], status["readyReplicas"], len(status["groups"])) == (1, 1, 1)
+
+
+def test_changing_the_token_budget_rolls_one_group_at_a_time(cluster: Cluster) -> None:
+    cluster.apply(example("roll", replicas=2))
+    old_hash = cluster.wait_ready("roll")["status"]["configHash"]
+    start = cluster.emulator.position()
+    cluster.kubectl("patch", "mdep", "roll", "-n", cluster.namespace, "--type=merge",
+                    "-p", '{"spec":{"scheduler":{"tokenBudget":128}}}')
+    status = cluster.wait_for("rollout complete", lambda: (s := cluster.mdep("roll").get("status") or {})
+                              and s.get("configHash") != old_hash and s.get("updatedReplicas") == 2
+                              and s.get("readyReplicas") == 2 and s.get("observedGeneration") == 2 and s)
+    for pod in pods(cluster, "roll").values():
+        args = pod["spec"]["containers"][0]["args"]
+        assert args[args.index("--token-budget") + 1] == "128"
+        assert pod["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == status["configHash"]
+    # Replay the pod events: at no moment may both groups be unavailable.
+    available = {0: True, 1: True}
+    ready_pods: dict[str, bool] = {}
+    order = []
+    for event in cluster.emulator.events_since(start, "pods"):
+        meta = event["object"]["metadata"]
+        if not meta["name"].startswith("roll-g"):
+            continue
+        group = int(meta["labels"]["chariot.dev/group"])
+        ready_pods[meta["name"]] = event["type"] != "DELETED" and is_ready(event["object"])
+        was = available[group]
+        available[group] = all(ready_pods.get(f"roll-g{group}-s{s}", False) for s in range(2))
+        if was and not available[group]:
+            order.append(group)
+        assert any(available.values()), f"both groups down at once after {event['type']} {meta['name']}"
+    assert order == [0, 1], f"groups went down in order {order}"
+
+
+def test_invalid_spec_is_reported_by_field_and_applies_nothing(cluster: Cluster) -> None:
+    bad = example("bad")
+    bad["spec"]["parallelism"] = {"pipeline": 2, "tensor": 2}
+    cluster.apply(bad)
+    cond = cluster.wait_for("Ready=False", lambda: cluster.condition("bad", "Ready").get("status") == "False"
+                            and cluster.condition("bad", "Ready"))
+    assert cond["reason"] == "InvalidSpec" and "spec.parallelism.tensor" in cond["message"]
+    assert not any(owned_objects(cluster, "bad").values()), "nothing may be created for an invalid spec"
+
+    cluster.apply(example("keep"))
+    uids = {n: p["metadata"]["uid"] for n, p in pods(cluster, "keep").items()} if cluster.wait_ready("keep") else {}
+    cluster.kubectl("patch", "mdep", "keep", "-n", cluster.namespace, "--type=merge",
+                    "-p", '{"spec":{"scheduler":{"policy":"vllm","tokenBudget":64},"model":{"maxModelLen":1024}}}')
+    cond = cluster.wait_for("Ready=False", lambda: cluster.condition("keep", "Ready").get("reason") == "InvalidSpec"
+                            and cluster.condition("keep", "Ready"))
+    assert "spec.scheduler.tokenBudget" in cond["message"]
+    time.sleep(1.5)
+    assert {n: p["metadata"]["uid"] for n, p in pods(cluster, "keep").items()} == uids, "no half-applied state"
+    cluster.kubectl("patch", "mdep", "keep", "-n", cluster.namespace, "--type=merge",
+                    "-p", '{"spec":{"scheduler":{"tokenBudget":1024}}}')
+    cluster.wait_ready("keep")
+
+
+def test_kubectl_delete_runs_cleanup_and_removes_the_finalizer(cluster: Cluster) -> None:
+    cluster.apply(example("bye"))
+    mdep = cluster.wait_ready("bye")
+    assert f"{crd.GROUP}/cleanup" in mdep["metadata"]["finalizers"]
+    result = cluster.kubectl("delete", "mdep", "bye", "-n", cluster.namespace, "--timeout=30s")
+    assert "deleted" in result.stdout
+    cluster.wait_for("the ModelDeployment gone", lambda: cluster.get(crd.KIND, "bye") is None)
+    # The emulator has no garbage collector: everything gone means the operator's cleanup deleted it.
+    assert not any(owned_objects(cluster, "bye").values())
+    assert pods(cluster, "bye") == {}
+
+
+def test_kubectl_get_shows_status_columns(cluster: Cluster) -> None:
+    cluster.apply(example("cols", replicas=2))
+    cluster.wait_ready("cols")
+    wide = cluster.kubectl("get", "mdep", "cols", "-n", cluster.namespace, "-o", "wide").stdout.split("\n")
+    assert wide[0].split() == ["NAME", "READY", "REPLICAS", "AVAILABLE", "STAGES", "POLICY", "ENDPOINT", "AGE"]
+    assert wide[1].split()[:7] == ["cols", "True", "2", "2", "2", "sarathi",
+                                   f"http://cols-router.{cluster.namespace}.svc:8000"]
+
+
+def test_operator_help_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "chariot.operator", "--help"], capture_output=True, text=True,
+                         check=True)
+    assert "--namespace" in out.stdout
