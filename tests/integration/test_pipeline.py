@@ -94,14 +94,14 @@ def run_victim(model_dir: Path, timeout_s: float) -> tuple[subprocess.Popen, lis
     return proc, pids
 
 
-def finish_victim(proc: subprocess.Popen, limit_s: float) -> tuple[int, list[dict], list, float]:
+def finish_victim(proc: subprocess.Popen, limit_s: float) -> tuple[int, list[dict], list, float, str]:
     t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=limit_s)
+    out, err = proc.communicate(timeout=limit_s)
     elapsed = time.monotonic() - t0
     finished = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     codes = next((json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
                   if line.startswith("CHILD_CODES")), None)
-    return proc.returncode, finished, codes, elapsed
+    return proc.returncode, finished, codes, elapsed, err
 
 
 def pid_gone(pid: int) -> bool:
@@ -116,17 +116,18 @@ def pid_gone(pid: int) -> bool:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_dead_or_silent_stage_fails_requests_and_exits(small_model_dir, how):
-    timeout_s = 3.0
+    timeout_s = 5.0
     proc, (stage1, stage2) = run_victim(small_model_dir, timeout_s)
     try:
-        os.kill(stage1, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        code, finished, child_codes, elapsed = finish_victim(proc, limit_s=60)
+        with contextlib.suppress(ProcessLookupError):  # on an overloaded machine it may have timed out already
+            os.kill(stage1, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        code, finished, child_codes, elapsed, err = finish_victim(proc, limit_s=60)
     finally:
         proc.kill()
         for pid in (stage1, stage2):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    assert code == 3, "stage 0 must exit non-zero when its pipeline breaks"
+    assert code == 3, f"stage 0 must fail its requests and exit 3; stderr:\n{err[-3000:]}"
     assert len(finished) == 4
     for req in finished:
         assert req["reason"] == "error" and "pipeline stage" in req["error"]

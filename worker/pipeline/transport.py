@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -107,9 +108,7 @@ class StageLink:
         self._reap()
         wire = [t.to(self.device).contiguous() for t in tensors]
         for t in wire:
-            work = dist.isend(t, dst)
-            if work is None:
-                raise PipelineError(f"cannot send to stage {dst}")
+            work = self._start(partial(dist.isend, t, dst), dst, "send to")
             self._sends.append((work, wire))
         while len(self._sends) > MAX_PENDING_SENDS:
             self._wait(self._sends.popleft()[0], dst, "send to")
@@ -117,9 +116,7 @@ class StageLink:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, timeout: datetime.timedelta | None = None,
              ) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buf, src)
-        if work is None:
-            raise PipelineError(f"cannot receive from stage {src}")
+        work = self._start(lambda: dist.irecv(buf, src), src, "receive from")
         self._wait(work, src, "receive from", timeout)
         return buf
 
@@ -136,14 +133,27 @@ class StageLink:
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
+    def _start(self, op: Callable[[], dist.Work | None], peer: int, what: str) -> dist.Work:
+        """Post a send/receive; a peer that is already gone can make posting itself fail."""
+        try:
+            work = op()
+        except RuntimeError as exc:
+            raise self._broken(peer, what, exc) from exc
+        if work is None:
+            raise PipelineError(f"pipeline stage {self.topo.rank} cannot {what} stage {peer}")
+        return work
+
+    def _broken(self, peer: int, what: str, exc: BaseException, limit: datetime.timedelta | None = None,
+                ) -> PipelineError:
+        who = f"stage {peer}" if peer >= 0 else "a peer stage"
+        within = f" within {limit.total_seconds():.0f}s" if limit is not None else ""
+        return PipelineError(f"pipeline stage {self.topo.rank} could not {what} {who}{within}: "
+                             f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+
     def _wait(self, work: dist.Work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
         limit = timeout or self.timeout
         try:
             if not work.wait(limit):
                 raise RuntimeError("timed out")
         except RuntimeError as exc:
-            who = f"stage {peer}" if peer >= 0 else "a peer stage"
-            raise PipelineError(
-                f"pipeline stage {self.topo.rank} could not {what} {who} within "
-                f"{limit.total_seconds():.0f}s: {str(exc).splitlines()[0][:200]}"
-            ) from exc
+            raise self._broken(peer, what, exc, limit) from exc
