@@ -53,7 +53,10 @@ lint: $(STAMP)
 	for d in $(PACKAGES); do ln -s ../../../$$d build/typecheck/chariot/$$d; done
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p chariot
 
-bench: $(STAMP)
+models/100m/config.json: | $(STAMP)
+	$(BIN)/chariot make-model models/100m --preset 100m
+
+bench: $(STAMP) models/100m/config.json
 	$(BIN)/python -m chariot.bench.engine_bench --model models/100m
 
 clean:
