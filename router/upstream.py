@@ -8,8 +8,9 @@ seam between them:
   replica shares it), created on first use and closed when the replica leaves the registry or
   changes address — after a grace period, so requests still streaming from it can finish.
 - `StatsPoller` calls every replica's `Stats` RPC every `interval_s` and feeds the reports to the
-  registry (`update_load`), or forgets the last one when a call fails (`clear_load`); a replica is
-  therefore ready from its first answered Stats and not ready once it stops answering.
+  registry (`update_load`). A replica is ready from its first answered Stats. When a poll fails
+  because the replica is unreachable its report is dropped at once (`clear_load`); when it merely
+  times out (a long iteration) the last report stands until it is `stats_staleness_s` old.
 - `upstream_error` turns a worker's gRPC status into the router's own exception, so both fronts map
   it through the one `error_status()` table: a worker's INVALID_ARGUMENT stays an
   `InvalidRequestError` naming the same field; anything else means the replica could not serve the
@@ -151,6 +152,8 @@ class StatsPoller:
         return True
 
     def _failed(self, name: str, exc: Exception) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return  # busy, not gone: the registry's staleness limit decides readiness
         self._registry.clear_load(name)
         if self._latest.pop(name, None) is not None:
             detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)

@@ -121,6 +121,9 @@ class AsyncEngine:
         self._engine: Engine | None = None
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._meter = PrefillMeter()  # engine thread only
+        # Load report refreshed by the engine thread after every step and command batch, so Stats
+        # is answered at once even while a long iteration runs (routers poll it with short deadlines).
+        self._snapshot: EngineStats | None = None
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._failed: str | None = None
         self._dead: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -196,8 +199,10 @@ class AsyncEngine:
         return await self._call(lambda: self._abort_now(request_id))
 
     async def stats(self) -> EngineStats:
-        """The engine's load report, with `extra["prefill_tokens_per_s"]` filled in."""
-        return await self._call(self._stats_now)
+        """The engine's load report, with `extra["prefill_tokens_per_s"]` filled in; never waits for
+        an iteration to finish (it is the snapshot taken after the latest step or command)."""
+        snapshot = self._snapshot
+        return snapshot if snapshot is not None else await self._call(self._stats_now)
 
     # ---- command plumbing (any thread) -------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:
@@ -273,6 +278,7 @@ class AsyncEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
+                self._refresh_snapshot()
                 return True
 
     @staticmethod
@@ -301,6 +307,7 @@ class AsyncEngine:
         if self._observer is not None:
             self._observer(engine, outputs)
         self._deliver(outputs)
+        self._refresh_snapshot()
 
     @staticmethod
     def _check_health(engine: Engine) -> list[RequestOutput]:
@@ -342,6 +349,10 @@ class AsyncEngine:
         if out is not None:
             self._deliver([out])
         return out
+
+    def _refresh_snapshot(self) -> None:
+        if self._engine is not None:
+            self._snapshot = self._stats_now()
 
     def _stats_now(self) -> EngineStats:
         stats = self.engine.stats()

@@ -174,6 +174,7 @@ def _generate_offline(args: argparse.Namespace, params: SamplingParams) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chariot", description="Chariot: LLM serving with Sarathi-Serve scheduling")
     sub = parser.add_subparsers(dest="command", required=True)
+    from chariot.bench.capacity_cli import add_bench_parser
     from chariot.operator.cli import add_operator_parser
     from chariot.router.app import add_router_parser
 
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     add_router_parser(sub)
     add_operator_parser(sub)
+    add_bench_parser(sub)
     _add_up(sub)
     _add_generate(sub)
     return parser
