@@ -18,9 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
 from chariot.router.upstream import DEFAULT_STATS_INTERVAL_S
 from chariot.worker.errors import ConfigError
-from chariot.worker.grpc_common import SERVICE_NAME
+from chariot.worker.grpc_common import SERVICE_NAME, host_port, stop_on_signals
 from chariot.worker.telemetry import setup_telemetry
 from chariot.worker.tokenizer import Tokenizer
 
@@ -92,11 +90,11 @@ async def run_router(
             _cancel_on_exit(stack, registry.start_watching(config.replica_poll_s))
         bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, grpc_port, grace_s))
         bound_http = await stack.enter_async_context(_http_front(dataplane, host, http_port, grace_s))
-        print(f"chariot router ready http={_hostport(host, bound_http)} grpc={_hostport(host, bound_grpc)}", flush=True)
+        print(f"chariot router ready http={host_port(host, bound_http)} grpc={host_port(host, bound_grpc)}", flush=True)
         log.info("router serving %s over %d replica(s)", served_model, len(registry.names()))
         if ready is not None:
             ready(bound_http, bound_grpc)
-        with _signals_set(stop):
+        with stop_on_signals(stop):
             await stop.wait()
         log.info("router shutting down")
     return EXIT_OK
@@ -147,7 +145,7 @@ async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float
         while not server.started:
             if task.done():
                 task.result()  # re-raise why it stopped
-                raise ConfigError("http_port", f"the HTTP server on {_hostport(host, port)} did not start")
+                raise ConfigError("http_port", f"the HTTP server on {host_port(host, port)} did not start")
             await asyncio.sleep(0.01)
         yield int(sock.getsockname()[1])
     finally:
@@ -172,7 +170,7 @@ def bind_http(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise ConfigError("http_port", f"cannot listen on {_hostport(host, port)}: {exc}") from exc
+        raise ConfigError("http_port", f"cannot listen on {host_port(host, port)}: {exc}") from exc
     return sock
 
 
@@ -182,27 +180,6 @@ def _cancel_on_exit(stack: contextlib.AsyncExitStack, task: asyncio.Task[Any]) -
         await asyncio.gather(task, return_exceptions=True)
 
     stack.push_async_callback(cancel)
-
-
-def _hostport(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM/SIGINT set `stop` (only possible on the main thread; elsewhere `stop` is the only way)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
 
 
 # ---- the `chariot router` subcommand ------------------------------------------------------------

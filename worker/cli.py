@@ -112,7 +112,6 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--redis-url", default=None, help="shared router state (optional)")
     p.add_argument("--ttft-slo-ms", type=float, default=None)
-    p.add_argument("--tbt-slo-ms", type=float, default=None)
     p.add_argument("--served-model-name", default=None)
     p.set_defaults(handler=_run_up)
 
@@ -175,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chariot", description="Chariot: LLM serving with Sarathi-Serve scheduling")
     sub = parser.add_subparsers(dest="command", required=True)
     from chariot.bench.capacity_cli import add_bench_parser
+    from chariot.bench.tune import add_tune_parser
     from chariot.operator.cli import add_operator_parser
     from chariot.router.app import add_router_parser
 
@@ -183,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_operator_parser(sub)
     add_bench_parser(sub)
+    add_tune_parser(sub)
     _add_up(sub)
     _add_generate(sub)
     return parser

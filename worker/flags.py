@@ -14,6 +14,11 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default sarathi)")
     g.add_argument("--token-budget", type=int, default=None,
                    help="tokens per iteration (default: 512 for sarathi, max_model_len otherwise)")
+    g.add_argument("--tbt-slo-ms", type=float, default=None,
+                   help="derive sarathi's token budget from this P99 TBT SLO and the `chariot tune` profile "
+                        "(instead of --token-budget)")
+    g.add_argument("--tune-profile", default=None,
+                   help="profile written by `chariot tune` (default ~/.cache/chariot/tune/<model>-<dtype>.json)")
     g.add_argument("--max-batch-size", type=int, default=128)
     g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
@@ -30,9 +35,15 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine configuration; `--tbt-slo-ms` is resolved into a token budget here, once, so child
+    stages receive the resolved `--token-budget`."""
+    from chariot.worker.budget import budget_from_flags
+
     split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
+    budget = budget_from_flags(args.model, args.dtype, args.policy, args.token_budget, args.tbt_slo_ms,
+                               args.tune_profile)
     return EngineConfig(
-        model=args.model, policy=args.policy, token_budget=args.token_budget, max_batch_size=args.max_batch_size,
+        model=args.model, policy=args.policy, token_budget=budget, max_batch_size=args.max_batch_size,
         pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,

@@ -1,11 +1,16 @@
-"""gRPC plumbing shared by the worker and the router servers: assembling a `chariot.v1.Generation`
-server with health and reflection, binding, health updates, and ending a call with the status
-`error_status()` gives an exception (the one error mapping, DESIGN.md §4)."""
+"""Server plumbing shared by the worker and the router: assembling a `chariot.v1.Generation` gRPC
+server with health and reflection, binding, health updates, ending a call with the status
+`error_status()` gives an exception (the one error mapping, DESIGN.md §4), and stopping on signals."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -31,9 +36,31 @@ def generation_server(servicer: Any) -> tuple[grpc.aio.Server, Any]:
     return server, health_servicer
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with IPv6 hosts bracketed."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM/SIGINT set `stop` (only possible on the main thread; elsewhere `stop` is the only way)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
 def bind(server: grpc.aio.Server, host: str, port: int, field: str = "port") -> int:
     """Bind an insecure port; returns the actual port (useful with port 0). `field` names the flag."""
-    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    address = host_port(host, port)
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as exc:

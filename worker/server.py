@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -24,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.async_engine import AsyncEngine, StepObserver
 from chariot.worker.engine import Engine
-from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health
+from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health, stop_on_signals
 from chariot.worker.wire import request_from_proto, response_from_output, stats_to_proto
 
 log = logging.getLogger(__name__)
@@ -100,7 +98,7 @@ async def serve(
         log.info("worker listening on %s:%d (model %s)", host, bound, served_model)
         if ready is not None:
             ready(bound)
-        with _signals_set(stop):
+        with stop_on_signals(stop):
             return await _run(engine, health_servicer, stop, on_ready)
     finally:
         await health_servicer.enter_graceful_shutdown()
@@ -140,18 +138,3 @@ async def _first_or_stop(awaitable: Any, stop: asyncio.Event) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM/SIGINT set `stop` (only possible on the main thread; elsewhere `stop` is the only way)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
