@@ -56,8 +56,10 @@ lint: $(STAMP)
 models/100m/config.json: | $(STAMP)
 	$(BIN)/chariot make-model models/100m --preset 100m
 
+# Quick mode of the capacity benchmark (issue 6) after the engine iteration table; full runs: docs/BENCHMARKS.md.
 bench: $(STAMP) models/100m/config.json
 	$(BIN)/python -m chariot.bench.engine_bench --model models/100m
+	$(BIN)/chariot bench capacity --model models/100m --quick
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
