@@ -36,22 +36,25 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from tqdm.auto import tqdm
 
 from chariot.bench.capacity import RequestTrace, RunMetrics, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, DriverResult, GiveUp, drive, random_prompt
-from chariot.bench.plots import plot_capacity, plot_tbt_cdf, plot_token_timelines
 from chariot.bench.traces import TRACES, TraceSpec
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.config import POLICIES, EngineConfig, ModelConfig
 from chariot.worker.errors import ConfigError
 from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.up import READY_TIMEOUT_S, Child, router_cmd, shutdown, spawn, start_replica, wait_ready
 from chariot.worker.wire import request_to_proto
+
+if TYPE_CHECKING:  # process management and plotting load torch/matplotlib: imported when a run starts
+    from chariot.worker.up import Child
+
+STACK_READY_TIMEOUT_S = 600.0
 
 NO_SHED_TTFT_MS = 3_600_000.0  # router admission: an hour of TTFT SLO never sheds
 NO_SHED_QUEUE = 1_000_000
@@ -150,8 +153,11 @@ class Stack:
 
 
 @contextlib.contextmanager
-def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float = READY_TIMEOUT_S) -> Iterator[Stack]:
+def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float = STACK_READY_TIMEOUT_S,
+                  ) -> Iterator[Stack]:
     """Start the workers of one replica and a non-shedding router; stop them all on exit."""
+    from chariot.worker.up import shutdown, spawn, start_replica, wait_ready
+
     children: list[Child] = []
     try:
         group, stage0 = start_replica(0, config, served)
@@ -167,6 +173,8 @@ def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float 
 
 def bench_router_cmd(model: str, served: str, worker: str) -> list[str]:
     """`chariot router` on free ports whose admission control never sheds."""
+    from chariot.worker.up import router_cmd
+
     args = argparse.Namespace(host="127.0.0.1", http_port=0, grpc_port=0, redis_url=None, tbt_slo_ms=None,
                               ttft_slo_ms=NO_SHED_TTFT_MS)
     return [*router_cmd(args, model, served, [f"g0={worker}"]), "--max-queue-per-replica", str(NO_SHED_QUEUE)]
@@ -341,6 +349,8 @@ def _write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 def write_plots(out: Path, setup: dict[str, Any], results: Sequence[PolicyResult]) -> list[Path]:
     """capacity.png (as Figure 10), tbt_cdf.png and timelines.png (as Figure 1a) at the common load."""
+    from chariot.bench.plots import plot_capacity, plot_tbt_cdf, plot_token_timelines
+
     title = f"{setup['model_name']}, {setup['trace']} trace ×{setup['scale']:g}"
     paths = [plot_capacity({r.config.label: r.capacity for r in results}, out / "capacity.png", title)]
     qps = round(setup["plot_qps"], 6) if setup.get("plot_qps") else common_qps(results)

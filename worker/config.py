@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from chariot.worker.errors import ConfigError, ModelLoadError
 
+if TYPE_CHECKING:
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 POLICIES = ("sarathi", "vllm", "orca", "fastertransformer")
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# Names only: torch is imported where a dtype object is needed, so the CLI starts without it.
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -235,9 +233,17 @@ class EngineConfig:
         name = model.torch_dtype if self.dtype == "auto" else self.dtype
         if name not in DTYPES:
             raise ConfigError("dtype", f"model's torch_dtype {name!r} is not supported; pass dtype explicitly")
-        return DTYPES[name]
+        return to_torch_dtype(name)
 
 
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def to_torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for one of `DTYPES`."""
+    import torch
+
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype

@@ -27,7 +27,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
 from chariot.kernels import AttentionMetadata
-from chariot.worker.config import DTYPES
+from chariot.worker.config import DTYPES, to_torch_dtype
 from chariot.worker.errors import ConfigError
 from chariot.worker.model.llama import LlamaStage, allocate_kv_caches
 
@@ -221,7 +221,7 @@ def _init_std(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> tupl
 def random_weights(config: dict[str, Any], seed: int, progress: bool = True) -> dict[str, torch.Tensor]:
     """Deterministic random tensors for every checkpoint name, in the config's dtype."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    dtype = DTYPES[config["torch_dtype"]]
+    dtype = to_torch_dtype(config["torch_dtype"])
     shapes = list(weight_shapes(config))
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(shapes, desc="Generating weights", unit="tensor", file=sys.stderr, disable=not progress):
