@@ -6,7 +6,7 @@ Both are validated once, here; everything downstream trusts them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,7 +183,6 @@ class EngineConfig:
     seed: int = 0
     layer_split: tuple[int, ...] | None = None
     stage_timeout_s: float = 15.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -98,11 +98,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_at(self, pos: int) -> int:
-        if pos < self.prompt_len:
-            return self.prompt_token_ids[pos]
-        return self.output_token_ids[pos - self.prompt_len]
-
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) across prompt and output, copying only that range."""
         plen = self.prompt_len

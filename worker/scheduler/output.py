@@ -22,10 +22,6 @@ class ScheduledChunk:
     num_tokens: int
     samples: bool
 
-    @property
-    def is_single_token(self) -> bool:
-        return self.num_tokens == 1
-
 
 @dataclass(frozen=True)
 class SchedulerOutput:
