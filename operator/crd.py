@@ -87,9 +87,12 @@ def _scheduler() -> Schema:
     return _obj("Batching policy and its knobs (every stage of a group gets the same).", {
         "policy": _str("Scheduling policy; `sarathi` = chunked prefills + stall-free batching.", enum=POLICIES,
                        default="sarathi"),
-        "tokenBudget": _int("Tokens per iteration. Unset: derived from `slo.tbtMs` when set, else the policy's "
-                            "default (512 for sarathi, maxModelLen for the others, which must fit a whole prompt).",
-                            minimum=1),
+        "tokenBudget": _int("Tokens per iteration. Unset: derived from `slo.tbtMs` and `tuneProfile` when both "
+                            "are set (sarathi), else the policy's default (512 for sarathi, maxModelLen for the "
+                            "others, which must fit a whole prompt).", minimum=1),
+        "tuneProfile": _str("Path, inside the stage pods (e.g. in the model volume), of a `chariot tune` profile "
+                            "made on the stage's hardware; with `slo.tbtMs` and no tokenBudget the workers derive "
+                            "the token budget from it (sarathi only).", maxLength=4096),
         "maxBatchSize": _int("Most sequences in one iteration.", minimum=1, default=128),
         "blockSize": _int("KV-cache block size in tokens.", minimum=1, maximum=1024, default=16),
     }, default={})

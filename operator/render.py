@@ -194,10 +194,13 @@ def engine_args(spec: Spec, source: ModelSource) -> list[str]:
     args = ["--model", source.path, "--policy", s.policy, "--max-batch-size", str(s.max_batch_size),
             "--block-size", str(s.block_size), "--dtype", spec.model.dtype, "--stages", str(spec.pipeline),
             "--device", "cuda" if spec.resources.gpus_per_stage > 0 else "cpu"]
-    # The TBT SLO goes to the router (admission); workers get an explicit budget or the policy default.
-    # Deriving the budget from the SLO on the worker (`--tbt-slo-ms`) arrives with `chariot tune`.
+    # The TBT SLO always goes to the router (admission). Workers get an explicit budget, or derive it
+    # from the SLO with a `chariot tune` profile (validated: only with tbtMs and without tokenBudget),
+    # or keep the policy's default.
     if s.token_budget is not None:
         args += ["--token-budget", str(s.token_budget)]
+    elif s.tune_profile is not None and spec.tbt_slo_ms is not None:
+        args += ["--tbt-slo-ms", f"{spec.tbt_slo_ms:g}", "--tune-profile", s.tune_profile]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     return args

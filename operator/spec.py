@@ -55,6 +55,7 @@ class SchedulerSpec:
     token_budget: int | None = None
     max_batch_size: int = 128
     block_size: int = 16
+    tune_profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,21 @@ def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
         errors.append(FieldError("spec.scheduler.tokenBudget",
                                  f"policy {s.policy!r} does not chunk prompts, so tokenBudget must be >= "
                                  f"spec.model.maxModelLen ({spec.model.max_model_len}), got {s.token_budget}"))
-    return errors + preset_errors(spec) + name_errors(name, spec)
+    return errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec)
+
+
+def tune_profile_errors(spec: Spec) -> list[FieldError]:
+    """`tuneProfile` only makes sense where the workers derive the budget from the TBT SLO."""
+    s, field = spec.scheduler, "spec.scheduler.tuneProfile"
+    if s.tune_profile is None:
+        return []
+    if s.token_budget is not None:
+        return [FieldError(field, "set either tokenBudget or tuneProfile (with slo.tbtMs), not both")]
+    if spec.tbt_slo_ms is None:
+        return [FieldError(field, "derives the token budget from spec.slo.tbtMs, which is not set")]
+    if s.policy != "sarathi":
+        return [FieldError(field, f"sets a chunking budget, only for policy 'sarathi' (got {s.policy!r})")]
+    return []
 
 
 def preset_errors(spec: Spec) -> list[FieldError]:
@@ -224,7 +239,8 @@ def _from_dict(v: dict[str, Any]) -> Spec:
         model=ModelSpec(uri=m["uri"], name=m.get("name"), dtype=m["dtype"], max_model_len=m.get("maxModelLen")),
         replicas=v["replicas"], pipeline=p["pipeline"], tensor=p["tensor"],
         scheduler=SchedulerSpec(policy=s["policy"], token_budget=s.get("tokenBudget"),
-                                max_batch_size=s["maxBatchSize"], block_size=s["blockSize"]),
+                                max_batch_size=s["maxBatchSize"], block_size=s["blockSize"],
+                                tune_profile=s.get("tuneProfile")),
         ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
         resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"])),
         image=v.get("image"),

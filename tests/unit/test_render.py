@@ -104,10 +104,19 @@ def test_engine_flags_come_from_the_spec() -> None:
                      "--otlp-endpoint": "http://otel:4317"}
 
 
-def test_tbt_slo_goes_to_the_router_not_the_workers() -> None:
+def test_tbt_slo_without_a_tune_profile_goes_to_the_router_only() -> None:
     spec = spec_of(1, slo={"tbtMs": 150})
     args = render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"]
     assert "--tbt-slo-ms" not in args and "--token-budget" not in args  # the policy's default budget
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_tbt_slo_with_a_tune_profile_derives_every_stages_budget(stage: int) -> None:
+    spec = spec_of(2, slo={"tbtMs": 150}, scheduler={"tuneProfile": "/models/llama-3/tune.json"})
+    args = render.stage_pod(OWNER, spec, "img", 0, stage)["spec"]["containers"][0]["args"]
+    pairs = dict(zip(args[::2], args[1::2], strict=False))
+    assert pairs["--tbt-slo-ms"] == "150" and pairs["--tune-profile"] == "/models/llama-3/tune.json"
+    assert "--token-budget" not in args
 
 
 @pytest.mark.parametrize(("uri", "path", "volume"), [
@@ -196,6 +205,11 @@ def test_defaults_match_the_crd() -> None:
     ({"resources": {"memory": True}}, "spec.resources.memory"),
     ({"router": {"redis": {"url": "http://redis"}}}, "spec.router.redis.url"),
     ({"slo": {"tbtMs": 0}}, "spec.slo.tbtMs"),
+    ({"scheduler": {"tuneProfile": "/m/tune.json"}}, "spec.scheduler.tuneProfile"),  # no slo.tbtMs
+    ({"scheduler": {"tuneProfile": "/m/t.json", "tokenBudget": 256}, "slo": {"tbtMs": 200}},
+     "spec.scheduler.tuneProfile"),
+    ({"scheduler": {"tuneProfile": "/m/t.json", "policy": "vllm"}, "slo": {"tbtMs": 200}},
+     "spec.scheduler.tuneProfile"),
     ({"observability": {"otlpEndpoint": "collector:4317"}}, "spec.observability.otlpEndpoint"),
 ])
 def test_invalid_specs_name_the_field(change: dict[str, Any], field: str) -> None:
