@@ -2,8 +2,8 @@
 
 `write_kv` scatters new K/V into the cache; `paged_attention` attends every new token over its
 sequence's cached context (contract in `attention.py`). Several backends implement that pair: the
-PyTorch reference (`reference.py`) runs on any device and is the oracle for the others; a Triton
-backend (GPU, or CPU under `TRITON_INTERPRET=1`) lives in `triton_attention.py` once it exists.
+PyTorch reference (`reference.py`) runs on any device and is the oracle for the others; the Triton
+backend (`triton_attention.py`: GPU, or CPU under `TRITON_INTERPRET=1`) is the fast path on CUDA.
 
 This module picks one so the executor never changes when a backend is added: the env var
 `CHARIOT_ATTENTION_BACKEND` (`reference` | `triton`) overrides the default, which is `triton` when

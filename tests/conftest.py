@@ -7,11 +7,20 @@ fixtures are the common ones. Tests that modify a checkpoint must copy it first.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run under the Triton interpreter, which must be switched on before
+# anything in the process imports `triton` (Triton fixes its jit helpers' mode at import). Set here,
+# at the first import pytest makes, so test collection order cannot matter. Subprocesses inherit it
+# harmlessly: without CUDA the default attention backend stays the reference one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from chariot.worker.model.make_model import make_model
 
@@ -49,8 +58,6 @@ def model_100m_dir(model_factory: ModelFactory) -> Path:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests are deselected (reported as such, not as skipped passes) where CUDA is absent."""
-    import torch
-
     if torch.cuda.is_available():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
