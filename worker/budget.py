@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,8 +177,12 @@ def load_profile(path: str | Path) -> dict[str, Any]:
 
 
 def resolve_token_budget(model_dir: str | Path, dtype_name: str, tbt_slo_ms: float,
-                         profile_path: str | Path | None = None) -> int:
-    """The tuned token budget for `tbt_slo_ms` on this model, dtype and (profiled) hardware."""
+                         profile_path: str | Path | None = None, max_model_len: int | None = None) -> int:
+    """The tuned token budget for `tbt_slo_ms` on this model, dtype and (profiled) hardware.
+
+    A deployment whose `max_model_len` is below the profile's assumed longest prompt can never see a
+    chunk ending further out, so its worst case (and budget) uses `max_model_len` instead; a longer
+    `max_model_len` keeps the profile's assumption (what `chariot tune --prefill-context` was told)."""
     if not tbt_slo_ms > 0:
         raise ConfigError("tbt_slo_ms", f"must be positive, got {tbt_slo_ms}")
     path = Path(profile_path) if profile_path is not None else default_profile_path(model_dir, dtype_name)
@@ -193,11 +197,14 @@ def resolve_token_budget(model_dir: str | Path, dtype_name: str, tbt_slo_ms: flo
         assumptions = Assumptions(**raw["assumptions"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError("tbt_slo_ms", f"malformed tune profile {path}: {exc}") from exc
+    if max_model_len is not None and 0 < max_model_len < assumptions.prefill_context:
+        assumptions = replace(assumptions, prefill_context=max_model_len)
     return budget_for_slo(model, tbt_slo_ms / 1e3, assumptions)
 
 
 def budget_from_flags(model_dir: str | None, dtype_name: str, policy: str, token_budget: int | None,
-                      tbt_slo_ms: float | None, profile_path: str | None = None) -> int | None:
+                      tbt_slo_ms: float | None, profile_path: str | None = None,
+                      max_model_len: int | None = None) -> int | None:
     """The engine's `token_budget` from `--token-budget` / `--tbt-slo-ms` (at most one of them)."""
     if tbt_slo_ms is None:
         return token_budget
@@ -207,7 +214,7 @@ def budget_from_flags(model_dir: str | None, dtype_name: str, policy: str, token
         raise ConfigError("tbt_slo_ms", f"sets a chunking budget, only for policy 'sarathi' (got {policy!r})")
     if model_dir is None:
         raise ConfigError("tbt_slo_ms", "needs --model")
-    return resolve_token_budget(model_dir, dtype_name, tbt_slo_ms, profile_path)
+    return resolve_token_budget(model_dir, dtype_name, tbt_slo_ms, profile_path, max_model_len)
 
 
 def _read_config(model_dir: str | Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     split = tuple(int(x) for x in args.layer_split.split(",")) if args.layer_split else None
     budget = budget_from_flags(args.model, args.dtype, args.policy, args.token_budget, args.tbt_slo_ms,
-                               args.tune_profile)
+                               args.tune_profile, args.max_model_len)
     return EngineConfig(
         model=args.model, policy=args.policy, token_budget=budget, max_batch_size=args.max_batch_size,
         pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,

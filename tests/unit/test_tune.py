@@ -120,6 +120,17 @@ def test_resolve_uses_the_tuned_model(tiny_model_dir: Path, tmp_path: Path, monk
         resolve_token_budget(tiny_model_dir, "float32", 5)
 
 
+def test_shorter_max_model_len_bounds_the_worst_chunk(tiny_model_dir: Path, tmp_path: Path) -> None:
+    attention_bound = CostModel((0.010, 0.001, 0.002, 1e-6, 0.0))  # chunk cost grows with its context
+    path = write_profile(tiny_model_dir, tmp_path / "p.json", attention_bound)  # assumes prompts up to 512
+    assumed = resolve_token_budget(tiny_model_dir, "float32", 200, path)
+    assert resolve_token_budget(tiny_model_dir, "float32", 200, path, max_model_len=4096) == assumed
+    shorter = resolve_token_budget(tiny_model_dir, "float32", 200, path, max_model_len=256)
+    expected = budget_for_slo(attention_bound, 0.2, Assumptions(decode_batch=8, decode_context=512,
+                                                                prefill_context=256))
+    assert shorter == expected > assumed
+
+
 def test_budget_from_flags(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = str(write_profile(tiny_model_dir, tmp_path / "p.json"))
     assert budget_from_flags(str(tiny_model_dir), "auto", "sarathi", 256, None) == 256
