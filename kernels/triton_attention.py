@@ -8,12 +8,20 @@ context K/V once more and pays for the padding. These kernels read K/V straight 
 cache through the block tables instead:
 
 - `write_kv`: one launch scatters the new tokens' K/V into their slots (int64 slot arithmetic).
-- `paged_attention`: one varlen launch serves decodes and prefill chunks together. A program owns
-  (sequence, query tile, KV head); the query heads of that KV head's GQA group are folded into the
-  tile's rows (M dimension), so each K/V tile is loaded once for the whole group, which is what
-  decode (one query token, memory bound) needs. It walks the context in KV tiles with a
-  flash-attention online softmax in fp32 and never touches a slot at a position >= seq_len, so
-  whatever sits in unused cache slots (NaN included) cannot leak into the output.
+- `paged_attention`: one varlen launch serves decodes and prefill chunks together (bar split-KV
+  decode, below: partial + reduce launches). A program owns (sequence, query tile, KV head); the
+  query heads of that KV head's GQA group are folded into the tile's rows (M dimension), so each
+  K/V tile is loaded once for the whole group, which is what decode (one query token, memory
+  bound) needs. It walks the context in KV tiles with a flash-attention online softmax in fp32 and
+  never touches a slot at a position >= seq_len, so whatever sits in unused cache slots (NaN
+  included) cannot leak into the output.
+- Split-KV (flash-decoding): a decode-only batch (every query length 1) with too few
+  (sequence, KV head) programs to fill the GPU on a long context uses two launches instead
+  (`decode_splits` decides). The partial launch runs a program per (sequence, KV head, split) over
+  the split's range of positions, with the same GQA folding and inner loop (`_attend_range`), and
+  stores unnormalised fp32 (acc, m, l) per query head. The reduce launch runs a program per
+  (sequence, query head) and merges the splits by log-sum-exp rescaling. Splits past a context's
+  end store (0, -inf, 0) and weigh nothing.
 
 Sequence lookup stays on the device: program ids are laid out as `query_start_loc[i] // BLOCK_Q + i`
 per sequence and each program binary-searches `query_start_loc`, so the host only needs its copies of
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -33,7 +42,16 @@ import triton.language as tl
 
 from chariot.kernels.attention import AttentionMetadata
 
-__all__ = ["SUPPORTED_DTYPES", "TileConfig", "attention_grid", "choose_tiles", "paged_attention", "write_kv"]
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "TileConfig",
+    "attention_grid",
+    "choose_tiles",
+    "decode_splits",
+    "paged_attention",
+    "split_chunk",
+    "write_kv",
+]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -116,6 +134,48 @@ def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: i
     block_q + num_seqs) exactly, so the grid needs only host totals; spare programs exit at once.
     """
     return num_tokens // block_q + num_seqs, num_kv_heads
+
+
+SPLIT_TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100 SXM
+MIN_SPLIT_POSITIONS = 256  # shorter splits would not repay the reduce launch and the scratch round trip
+MAX_SPLITS = 64
+
+
+def decode_splits(
+    max_query_len: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    block_n: int,
+    target_programs: int = SPLIT_TARGET_PROGRAMS,
+) -> int:
+    """KV splits per (sequence, KV head) for split-KV decode; 1 means the single varlen launch.
+
+    Only batches whose every query length is 1 split (decodes; a single-token prompt attends the same
+    way, so it may ride along); a prefill chunk of more tokens needs the varlen launch. The count is
+    the largest power of two (<= `MAX_SPLITS`) that keeps num_seqs × num_kv_heads × splits within
+    `target_programs` and gives the longest context at least `MIN_SPLIT_POSITIONS` (and one KV tile)
+    per split. Batch 1 × 8 KV heads gets 32 splits (256 programs) at 8k context and 2 at 512; at
+    300 positions, or once num_seqs × num_kv_heads exceeds half the target, it gets 1.
+    """
+    if max_query_len != 1 or num_seqs < 1 or num_kv_heads < 1:
+        return 1
+    limit = min(
+        MAX_SPLITS,
+        target_programs // (num_seqs * num_kv_heads),
+        max_seq_len // max(MIN_SPLIT_POSITIONS, block_n),
+    )
+    return 1 << (limit.bit_length() - 1) if limit >= 2 else 1
+
+
+def split_chunk(max_seq_len: int, splits: int, block_n: int) -> int:
+    """Context positions per split: the longest context's KV tiles shared out, in whole tiles.
+
+    Split s covers [s·chunk, (s+1)·chunk) ∩ [0, seq_len); splits past a sequence's end are empty.
+    Whole tiles keep the longest split at ceil(tiles / splits) tiles, the least possible.
+    """
+    tiles = max(1, math.ceil(max_seq_len / block_n))
+    return math.ceil(tiles / splits) * block_n
 
 
 # --- kernels -----------------------------------------------------------------------------------
@@ -215,6 +275,65 @@ def _dot_operand(x, q_ptr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _attend_range(
+    q,
+    q_pos,
+    kv_start_pos,
+    kv_end,
+    table,
+    k_head,
+    v_head,
+    dims,
+    dim_ok,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    q_ptr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Online softmax of the rows `q` over context positions [kv_start_pos, kv_end) in BLOCK_N tiles.
+
+    Returns the unnormalised fp32 (acc, m, l): m is the running row max in log2 units (scores are
+    pre-multiplied by `qk_scale` = scale·log2 e), l the running sum of exp2(score - m), acc the sum of
+    exp2(score - m)·v. A row sees position p iff p <= q_pos[row]; every row sees `kv_start_pos`
+    (callers guarantee it), so m is finite after the first tile. Nothing at or past `kv_end` is read,
+    so unused cache slots cannot leak in. An empty range returns (acc, m, l) = (0, -inf, 0).
+    """
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for kv_start in range(kv_start_pos, kv_end, BLOCK_N):
+        pos = kv_start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot_in_block = (pos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k_offs = block[:, None] * stride_kb + slot_in_block[:, None] * stride_ks + dims[None, :] * stride_kd
+        k = _dot_operand(tl.load(k_head + k_offs, mask=kv_mask, other=0.0), q_ptr, DOT_FP32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the range's first position is visible to every row
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_offs = block[:, None] * stride_vb + slot_in_block[:, None] * stride_vs + dims[None, :] * stride_vd
+        v = _dot_operand(tl.load(v_head + v_offs, mask=kv_mask, other=0.0), q_ptr, DOT_FP32)
+        acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, q_ptr, DOT_FP32), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -274,36 +393,177 @@ def _paged_attention_kernel(
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
     q = _dot_operand(tl.load(q_ptr + q_offs, mask=io_mask, other=0.0), q_ptr, DOT_FP32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = ctx_before + tl.minimum(q_first + BLOCK_Q, q_len)  # <= seq_len: later slots are never read
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
-    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
-    for kv_start in range(0, kv_end, BLOCK_N):
-        pos = kv_start + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        slot_in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k_offs = block[:, None] * stride_kb + slot_in_block[:, None] * stride_ks + dims[None, :] * stride_kd
-        k = _dot_operand(tl.load(k_head + k_offs, mask=kv_mask, other=0.0), q_ptr, DOT_FP32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: position 0 is visible to every row
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_offs = block[:, None] * stride_vb + slot_in_block[:, None] * stride_vs + dims[None, :] * stride_vd
-        v = _dot_operand(tl.load(v_head + v_offs, mask=kv_mask, other=0.0), q_ptr, DOT_FP32)
-        acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, q_ptr, DOT_FP32), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
+    acc, _, l_i = _attend_range(
+        q,
+        q_pos,
+        0,
+        kv_end,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+        v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+        dims,
+        dim_ok,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vd,
+        q_ptr,
+        BLOCK_SIZE,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_PRECISION,
+        DOT_FP32,
+    )
     out = acc / l_i[:, None]
     o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :] * stride_od
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _split_partial_kernel(
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    head_dim,
+    qk_scale,
+    chunk,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ad,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Split-KV pass 1: per (sequence, KV head, split), the partial attention of one query token.
+
+    The query token's GROUP heads fill the rows, as in the varlen kernel; they attend to the split's
+    positions and each stores the unnormalised (acc, m, l) of `_attend_range`. An empty split
+    (starting at or past seq_len) reads no K/V and stores (0, -inf, 0).
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)  # decode-only: one query token per sequence
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_start = split * chunk
+    kv_end = tl.minimum(kv_start + chunk, seq_len)  # <= seq_len: later slots are never read
+
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offs = token * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = _dot_operand(tl.load(q_ptr + q_offs, mask=io_mask, other=0.0), q_ptr, DOT_FP32)
+    q_pos = seq_len - 1 + tl.zeros([BLOCK_M], tl.int32)  # the query is the context's last token
+    acc, m_i, l_i = _attend_range(
+        q,
+        q_pos,
+        kv_start,
+        kv_end,
+        block_tables_ptr + seq.to(tl.int64) * stride_bt,
+        k_cache_ptr + kv_head.to(tl.int64) * stride_kh,
+        v_cache_ptr + kv_head.to(tl.int64) * stride_vh,
+        dims,
+        dim_ok,
+        qk_scale,
+        stride_kb,
+        stride_ks,
+        stride_kd,
+        stride_vb,
+        stride_vs,
+        stride_vd,
+        q_ptr,
+        BLOCK_SIZE,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DOT_PRECISION,
+        DOT_FP32,
+    )
+    ml_offs = seq.to(tl.int64) * stride_ms + head * stride_mh + split * stride_mp
+    tl.store(m_ptr + ml_offs, m_i, mask=row_ok)
+    tl.store(l_ptr + ml_offs, l_i, mask=row_ok)
+    acc_offs = seq.to(tl.int64) * stride_as + head[:, None] * stride_ah + split * stride_ap + dims[None, :] * stride_ad
+    tl.store(acc_ptr + acc_offs, acc, mask=io_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    out_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    query_start_loc_ptr,
+    head_dim,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_as,
+    stride_ah,
+    stride_ap,
+    stride_ad,
+    stride_ms,
+    stride_mh,
+    stride_mp,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Split-KV pass 2: (sequence, query head) merges its splits by log-sum-exp rescaling.
+
+    out = Σ_s 2^(m_s - M)·acc_s / Σ_s 2^(m_s - M)·l_s with M = max_s m_s, which is finite because
+    split 0 holds position 0 of a non-empty context. Empty splits (m_s = -inf) get weight 0 and their
+    acc is not even loaded, so nothing they hold can turn into NaN.
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    parts = tl.arange(0, BLOCK_S)
+    ml_offs = seq * stride_ms + head * stride_mh + parts * stride_mp
+    m_s = tl.load(m_ptr + ml_offs, mask=parts < num_splits, other=float("-inf"))
+    l_s = tl.load(l_ptr + ml_offs, mask=parts < num_splits, other=0.0)
+    used = m_s > float("-inf")
+    w = tl.where(used, tl.math.exp2(m_s - tl.max(m_s, 0)), 0.0)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    acc_offs = seq * stride_as + head * stride_ah + parts[:, None] * stride_ap + dims[None, :] * stride_ad
+    acc = tl.load(acc_ptr + acc_offs, mask=used[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l_s, 0)
+    token = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    o_offs = token * stride_ot + head * stride_oh + dims * stride_od
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
@@ -452,14 +712,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     tiles: TileConfig | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (see `attention.py`).
 
-    Output is contiguous, in the query's dtype. `tiles` overrides the launch shape (tests, tuning).
+    Output is contiguous, in the query's dtype. `tiles` overrides the launch shape and `splits` the
+    split-KV count (tests, tuning): by default `decode_splits` picks it, and splits > 1 (decode-only
+    batches only) runs the partial + reduce launches instead of the single varlen one.
     """
     _check_attention(query, k_cache, v_cache, meta)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    _check_splits(splits, meta)
     num_tokens, heads, head_dim = query.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -469,8 +733,25 @@ def paged_attention(
     tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, query.dtype)
     if tiles.block_q * group > tiles.block_m:
         raise ValueError(f"tiles.block_m {tiles.block_m} cannot hold block_q {tiles.block_q} × {group} heads")
-    grid = attention_grid(num_tokens, meta.num_seqs, kv_heads, tiles.block_q)
+    if splits is None:
+        splits = decode_splits(meta.max_query_len, meta.num_seqs, kv_heads, meta.max_seq_len, tiles.block_n)
     dot_fp32 = _INTERPRETED and query.dtype == torch.bfloat16
+    kernel_args = {
+        "GROUP": group,
+        "BLOCK_SIZE": k_cache.shape[1],
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_D": padded_head_dim(head_dim),
+        "DOT_PRECISION": "ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32",
+        "DOT_FP32": dot_fp32,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    if splits > 1:
+        chunk = split_chunk(meta.max_seq_len, splits, tiles.block_n)
+        _split_kv_attention(out, query, k_cache, v_cache, meta, scale, splits, chunk, kernel_args)
+        return out
+    grid = attention_grid(num_tokens, meta.num_seqs, kv_heads, tiles.block_q)
     _paged_attention_kernel[grid](
         out,
         query,
@@ -487,15 +768,76 @@ def paged_attention(
         *k_cache.stride(),
         *v_cache.stride(),
         meta.block_tables.stride(0),
-        GROUP=group,
-        BLOCK_SIZE=k_cache.shape[1],
         BLOCK_Q=tiles.block_q,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_D=padded_head_dim(head_dim),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_fp32 else "tf32",
-        DOT_FP32=dot_fp32,
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+        **kernel_args,
     )
     return out
+
+
+def _check_splits(splits: int | None, meta: AttentionMetadata) -> None:
+    if splits is None:
+        return
+    if isinstance(splits, bool) or not isinstance(splits, int) or not _is_pow2(splits) or splits > MAX_SPLITS:
+        raise ValueError(f"splits must be a power of two from 1 to {MAX_SPLITS}, got {splits!r}")
+    if splits > 1 and meta.max_query_len > 1:
+        raise ValueError(
+            f"splits={splits} needs a decode-only batch (every query length 1), but it holds a prefill "
+            f"chunk of {meta.max_query_len} tokens"
+        )
+
+
+def _split_kv_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    splits: int,
+    chunk: int,
+    kernel_args: dict[str, Any],
+) -> None:
+    """Flash-decoding: partials of every (sequence, KV head, split) into fp32 scratch, then a reduce.
+
+    Scratch per (sequence, query head, split): the unnormalised acc [head_dim] and its m and l.
+    """
+    num_seqs, (_, heads, head_dim) = meta.num_seqs, query.shape
+    acc = torch.empty((num_seqs, heads, splits, head_dim), dtype=torch.float32, device=query.device)
+    row_max = torch.empty((num_seqs, heads, splits), dtype=torch.float32, device=query.device)
+    row_sum = torch.empty_like(row_max)
+    _split_partial_kernel[(num_seqs, k_cache.shape[2], splits)](
+        acc,
+        row_max,
+        row_sum,
+        query,
+        k_cache,
+        v_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        head_dim,
+        float(scale) * LOG2E,
+        chunk,
+        *query.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        meta.block_tables.stride(0),
+        *acc.stride(),
+        *row_max.stride(),
+        **kernel_args,
+    )
+    _split_reduce_kernel[(num_seqs, heads)](
+        out,
+        acc,
+        row_max,
+        row_sum,
+        meta.query_start_loc,
+        head_dim,
+        splits,
+        *out.stride(),
+        *acc.stride(),
+        *row_max.stride(),
+        BLOCK_S=splits,
+        BLOCK_D=kernel_args["BLOCK_D"],
+        num_warps=4,
+    )

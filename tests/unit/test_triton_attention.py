@@ -210,11 +210,13 @@ def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert err <= bound, f"max abs error {err:.3g} > {bound:.3g}"
 
 
-def check_attention(tt: ModuleType, batch: Batch, tiles: object | None = None) -> torch.Tensor:
+def check_attention(
+    tt: ModuleType, batch: Batch, tiles: object | None = None, splits: int | None = None
+) -> torch.Tensor:
     """Write the new K/V with the Triton kernel, attend, compare with the reference and with SDPA."""
     tt.write_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     scale = _scale(batch.query)
-    out = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, tiles=tiles)
+    out = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, tiles=tiles, splits=splits)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     assert_close(out, reference.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale))
     assert_close(out, sdpa_oracle(batch))
@@ -305,6 +307,124 @@ def test_query_dtype_differs_from_cache_dtype(tt: ModuleType) -> None:
     out = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
     assert out.dtype == torch.bfloat16
     assert_close(out, reference.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale))
+
+
+# --- split-KV decode (flash-decoding) -------------------------------------------------------------
+
+
+def decode_seqs(seed: int) -> tuple[tuple[int, int], ...]:
+    """Decodes (one of 128-200 positions, two shorter than a split) and a single-token prompt (seq_len 1).
+
+    Every query length is 1, so the batch may split; the split count is forced, so the splits past the
+    short sequences' ends (and, at 8 splits of whole 64-position tiles, past the long one's) are empty.
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    return (draw(128, 200), 1), (draw(1, 40), 1), (draw(1, 40), 1), (0, 1)
+
+
+SPLIT_CASES = {  # splits, heads, kv_heads, dtype, tiles (block_q, block_m, block_n) or None for the default
+    "2-mha-bf16": (2, 4, 4, torch.bfloat16, None),
+    "4-gqa2-fp32": (4, 4, 2, torch.float32, None),
+    "8-gqa4-fp16": (8, 4, 1, torch.float16, None),
+    "8-gqa2-fp32-n16": (8, 4, 2, torch.float32, (1, 16, 16)),  # 16-position tiles: 32-position splits
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_forced_splits_match_reference_and_sdpa(tt: ModuleType, case: str) -> None:
+    splits, heads, kv_heads, dtype, tiles = SPLIT_CASES[case]
+    seqs = decode_seqs(splits + 10 * kv_heads)
+    batch = make_batch(Spec(seqs, len(seqs) - 1, heads, kv_heads, 64, dtype, seed=splits))
+    out = check_attention(tt, batch, tiles=tiles and tt.TileConfig(*tiles), splits=splits)
+    unsplit = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, _scale(batch.query), splits=1)
+    assert_close(out, unsplit)
+
+
+def test_split_kv_never_reads_unused_slots_or_empty_splits(tt: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN past seq_len in the cache, and NaN in every scratch buffer before the partial pass writes it.
+
+    Contexts end inside blocks and inside splits; the 8-split launch leaves most splits empty, whose
+    acc the reducer must ignore (weight 0 and not loaded: 0 × NaN would still be NaN).
+    """
+    batch = make_batch(Spec(((37, 1), (5, 1), (20, 1)), 3, 4, 2, 32, torch.bfloat16, seed=2))
+    for row, seq_len in enumerate(batch.meta.seq_lens_list):
+        last_block = int(batch.meta.block_tables[row, (seq_len - 1) // 16])  # the new token's block
+        assert batch.k_cache[last_block, seq_len % 16 :].isnan().all()
+    empty = torch.empty
+
+    def nan_empty(*size: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*size, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: nan_empty(t.shape, dtype=t.dtype, device=t.device))
+    check_attention(tt, batch, tiles=tt.TileConfig(1, 16, 16), splits=8)
+
+
+def test_long_decode_splits_by_default(tt: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decode over 601 positions: `decode_splits` picks 2 splits; `splits=1` forces one launch."""
+    calls: list[object] = []
+    split_kv = tt._split_kv_attention
+
+    def spy(*args: object) -> None:
+        calls.append(args[6])  # the split count
+        split_kv(*args)
+
+    monkeypatch.setattr(tt, "_split_kv_attention", spy)
+    batch = make_batch(Spec(((600, 1),), 1, 4, 1, 32, torch.float16, seed=6))
+    out = check_attention(tt, batch)
+    assert calls == [2]
+    single = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, _scale(batch.query), splits=1)
+    assert calls == [2]
+    assert_close(out, single)
+
+
+def test_decode_splits_choices(tt: ModuleType) -> None:
+    assert tt.decode_splits(1, 1, 8, 8192, 64) == 32  # batch 1, Llama-3-8B KV heads: 256 programs
+    assert tt.decode_splits(1, 1, 8, 512, 64) == 2
+    assert tt.decode_splits(1, 1, 8, 511, 64) == 1  # fewer than two splits' worth of positions
+    assert tt.decode_splits(1, 16, 8, 8192, 64) == 2  # 128 programs: only ×2 stays within the target
+    assert tt.decode_splits(1, 64, 8, 8192, 64) == 1  # 512 programs already fill the GPU
+    assert tt.decode_splits(1, 1, 1, 1 << 20, 64) == tt.MAX_SPLITS
+    assert tt.decode_splits(2, 1, 8, 8192, 64) == 1  # a prefill chunk: the varlen launch
+    assert tt.decode_splits(512, 1, 8, 8192, 64) == 1
+    assert tt.decode_splits(0, 0, 8, 0, 64) == 1  # empty batch
+
+
+def test_decode_splits_bounded_and_chunks_cover_the_context(tt: ModuleType) -> None:
+    for num_seqs in (1, 2, 5, 16, 33, 256):
+        for kv_heads in (1, 2, 8):
+            for max_seq_len in (1, 255, 512, 1000, 4100, 131072):
+                for block_n in (16, 64):
+                    splits = tt.decode_splits(1, num_seqs, kv_heads, max_seq_len, block_n)
+                    assert 1 <= splits <= tt.MAX_SPLITS and splits & (splits - 1) == 0
+                    if splits > 1:
+                        assert num_seqs * kv_heads * splits <= tt.SPLIT_TARGET_PROGRAMS
+                        assert max_seq_len // splits >= tt.MIN_SPLIT_POSITIONS
+                    for forced in (1, 2, 8, 64):
+                        chunk = tt.split_chunk(max_seq_len, forced, block_n)
+                        assert chunk % block_n == 0 and chunk * forced >= max_seq_len
+                        assert (chunk - block_n) * forced < max_seq_len  # the smallest such multiple
+
+
+@pytest.mark.parametrize("splits", [0, -2, 3, 6, 128, True, 2.0])
+def test_splits_must_be_a_small_power_of_two(tt: ModuleType, splits: object) -> None:
+    with pytest.raises(ValueError, match="splits must be a power of two"):
+        tt.paged_attention(*_decode_call(), 0.25, splits=splits)
+
+
+def test_forced_splits_reject_prefill_chunks(tt: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"splits=2 needs a decode-only batch"):
+        tt.paged_attention(*_valid_call(), 0.25, splits=2)
+
+
+def _decode_call() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    batch = make_batch(Spec(((3, 1), (9, 1)), 2, 4, 2, 16))
+    return batch.query, batch.k_cache, batch.v_cache, batch.meta
 
 
 # --- write_kv ------------------------------------------------------------------------------------
