@@ -9,11 +9,17 @@
   gaps longer than the SLO are drawn in red.
 
 Only matplotlib's object-oriented API with the Agg canvas is used (no pyplot state, no display).
+`python -m chariot.bench.plots RESULTS --qps X` redraws the CDF and timelines of a finished
+`chariot bench capacity` run at another load it probed (the run picks the highest common load, which
+may be one where the other policies' probes stopped early).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -119,3 +125,44 @@ def _timeline_panel(ax: Axes, runs: Sequence[RequestTrace], stall_s: float | Non
     ax.set_ylim(max(1, len(runs)) - 0.5, -0.5)
     ax.set_yticks(range(len(runs)), [f"req {i}" for i in range(len(runs))], fontsize=6)
     ax.grid(axis="x", linewidth=0.3)
+
+
+# --- redrawing a finished run -----------------------------------------------------------------------
+def load_traces(results: str | Path, qps: float) -> dict[str, list[RequestTrace]]:
+    """Every policy's request timelines at `qps` from a results folder's traces.json (policies that
+    never probed that load are left out)."""
+    raw = json.loads((Path(results) / "traces.json").read_text())
+    key = f"{qps:g}"
+    return {policy: [RequestTrace(arrival=r["arrival"], scheduled=r["scheduled"],
+                                  token_times=tuple(r["token_times"]), prompt_tokens=r["prompt_tokens"], ok=r["ok"])
+                     for r in runs[key]]
+            for policy, runs in raw.items() if key in runs}
+
+
+def replot(results: str | Path, qps: float) -> list[Path]:
+    """tbt_cdf-<qps>.png and timelines-<qps>.png of a finished run, at one of its probed loads."""
+    results = Path(results)
+    traces = load_traces(results, qps)
+    if not traces:
+        raise ValueError(f"qps: no policy in {results / 'traces.json'} was probed at {qps:g} QPS")
+    slos = json.loads((results / "capacity.json").read_text())["setup"]["tbt_slo_ms"]
+    return [plot_tbt_cdf(traces, results / f"tbt_cdf-{qps:g}.png", qps, slos),
+            plot_token_timelines(traces, results / f"timelines-{qps:g}.png", stall_s=min(slos) / 1e3, qps=qps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m chariot.bench.plots", description=__doc__.splitlines()[0])
+    p.add_argument("results", help="folder written by `chariot bench capacity`")
+    p.add_argument("--qps", type=float, required=True, help="a load the run probed")
+    args = p.parse_args(argv)
+    try:
+        written = replot(args.results, args.qps)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("wrote " + ", ".join(str(w) for w in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,8 @@ from chariot.bench.capacity_cli import (
     warm_up,
 )
 from chariot.bench.driver import GiveUp, _Live, _metrics, drive
-from chariot.bench.plots import plot_capacity, plot_tbt_cdf, plot_token_timelines
+from chariot.bench.plots import load_traces, plot_capacity, plot_tbt_cdf, plot_token_timelines
+from chariot.bench.plots import main as plots_main
 from chariot.bench.traces import TRACES
 from chariot.worker.config import EngineConfig
 from chariot.worker.errors import ConfigError
@@ -96,6 +97,12 @@ def test_bench_capacity_command(tiny_model_dir, tmp_path):
     assert len(json.loads((out / "traces.json").read_text())["sarathi:64"]["3"]) == 6
     for name in ("capacity.png", "tbt_cdf.png", "timelines.png"):
         assert_png(out / name)
+    # Redrawing at a probed load reads the run back from traces.json; an unprobed load is refused.
+    assert plots_main([str(out), "--qps", "3"]) == 0
+    for name in ("tbt_cdf-3.png", "timelines-3.png"):
+        assert_png(out / name)
+    assert {p: len(ts) for p, ts in load_traces(out, 3.0).items()} == {"sarathi:64": 6}
+    assert plots_main([str(out), "--qps", "4"]) == 2
 
 
 # ---- pieces without servers ----------------------------------------------------------------------
