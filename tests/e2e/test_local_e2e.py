@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from chariot.operator import crd
 from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot
 from tests.prometheus import PrometheusServer, PrometheusUnavailable, find_prometheus
@@ -77,7 +78,10 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n--- pod logs ---\n{runtime.logs()}") from None
             yield Deployment(cluster, runtime)
-            cluster.kubectl("delete", "mdep", NAME, "-n", cluster.namespace, "--timeout=60s")
+            # --wait=false + polling: kubectl's own wait can miss the emulator's DELETED event when
+            # the operator's cleanup finishes before kubectl starts watching.
+            cluster.kubectl("delete", "mdep", NAME, "-n", cluster.namespace, "--wait=false")
+            cluster.wait_for(f"{NAME} deleted", lambda: cluster.get(crd.KIND, NAME) is None, timeout=60)
             cluster.wait_for("stage pods gone", lambda: not cluster.list("Pod", f"chariot.dev/deployment={NAME}"))
 
 

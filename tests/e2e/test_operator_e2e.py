@@ -187,7 +187,7 @@ def test_kubectl_delete_runs_cleanup_and_removes_the_finalizer(cluster: Cluster)
     cluster.apply(example("bye"))
     mdep = cluster.wait_ready("bye")
     assert f"{crd.GROUP}/cleanup" in mdep["metadata"]["finalizers"]
-    result = cluster.kubectl("delete", "mdep", "bye", "-n", cluster.namespace, "--timeout=30s")
+    result = cluster.kubectl("delete", "mdep", "bye", "-n", cluster.namespace, "--wait=false")  # polled below
     assert "deleted" in result.stdout
     cluster.wait_for("the ModelDeployment gone", lambda: cluster.get(crd.KIND, "bye") is None)
     # The emulator has no garbage collector: everything gone means the operator's cleanup deleted it.
