@@ -60,6 +60,9 @@ models/100m/config.json: | $(STAMP)
 bench: $(STAMP) models/100m/config.json
 	$(BIN)/python -m chariot.bench.engine_bench --model models/100m
 	$(BIN)/chariot bench capacity --model models/100m --quick
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(BIN)/python -m chariot.bench.kernel_bench --out bench/results/kernels.json; \
+	else echo "kernel_bench skipped: no CUDA GPU (docs/kernels.md)"; fi
 
 clean:
 	rm -rf $(VENV) models build *.egg-info
