@@ -1,9 +1,14 @@
 """Engine iteration benchmark: decode, prefill and Sarathi hybrid iterations on this machine.
 
 Prints a markdown table of median iteration times and the engine's own overhead (scheduling +
-input preparation) as a share of each iteration, and writes the raw numbers as JSON.
+input preparation) as a share of each iteration, and writes the raw numbers as JSON. With
+`--peak-bw-gbs`, decode rows also show the memory-bandwidth bound: a decode iteration must read
+every weight it uses (all but the input embedding, unless tied to the LM head) and the batch's
+cached K/V once, so bytes / peak bandwidth is the fastest it can be (the GPU roofline for decode).
 
     python -m chariot.bench.engine_bench --model models/100m
+    chariot make-model /models/llama3-8b --preset llama3-8b     # random Llama-3-8B-shaped weights
+    python -m chariot.bench.engine_bench --model /models/llama3-8b --device cuda --peak-bw-gbs 3350
 """
 
 from __future__ import annotations
@@ -35,18 +40,44 @@ class Row:
     median_ms: float
     overhead_ms: float
     overhead_pct: float
+    bytes_read: int | None = None  # decode rows: weights + cached K/V an iteration must read
+
+    def bound_ms(self, peak_bw_gbs: float) -> float | None:
+        return None if self.bytes_read is None else self.bytes_read / (peak_bw_gbs * 1e9) * 1e3
 
 
-def make_engine(model: str, policy: str, budget: int | None, max_len: int) -> Engine:
-    cfg = EngineConfig(model=model, policy=policy, token_budget=budget, max_model_len=max_len,
-                       kv_cache_tokens=96 * 1024, max_batch_size=256)
+@dataclass(frozen=True)
+class Target:
+    """Where the engines run."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+
+
+def make_engine(target: Target, policy: str, budget: int | None, max_len: int) -> Engine:
+    cfg = EngineConfig(model=target.model, policy=policy, token_budget=budget, max_model_len=max_len,
+                       kv_cache_tokens=96 * 1024, max_batch_size=256, device=target.device, dtype=target.dtype)
     return Engine(cfg, progress=False)
 
 
-def summarize(case: str, tokens: int, times: list[IterationTimes]) -> Row:
+def summarize(case: str, tokens: int, times: list[IterationTimes], bytes_read: int | None = None) -> Row:
     total = statistics.median(t.total for t in times)
     overhead = statistics.median(t.overhead for t in times)
-    return Row(case, tokens, total * 1e3, overhead * 1e3, 100 * overhead / total)
+    return Row(case, tokens, total * 1e3, overhead * 1e3, 100 * overhead / total, bytes_read)
+
+
+def decode_bytes(engine: Engine, batch: int, context: int) -> int:
+    """Bytes one decode iteration of `batch` sequences at `context` tokens must read from memory."""
+    runner = engine.executor.runner  # type: ignore[attr-defined]  # single-process engines only
+    stage = runner.stage
+    embed = stage.embed_tokens.weight if stage.embed_tokens is not None else None
+    lm_head = stage.lm_head.weight if stage.lm_head is not None else None
+    weights = sum(p.numel() * p.element_size() for p in stage.parameters()
+                  if p is not embed or p is lm_head)  # the embedding is only gathered, unless tied
+    kv_per_token = sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
+                       for k, v in runner.kv_caches)
+    return weights + batch * context * kv_per_token
 
 
 def run_steps(engine: Engine, n: int, keep: Callable[[Engine], bool]) -> list[IterationTimes]:
@@ -58,18 +89,18 @@ def run_steps(engine: Engine, n: int, keep: Callable[[Engine], bool]) -> list[It
     return times
 
 
-def bench_decode(model: str, batch: int, context: int, iters: int) -> Row:
-    engine = make_engine(model, "sarathi", 4096, 4096)
+def bench_decode(target: Target, batch: int, context: int, iters: int) -> Row:
+    engine = make_engine(target, "sarathi", 4096, max(4096, context + 64))
     for _ in range(batch):
         engine.add_request([7] * context, NEVER_STOP)
     while engine.scheduler.num_waiting or any(not s.is_decode for s in engine.scheduler.running):
         engine.step()
     times = run_steps(engine, iters, lambda e: True)
-    return summarize(f"decode batch {batch} (ctx {context})", batch, times)
+    return summarize(f"decode batch {batch} (ctx {context})", batch, times, decode_bytes(engine, batch, context))
 
 
-def bench_prefill(model: str, length: int, iters: int) -> Row:
-    engine = make_engine(model, "vllm", 4096, 4096)
+def bench_prefill(target: Target, length: int, iters: int) -> Row:
+    engine = make_engine(target, "vllm", 4096, 4096)
     times = []
     for _ in range(iters):
         engine.add_request([7] * length, SamplingParams(max_tokens=1, ignore_eos=True))
@@ -78,8 +109,8 @@ def bench_prefill(model: str, length: int, iters: int) -> Row:
     return summarize(f"prefill {length}", length, times)
 
 
-def bench_hybrid(model: str, decodes: int, budget: int, context: int, iters: int) -> Row:
-    engine = make_engine(model, "sarathi", budget, 8192)
+def bench_hybrid(target: Target, decodes: int, budget: int, context: int, iters: int) -> Row:
+    engine = make_engine(target, "sarathi", budget, 8192)
     for _ in range(decodes):
         engine.add_request([7] * context, NEVER_STOP)
     while engine.scheduler.num_waiting or any(not s.is_decode for s in engine.scheduler.running):
@@ -94,33 +125,51 @@ def bench_hybrid(model: str, decodes: int, budget: int, context: int, iters: int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--context", type=int, default=512, help="context length of decoding requests")
+    parser.add_argument("--decode-batches", default="1,8,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--peak-bw-gbs", type=float, default=None,
+                        help="memory bandwidth peak (GB/s; H100 SXM 3350, H200 4800) for the decode bound")
     parser.add_argument("--out", default="bench/results/engine.json")
     args = parser.parse_args(argv)
+    target = Target(args.model, args.device, args.dtype)
 
     jobs: list[tuple[str, Callable[[], Row]]] = []
-    for b in (1, 8, 32):
-        jobs.append((f"decode {b}", partial(bench_decode, args.model, b, args.context, args.iters)))
+    for b in (int(x) for x in args.decode_batches.split(",")):
+        jobs.append((f"decode {b}", partial(bench_decode, target, b, args.context, args.iters)))
     for n in (128, 512, 1024):
-        jobs.append((f"prefill {n}", partial(bench_prefill, args.model, n, args.iters)))
+        jobs.append((f"prefill {n}", partial(bench_prefill, target, n, args.iters)))
     for budget in (256, 512):
-        jobs.append((f"hybrid {budget}", partial(bench_hybrid, args.model, 32, budget, args.context, args.iters)))
+        jobs.append((f"hybrid {budget}", partial(bench_hybrid, target, 32, budget, args.context, args.iters)))
 
     rows = []
     for name, job in tqdm(jobs, desc="engine bench", file=sys.stderr):
         tqdm.write(f"running {name}", file=sys.stderr)
         rows.append(job())
 
-    print(f"threads={torch.get_num_threads()} model={args.model}\n")
-    print("| iteration | tokens | median ms | engine overhead ms | overhead % |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r.case} | {r.tokens} | {r.median_ms:.1f} | {r.overhead_ms:.2f} | {r.overhead_pct:.1f}% |")
+    print(f"device={args.device} threads={torch.get_num_threads()} model={args.model}\n")
+    print(markdown_table(rows, args.peak_bw_gbs))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     return 0
+
+
+def markdown_table(rows: list[Row], peak_bw_gbs: float | None) -> str:
+    head = "| iteration | tokens | median ms | engine overhead ms | overhead % |"
+    rule = "|---|---:|---:|---:|---:|"
+    if peak_bw_gbs:
+        head, rule = head + " bandwidth bound ms | % of bound |", rule + "---:|---:|"
+    lines = [head, rule]
+    for r in rows:
+        line = f"| {r.case} | {r.tokens} | {r.median_ms:.1f} | {r.overhead_ms:.2f} | {r.overhead_pct:.1f}% |"
+        bound = r.bound_ms(peak_bw_gbs) if peak_bw_gbs else None
+        if peak_bw_gbs:
+            line += " – | – |" if bound is None else f" {bound:.2f} | {100 * bound / r.median_ms:.0f}% |"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ CHART_CRD_PATH = "charts/chariot/crds/modeldeployments.chariot.dev.yaml"
 
 POLICIES = ["sarathi", "vllm", "orca", "fastertransformer"]
 DTYPES = ["auto", "float32", "float16", "bfloat16"]
-MODEL_URI_PATTERN = r"^(preset://(tiny|small|100m)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
+MODEL_URI_PATTERN = r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
 GROUP_PHASES = ["Pending", "Starting", "Ready", "Restarting", "BackingOff", "Terminating"]
 
 Schema = dict[str, Any]
@@ -70,7 +70,7 @@ def _quantity(description: str, default: str) -> Schema:
 
 def _model() -> Schema:
     return _obj("The model every stage loads (its own layer range) and the router tokenizes with.", {
-        "uri": _str("Where the Hugging Face model directory comes from: `preset://tiny|small|100m` (a random-"
+        "uri": _str("Where the Hugging Face model directory comes from: `preset://tiny|small|100m|llama3-8b` (a random-"
                     "initialised preset made by an init container), `pvc://CLAIM[/PATH]` (a PersistentVolumeClaim"
                     " mounted read-only), or an absolute path already present in the image (`/models/m` or "
                     "`file:///models/m`).", pattern=MODEL_URI_PATTERN),

@@ -19,7 +19,8 @@ from chariot.operator import crd
 MAX_POD_NAME = 63  # pod hostnames are DNS labels
 # (layers, max_position_embeddings) of `chariot make-model --preset`; tests check them against the presets
 # (the operator image must not need torch to validate a spec).
-PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 2048), "small": (4, 4096), "100m": (8, 8192)}
+PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 2048), "small": (4, 4096), "100m": (8, 8192),
+                                             "llama3-8b": (32, 8192)}
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING
 from chariot.worker.errors import ConfigError
 from chariot.worker.flags import add_engine_flags, config_from_args
 
+# `chariot make-model --preset` choices, spelled out so `chariot --help` need not import torch
+# (tests/unit/test_make_model.py checks them against make_model.PRESETS).
+PRESET_NAMES = ("tiny", "small", "100m", "llama3-8b")
+
 if TYPE_CHECKING:
     from chariot.worker.config import EngineConfig
     from chariot.worker.pipeline.transport import Topology
@@ -30,7 +34,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
                        description="Write a Hugging Face-format model directory with random weights and a "
                                    "byte-level BPE tokenizer trained locally.")
     p.add_argument("dir", help="output directory")
-    p.add_argument("--preset", choices=["tiny", "small", "100m"], default="tiny")
+    p.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_run_make_model)

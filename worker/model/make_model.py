@@ -62,6 +62,8 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 2, 4, 2, 128, 512, "float32", 2048),
     "small": Preset(256, 4, 8, 2, 688, 2048, "float32", 4096),
     "100m": Preset(1024, 8, 16, 4, 2816, 8192, "bfloat16", 8192, rope_theta=500000.0),
+    # Llama-3-8B's shape (16 GB of bf16 weights): GPU benchmarks without downloading a checkpoint.
+    "llama3-8b": Preset(4096, 32, 32, 8, 14336, 128256, "bfloat16", 8192, rope_theta=500000.0),
 }
 ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
