@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_SCHEDULING_DELAY_S = 2.0
 
@@ -34,6 +35,18 @@ class RequestTrace:
     def tbt(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in itertools.pairwise(t)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The traces.json form of a capacity run (times rounded to 0.1 ms)."""
+        return {"arrival": round(self.arrival, 4),
+                "scheduled": None if self.scheduled is None else round(self.scheduled, 4),
+                "prompt_tokens": self.prompt_tokens, "ok": self.ok,
+                "token_times": [round(x, 4) for x in self.token_times]}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> RequestTrace:
+        return cls(arrival=raw["arrival"], scheduled=raw["scheduled"], token_times=tuple(raw["token_times"]),
+                   prompt_tokens=raw["prompt_tokens"], ok=raw["ok"])
 
 
 def percentile(values: Sequence[float], q: float) -> float:

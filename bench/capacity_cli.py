@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from tqdm.auto import tqdm
 
-from chariot.bench.capacity import RequestTrace, RunMetrics, search_capacity
+from chariot.bench.capacity import RunMetrics, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, DriverResult, GiveUp, drive, random_prompt
 from chariot.bench.traces import TRACES, TraceSpec
 from chariot.proto.chariot.v1 import generation_pb2 as pb
@@ -313,11 +313,6 @@ def metrics_row(label: str, r: DriverResult, slos_ms: Sequence[float]) -> dict[s
     return row
 
 
-def trace_json(t: RequestTrace) -> dict[str, Any]:
-    return {"arrival": round(t.arrival, 4), "scheduled": None if t.scheduled is None else round(t.scheduled, 4),
-            "prompt_tokens": t.prompt_tokens, "ok": t.ok, "token_times": [round(x, 4) for x in t.token_times]}
-
-
 def write_results(out: Path, setup: dict[str, Any], results: Sequence[PolicyResult]) -> None:
     """capacity.json (setup, capacities, every probe), capacity.csv, probes.csv and traces.json."""
     out.mkdir(parents=True, exist_ok=True)
@@ -333,7 +328,7 @@ def write_results(out: Path, setup: dict[str, Any], results: Sequence[PolicyResu
         {"policy": r.config.label, "trace": setup["trace"], "scale": setup["scale"], "tbt_slo_ms": slo,
          "capacity_qps": cap, "below_range": cap == 0.0} for r in results for slo, cap in r.capacity.items()])
     _write_csv(out / "probes.csv", [row for p in policies for row in p["probes"]])
-    traces = {r.config.label: {f"{qps:g}": [trace_json(t) for t in run.traces] for qps, run in sorted(r.runs.items())}
+    traces = {r.config.label: {f"{qps:g}": [t.to_json() for t in run.traces] for qps, run in sorted(r.runs.items())}
               for r in results}
     (out / "traces.json").write_text(json.dumps(traces) + "\n")
 

@@ -165,8 +165,8 @@ def markdown_table(rows: list[Row], peak_bw_gbs: float | None) -> str:
     lines = [head, rule]
     for r in rows:
         line = f"| {r.case} | {r.tokens} | {r.median_ms:.1f} | {r.overhead_ms:.2f} | {r.overhead_pct:.1f}% |"
-        bound = r.bound_ms(peak_bw_gbs) if peak_bw_gbs else None
         if peak_bw_gbs:
+            bound = r.bound_ms(peak_bw_gbs)
             line += " – | – |" if bound is None else f" {bound:.2f} | {100 * bound / r.median_ms:.0f}% |"
         lines.append(line)
     return "\n".join(lines)

@@ -133,10 +133,7 @@ def load_traces(results: str | Path, qps: float) -> dict[str, list[RequestTrace]
     never probed that load are left out)."""
     raw = json.loads((Path(results) / "traces.json").read_text())
     key = f"{qps:g}"
-    return {policy: [RequestTrace(arrival=r["arrival"], scheduled=r["scheduled"],
-                                  token_times=tuple(r["token_times"]), prompt_tokens=r["prompt_tokens"], ok=r["ok"])
-                     for r in runs[key]]
-            for policy, runs in raw.items() if key in runs}
+    return {policy: [RequestTrace.from_json(r) for r in runs[key]] for policy, runs in raw.items() if key in runs}
 
 
 def replot(results: str | Path, qps: float) -> list[Path]:

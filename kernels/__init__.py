@@ -7,7 +7,7 @@ backend (`triton_attention.py`: GPU, or CPU under `TRITON_INTERPRET=1`) is the f
 
 This module picks one so the executor never changes when a backend is added: the env var
 `CHARIOT_ATTENTION_BACKEND` (`reference` | `triton`) overrides the default, which is `triton` when
-CUDA, the `triton` package and the Triton backend module are all present, else `reference`.
+CUDA and the `triton` package are both present, else `reference`.
 An explicit request for a backend that cannot run raises `AttentionBackendError` naming the env var
 instead of silently falling back, so a deployment never runs a slower path than it asked for.
 
@@ -56,9 +56,7 @@ def _triton_problem() -> str | None:
     if not torch.cuda.is_available() and not interpret:
         return "CUDA is not available (set TRITON_INTERPRET=1 to run Triton kernels on CPU)"
     if importlib.util.find_spec("triton") is None:
-        return "the `triton` package is not installed"
-    if importlib.util.find_spec(BACKENDS["triton"]) is None:
-        return f"the Triton attention backend ({BACKENDS['triton']}) is not implemented yet"
+        return "the `triton` package is not installed (pip install 'chariot[triton]')"
     return None
 
 

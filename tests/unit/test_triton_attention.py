@@ -2,12 +2,10 @@
 
 Without a GPU the kernels run under the Triton interpreter (numpy on CPU). Triton fixes a jit
 function's mode when it is decorated: its own helpers (`tl.max`, `tl.sum`, ...) when `triton` is first
-imported, the backend's kernels when `chariot.kernels.triton_attention` is. So, without a conftest:
-this module sets `TRITON_INTERPRET=1` at its top, at collection, before any test runs (only where
-CUDA is absent: on a GPU the same tests run the compiled kernels); the module-scoped `tt` fixture
-imports the backend lazily, re-imports it if something imported it earlier in compiled mode, fails
-with a clear message if `triton` itself was imported before the variable was set (no test does that
-today: `grep -rn triton tests/`), and restores the variable once this module's tests are done.
+imported, the backend's kernels when `chariot.kernels.triton_attention` is. tests/conftest.py sets
+`TRITON_INTERPRET=1` (only where CUDA is absent) before anything imports triton; the module-scoped
+`tt` fixture imports the backend lazily, re-imports it if something imported it earlier in compiled
+mode, and fails with a clear message if `triton` itself was imported before the variable was set.
 Triton is a test dependency: if it is missing, these tests fail rather than skip.
 On a GPU machine the same small cases run compiled on CUDA (`DEVICE`), and `TestOnCuda` (marker
 `gpu`, deselected without CUDA) adds Llama-3-8B-sized shapes and offsets beyond int32.
@@ -23,7 +21,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -37,9 +35,6 @@ from chariot.kernels.attention import AttentionMetadata
 
 MODULE = "chariot.kernels.triton_attention"
 CUDA = torch.cuda.is_available()
-_INTERPRET_BEFORE = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see module docstring)
 DEVICE = "cuda" if CUDA else "cpu"  # the small cases run compiled on a GPU machine, interpreted elsewhere
 FILL = float("nan")
 # max |out - expected| must stay within tol × max |expected| (16-bit) or atol + rtol·|expected| (fp32)
@@ -49,23 +44,14 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def tt() -> Iterator[ModuleType]:
+def tt() -> ModuleType:
     """The Triton backend module, interpreted on CPU when there is no GPU (see module docstring)."""
     module = importlib.import_module(MODULE)
     if not CUDA and not module._INTERPRETED:  # imported earlier without the interpreter
         module = importlib.reload(module)
     if module._MIXED_MODES:
         pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; the interpreter cannot run the kernels")
-    yield module
-    if not CUDA:
-        _restore_env("TRITON_INTERPRET", _INTERPRET_BEFORE)
-
-
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
+    return module
 
 
 # --- batch construction ------------------------------------------------------------------------
@@ -561,7 +547,7 @@ def test_tile_config_rejects_non_power_of_two(tt: ModuleType) -> None:
 
 
 def test_backend_selection_dispatches_to_triton(tt: ModuleType) -> None:
-    assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"  # set by the `tt` fixture
+    assert CUDA or os.environ.get("TRITON_INTERPRET") == "1"  # set by tests/conftest.py
     batch = make_batch(Spec(MIXED, 2, seed=5))
     previous = kernels.get_backend()
     try:
