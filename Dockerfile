@@ -17,6 +17,8 @@ ENV PATH=/opt/chariot/bin:$PATH
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY cli cli
+COPY contracts contracts
 COPY worker worker
 COPY kernels kernels
 COPY router router

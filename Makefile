@@ -46,7 +46,7 @@ test: $(STAMP) system-deps kubectl lint
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a
 # symlinked chariot/ tree (otherwise every chariot.* import would be typed Any).
-PACKAGES := worker kernels router operator proto bench
+PACKAGES := cli contracts worker kernels router operator proto bench
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	rm -rf build/typecheck && mkdir -p build/typecheck/chariot

@@ -44,15 +44,16 @@ from tqdm.auto import tqdm
 from chariot.bench.capacity import RunMetrics, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, DriverResult, GiveUp, drive, random_prompt
 from chariot.bench.traces import TRACES, TraceSpec
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.policies import POLICIES
+from chariot.contracts.proto_codec import request_to_proto
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc
-from chariot.worker.config import POLICIES, EngineConfig, ModelConfig
-from chariot.worker.errors import ConfigError
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.wire import request_to_proto
+from chariot.worker.config import EngineConfig, ModelConfig
 
 if TYPE_CHECKING:  # process management and plotting load torch/matplotlib: imported when a run starts
-    from chariot.worker.up import Child
+    from chariot.contracts.processes import Child
 
 STACK_READY_TIMEOUT_S = 600.0
 
@@ -156,15 +157,17 @@ class Stack:
 def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float = STACK_READY_TIMEOUT_S,
                   ) -> Iterator[Stack]:
     """Start the workers of one replica and a non-shedding router; stop them all on exit."""
-    from chariot.worker.up import shutdown, spawn, start_replica, wait_ready
+    from chariot.contracts.processes import shutdown, spawn, wait_ready
+    from chariot.router.launch import ROUTER_READY_PREFIX
+    from chariot.worker.pipeline.launcher import start_group
 
     children: list[Child] = []
     try:
-        group, stage0 = start_replica(0, config, served)
+        group, stage0 = start_group(0, config, served)
         children += group
         worker = _grpc_address(wait_ready(stage0, children, timeout_s))
         router = spawn("router", bench_router_cmd(config.model, served, worker), dict(os.environ),
-                       "chariot router ready")
+                       ROUTER_READY_PREFIX)
         children.append(router)
         yield Stack(children, _grpc_address(wait_ready(router, children, timeout_s)), worker, served)
     finally:
@@ -173,11 +176,10 @@ def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float 
 
 def bench_router_cmd(model: str, served: str, worker: str) -> list[str]:
     """`chariot router` on free ports whose admission control never sheds."""
-    from chariot.worker.up import router_cmd
+    from chariot.router.launch import router_command
 
-    args = argparse.Namespace(host="127.0.0.1", http_port=0, grpc_port=0, redis_url=None, tbt_slo_ms=None,
-                              ttft_slo_ms=NO_SHED_TTFT_MS)
-    return [*router_cmd(args, model, served, [f"g0={worker}"]), "--max-queue-per-replica", str(NO_SHED_QUEUE)]
+    return [*router_command(model, served, [f"g0={worker}"], ttft_slo_ms=NO_SHED_TTFT_MS),
+            "--max-queue-per-replica", str(NO_SHED_QUEUE)]
 
 
 def _grpc_address(ready_line: str) -> str:

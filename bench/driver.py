@@ -35,10 +35,10 @@ import grpc
 
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics
 from chariot.bench.traces import TraceRequest, TraceSpec, make_trace
+from chariot.contracts.proto_codec import finish_reason_from_proto, request_to_proto
+from chariot.contracts.requests import FinishReason
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2_grpc
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason
-from chariot.worker.wire import finish_reason_from_proto, request_to_proto
 
 LOW_TOKEN_ID = 16  # prompts avoid the low ids, where locally made tokenizers keep their special tokens
 MONITOR_INTERVAL_S = 0.2

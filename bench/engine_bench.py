@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from chariot.contracts.outputs import IterationTimes
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
-from chariot.worker.outputs import IterationTimes
-from chariot.worker.sampling_params import SamplingParams
 
 NEVER_STOP = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import grpc
 import httpx
 
+from chariot.contracts.proto_codec import request_to_proto
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2_grpc
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.wire import request_to_proto
 
 CLK_TCK = 100
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--out", default="bench/results/router.json")
     args = p.parse_args(argv)
-    py = [sys.executable, "-m", "chariot.worker.cli"]
+    py = [sys.executable, "-m", "chariot.cli"]
     worker, wline = start([*py, "worker", "--model", args.model, "--port", "0", "--metrics-port", "0",
                            "--kv-cache-tokens", "65536", "--max-batch-size", "256"], "chariot worker ready")
     waddr = re.search(r"grpc=(\S+)", wline).group(1)  # type: ignore[union-attr]

@@ -27,9 +27,9 @@ from typing import Any
 
 from chariot.bench.capacity import CapacityResult, RequestTrace, RunMetrics, search_capacity
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.budget import BatchShape, CostModel, load_profile
-from chariot.worker.sampling_params import SamplingParams
 from chariot.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, make_scheduler
 from chariot.worker.sequence import Sequence as Seq
 

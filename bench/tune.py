@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chariot.contracts.errors import ConfigError
 from chariot.worker.budget import (
     FEATURES,
     PROFILE_VERSION,
@@ -46,7 +47,6 @@ from chariot.worker.budget import (
     model_shape,
     worst_case_iteration_s,
 )
-from chariot.worker.errors import ConfigError
 
 if TYPE_CHECKING:  # numpy, tqdm and the engine load lazily: `chariot --help` imports this module
     import numpy as np
@@ -195,7 +195,7 @@ def _zero_kv_cache(engine: Engine) -> None:
 
 def _place(engine: Engine, prompt_len: int, computed: int) -> str:
     """Add a request and put it straight into the running set with `computed` tokens cached."""
-    from chariot.worker.sampling_params import SamplingParams
+    from chariot.contracts.sampling_params import SamplingParams
     from chariot.worker.sequence import SequenceStatus
 
     rid = engine.add_request([7] * prompt_len, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))

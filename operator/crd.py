@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from chariot.contracts.policies import DEFAULT_POLICY, POLICIES
+
 GROUP = "chariot.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -24,7 +26,6 @@ SHORT_NAMES = ["mdep"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CHART_CRD_PATH = "charts/chariot/crds/modeldeployments.chariot.dev.yaml"
 
-POLICIES = ["sarathi", "vllm", "orca", "fastertransformer"]
 DTYPES = ["auto", "float32", "float16", "bfloat16"]
 MODEL_URI_PATTERN = r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
 GROUP_PHASES = ["Pending", "Starting", "Ready", "Restarting", "BackingOff", "Terminating"]
@@ -85,8 +86,8 @@ def _model() -> Schema:
 
 def _scheduler() -> Schema:
     return _obj("Batching policy and its knobs (every stage of a group gets the same).", {
-        "policy": _str("Scheduling policy; `sarathi` = chunked prefills + stall-free batching.", enum=POLICIES,
-                       default="sarathi"),
+        "policy": _str("Scheduling policy; `sarathi` = chunked prefills + stall-free batching.", enum=list(POLICIES),
+                       default=DEFAULT_POLICY),
         "tokenBudget": _int("Tokens per iteration. Unset: derived from `slo.tbtMs` and `tuneProfile` when both "
                             "are set (sarathi), else the policy's default (512 for sarathi, maxModelLen for the "
                             "others, which must fit a whole prompt).", minimum=1),

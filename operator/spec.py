@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from chariot.contracts.policies import get_policy
 from chariot.operator import crd
 
 MAX_POD_NAME = 63  # pod hostnames are DNS labels
@@ -166,11 +167,12 @@ def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
         errors.append(FieldError("spec.parallelism.tensor", f"tensor parallelism inside a stage is not supported "
                                                              f"yet; must be 1, got {spec.tensor}"))
     s = spec.scheduler
-    if s.policy != "sarathi" and s.token_budget is not None and spec.model.max_model_len is not None \
-            and s.token_budget < spec.model.max_model_len:
+    max_len = spec.model.max_model_len
+    problem = None if s.token_budget is None or max_len is None else \
+        get_policy(s.policy).budget_problem(s.token_budget, max_len)
+    if problem is not None:
         errors.append(FieldError("spec.scheduler.tokenBudget",
-                                 f"policy {s.policy!r} does not chunk prompts, so tokenBudget must be >= "
-                                 f"spec.model.maxModelLen ({spec.model.max_model_len}), got {s.token_budget}"))
+                                 f"{problem} (spec.model.maxModelLen = {max_len}), got {s.token_budget}"))
     return errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec)
 
 
@@ -183,9 +185,8 @@ def tune_profile_errors(spec: Spec) -> list[FieldError]:
         return [FieldError(field, "set either tokenBudget or tuneProfile (with slo.tbtMs), not both")]
     if spec.tbt_slo_ms is None:
         return [FieldError(field, "derives the token budget from spec.slo.tbtMs, which is not set")]
-    if s.policy != "sarathi":
-        return [FieldError(field, f"sets a chunking budget, only for policy 'sarathi' (got {s.policy!r})")]
-    return []
+    problem = get_policy(s.policy).slo_budget_problem()
+    return [] if problem is None else [FieldError(field, problem)]
 
 
 def preset_errors(spec: Spec) -> list[FieldError]:

@@ -39,11 +39,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
 from chariot.router.config import RouterConfig
 from chariot.router.ratelimit import Charge, RateLimiter
 from chariot.router.registry import ReplicaLoad, ReplicaRegistry, ReplicaView
 from chariot.router.state import DuplicateRequestError, SharedLoad, SharedState, StateHealth
-from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
 
 log = logging.getLogger(__name__)
 

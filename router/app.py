@@ -25,6 +25,10 @@ from typing import Any
 
 import uvicorn
 
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.grpc_server import SERVICE_NAME, host_port, stop_on_signals
+from chariot.contracts.telemetry import setup_telemetry
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.admission import AdmissionController
 from chariot.router.config import RouterConfig, TenantLimit
 from chariot.router.dataplane import DataPlane
@@ -33,10 +37,6 @@ from chariot.router.http_front import build_http_app
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
 from chariot.router.upstream import DEFAULT_STATS_INTERVAL_S
-from chariot.worker.errors import ConfigError
-from chariot.worker.grpc_common import SERVICE_NAME, host_port, stop_on_signals
-from chariot.worker.telemetry import setup_telemetry
-from chariot.worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

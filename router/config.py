@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from chariot.worker.errors import ConfigError
+from chariot.contracts.errors import ConfigError
 
 RateLimitUnit = Literal["tokens", "requests"]
 RATE_LIMIT_UNITS: tuple[str, ...] = ("tokens", "requests")

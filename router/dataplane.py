@@ -39,6 +39,12 @@ from typing import Any
 
 import grpc
 
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.contracts.proto_codec import finish_reason_from_proto, request_to_proto
+from chariot.contracts.requests import FinishReason, Prompt
+from chariot.contracts.sampling_params import SamplingParams
+from chariot.contracts.telemetry import RequestSpans, RequestTimer, Telemetry
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
 from chariot.router.config import RouterConfig
 from chariot.router.registry import ReplicaRegistry, ReplicaView
@@ -51,12 +57,6 @@ from chariot.router.upstream import (
     aggregate_stats,
     upstream_error,
 )
-from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason
-from chariot.worker.telemetry import RequestTimer, RequestTrace, Telemetry
-from chariot.worker.tokenizer import Tokenizer
-from chariot.worker.wire import finish_reason_from_proto, request_to_proto
 
 __all__ = [
     "BYTES_PER_TOKEN_ESTIMATE",
@@ -73,7 +73,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
 
 # Without a tokenizer, a text prompt is assumed to be one token per this many UTF-8 bytes (typical
 # of BPE vocabularies on English). Used for load prediction only, never to reject a request.
@@ -166,7 +165,7 @@ class _Flight:
 
     decision: Decision
     timer: RequestTimer
-    trace: RequestTrace
+    trace: RequestSpans
     prompt_tokens: int
     completion_tokens: int = 0
     first_token: asyncio.Task[None] | None = None

@@ -24,11 +24,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health
+from chariot.contracts.proto_codec import finish_reason_to_proto, request_from_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
-from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health
-from chariot.worker.wire import finish_reason_to_proto, request_from_proto
 
 log = logging.getLogger(__name__)
 

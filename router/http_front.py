@@ -35,6 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from chariot.contracts.errors import InvalidRequestError
+from chariot.contracts.requests import FinishReason
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
@@ -49,8 +51,6 @@ from chariot.router.openai_api import (
     usage,
 )
 from chariot.router.upstream import ReplicaUnavailable
-from chariot.worker.errors import InvalidRequestError
-from chariot.worker.sequence import FinishReason
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by the client

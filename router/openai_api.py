@@ -23,13 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from chariot.worker.errors import AdmissionRejected, InvalidRequestError, UnknownModelError, error_status
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason
-from chariot.worker.tokenizer import Tokenizer
-from chariot.worker.wire import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_CHARS
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_CHARS
+from chariot.contracts.requests import FinishReason, Prompt
+from chariot.contracts.sampling_params import SamplingParams
+from chariot.contracts.tokenizer import Tokenizer
 
-Prompt = str | list[int]
 Kind = Literal["completion", "chat"]
 
 MAX_BODY_BYTES = 4 << 20

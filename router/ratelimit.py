@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from chariot.contracts.errors import AdmissionRejected
 from chariot.router.config import RouterConfig, TenantLimit
-from chariot.worker.errors import AdmissionRejected
 
 if TYPE_CHECKING:
     from chariot.router.state import SharedState

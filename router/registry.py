@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chariot.contracts.errors import ConfigError
 from chariot.router.config import RouterConfig
-from chariot.worker.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

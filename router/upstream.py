@@ -28,10 +28,10 @@ from typing import Any
 
 import grpc
 
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.registry import RegistryChange, ReplicaLoad, ReplicaRegistry
-from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
 
 log = logging.getLogger(__name__)
 

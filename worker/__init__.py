@@ -1,7 +1,7 @@
 """Chariot worker: model, paged KV cache, schedulers, executor, engine loop and the offline `LLM` API.
 
-Exports resolve lazily so that light modules (scheduler, block manager, sampling params) can be
-imported without loading torch and the model code.
+Exports resolve lazily so that the torch-free parts (scheduler, block manager, the CLI's subcommand
+registration) import without loading torch and the model code.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from chariot.worker.errors import ConfigError, InvalidRequestError, ModelLoadError
+    from chariot.contracts.errors import ConfigError, InvalidRequestError, ModelLoadError
+    from chariot.contracts.outputs import RequestOutput
+    from chariot.contracts.sampling_params import SamplingParams
     from chariot.worker.llm import LLM
-    from chariot.worker.outputs import RequestOutput
-    from chariot.worker.sampling_params import SamplingParams
 
 _EXPORTS = {
     "LLM": "chariot.worker.llm",
-    "RequestOutput": "chariot.worker.outputs",
-    "SamplingParams": "chariot.worker.sampling_params",
-    "ConfigError": "chariot.worker.errors",
-    "InvalidRequestError": "chariot.worker.errors",
-    "ModelLoadError": "chariot.worker.errors",
+    "RequestOutput": "chariot.contracts.outputs",
+    "SamplingParams": "chariot.contracts.sampling_params",
+    "ConfigError": "chariot.contracts.errors",
+    "InvalidRequestError": "chariot.contracts.errors",
+    "ModelLoadError": "chariot.contracts.errors",
 }
 
 __all__ = ["LLM", "ConfigError", "InvalidRequestError", "ModelLoadError", "RequestOutput", "SamplingParams"]

@@ -29,19 +29,19 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeAlias, TypeVar
 
+from chariot.contracts.errors import EngineDeadError
+from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.proto_codec import PREFILL_TOKENS_PER_S
+from chariot.contracts.requests import Prompt
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.engine import Engine
-from chariot.worker.errors import EngineDeadError
-from chariot.worker.outputs import EngineStats, RequestOutput
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.wire import PREFILL_TOKENS_PER_S
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Prompt = str | Sequence[int]
 _Item: TypeAlias = RequestOutput | BaseException  # what a request's queue carries
 PREFILL_WINDOW = 64  # steps that took on prompt tokens, averaged for prefill_tokens_per_s
 HEALTH_POLL_S = 0.5  # while idle, how often the engine is asked to check its pipeline (`check_health`)

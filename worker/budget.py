@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from chariot.worker.errors import ConfigError
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.policies import get_policy
 
 PROFILE_VERSION = 1
 FEATURES = ("constant", "prefill_tokens", "decode_tokens", "prefill_attention", "decode_context")
@@ -210,8 +211,9 @@ def budget_from_flags(model_dir: str | None, dtype_name: str, policy: str, token
         return token_budget
     if token_budget is not None:
         raise ConfigError("tbt_slo_ms", "give either --token-budget or --tbt-slo-ms, not both")
-    if policy != "sarathi":
-        raise ConfigError("tbt_slo_ms", f"sets a chunking budget, only for policy 'sarathi' (got {policy!r})")
+    problem = get_policy(policy).slo_budget_problem()
+    if problem is not None:
+        raise ConfigError("tbt_slo_ms", problem)
     if model_dir is None:
         raise ConfigError("tbt_slo_ms", "needs --model")
     return resolve_token_budget(model_dir, dtype_name, tbt_slo_ms, profile_path, max_model_len)

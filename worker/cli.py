@@ -1,6 +1,6 @@
-"""The `chariot` command line: one entry point, one subcommand per component.
-
-Subcommands import their component lazily so `chariot --help` stays fast.
+"""The worker's subcommands of the `chariot` CLI: `make-model`, `worker` (one pipeline stage) and
+`generate` (stream a completion). Registered by `chariot.cli`; `python -m chariot.worker` runs them
+alone. Handlers import the engine lazily so `chariot --help` stays fast (no torch).
 """
 
 from __future__ import annotations
@@ -9,11 +9,10 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chariot.worker.errors import ConfigError
+from chariot.contracts.errors import ConfigError
 from chariot.worker.flags import add_engine_flags, config_from_args
 
 # `chariot make-model --preset` choices, spelled out so `chariot --help` need not import torch
@@ -21,13 +20,10 @@ from chariot.worker.flags import add_engine_flags, config_from_args
 PRESET_NAMES = ("tiny", "small", "100m", "llama3-8b")
 
 if TYPE_CHECKING:
+    from chariot.contracts.sampling_params import SamplingParams
+    from chariot.contracts.telemetry import Telemetry
     from chariot.worker.config import EngineConfig
     from chariot.worker.pipeline.transport import Topology
-    from chariot.worker.sampling_params import SamplingParams
-    from chariot.worker.telemetry import Telemetry
-
-Handler = Callable[[argparse.Namespace], int]
-
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a random-initialised checkpoint + trained BPE tokenizer",
@@ -65,9 +61,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from chariot.contracts.telemetry import setup_telemetry
     from chariot.worker.pipeline.stage import run_downstream_stage
     from chariot.worker.pipeline.transport import Topology
-    from chariot.worker.telemetry import setup_telemetry
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
@@ -103,32 +99,6 @@ def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology
                              ready=bound.append, observer=EngineMetrics(telemetry), on_ready=announce))
 
 
-def _add_up(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="run router + stage workers as local processes (the embedded default)",
-                       description="Start R replicas of P pipeline stages and one router on this machine, "
-                                   "print the endpoints, and stop everything on Ctrl-C. With no --model, "
-                                   "the tiny preset is made first.")
-    add_engine_flags(p, model_required=False)
-    p.set_defaults(stages=2)
-    p.add_argument("--replicas", type=int, default=1, help="pipeline groups (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--redis-url", default=None, help="shared router state (optional)")
-    p.add_argument("--ttft-slo-ms", type=float, default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.set_defaults(handler=_run_up)
-
-
-def _run_up(args: argparse.Namespace) -> int:
-    from chariot.worker.up import ensure_model, run_up
-
-    if args.replicas < 1:
-        raise ConfigError("replicas", f"must be >= 1, got {args.replicas}")
-    args.model = ensure_model(args.model)
-    return run_up(args, config_from_args(args))
-
-
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running router (or offline with --model)",
                        description="Stream a completion to stdout from the router at --target (started by "
@@ -145,12 +115,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from chariot.worker.sampling_params import SamplingParams
+    from chariot.contracts.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     if args.model is None:
-        from chariot.worker.client import stream_completion
+        from chariot.contracts.client import stream_completion
 
         return stream_completion(args.target, args.prompt, params)
     return _generate_offline(args, params)
@@ -174,39 +144,8 @@ def _generate_offline(args: argparse.Namespace, params: SamplingParams) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chariot", description="Chariot: LLM serving with Sarathi-Serve scheduling")
-    sub = parser.add_subparsers(dest="command", required=True)
-    from chariot.bench.capacity_cli import add_bench_parser
-    from chariot.bench.tune import add_tune_parser
-    from chariot.operator.cli import add_operator_parser
-    from chariot.router.app import add_router_parser
-
+def register(sub: argparse._SubParsersAction) -> None:
+    """The worker's subcommands: `make-model`, `worker` and `generate`."""
     _add_make_model(sub)
     _add_worker(sub)
-    add_router_parser(sub)
-    add_operator_parser(sub)
-    add_bench_parser(sub)
-    add_tune_parser(sub)
-    _add_up(sub)
     _add_generate(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from chariot.worker.errors import ChariotError
-
-    try:
-        handler: Handler = args.handler
-        return handler(args)
-    except ChariotError as exc:
-        print(f"chariot {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

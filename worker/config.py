@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chariot.worker.errors import ConfigError, ModelLoadError
+from chariot.contracts.errors import ConfigError, ModelLoadError
+from chariot.contracts.policies import get_policy
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-POLICIES = ("sarathi", "vllm", "orca", "fastertransformer")
 # Names only: torch is imported where a dtype object is needed, so the CLI starts without it.
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -185,8 +185,7 @@ class EngineConfig:
     stage_timeout_s: float = 15.0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        get_policy(self.policy)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _positive("max_batch_size", self.max_batch_size)
@@ -217,15 +216,12 @@ class EngineConfig:
         return self.max_model_len
 
     def resolved_token_budget(self, max_model_len: int) -> int:
-        chunking = self.policy == "sarathi"
+        policy = get_policy(self.policy)
         if self.token_budget is None:
-            return 512 if chunking else max_model_len
-        if not chunking and self.token_budget < max_model_len:
-            raise ConfigError(
-                "token_budget",
-                f"policy {self.policy!r} does not chunk prompts, so token_budget must be >= max_model_len "
-                f"({max_model_len}), got {self.token_budget}",
-            )
+            return policy.default_budget(max_model_len)
+        problem = policy.budget_problem(self.token_budget, max_model_len)
+        if problem is not None:
+            raise ConfigError("token_budget", f"{problem} ({max_model_len}), got {self.token_budget}")
         return self.token_budget
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:

@@ -12,30 +12,28 @@ import itertools
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from chariot.contracts.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
+from chariot.contracts.outputs import EngineStats, IterationTimes, RequestOutput
+from chariot.contracts.requests import FinishReason, Prompt
+from chariot.contracts.sampling_params import SamplingParams
+from chariot.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
 from chariot.worker.executor import InputBuilder, LocalExecutor, ModelInput, ModelRunner
 from chariot.worker.kv_cache import num_kv_blocks
 from chariot.worker.model.llama import allocate_kv_caches
 from chariot.worker.model.loader import load_stage
-from chariot.worker.outputs import EngineStats, IterationTimes, RequestOutput
 from chariot.worker.pipeline.driver import PipelineExecutor
 from chariot.worker.pipeline.stage import StageContext
 from chariot.worker.pipeline.transport import PeerCheck, Topology
 from chariot.worker.sampler import Sampler
-from chariot.worker.sampling_params import SamplingParams
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
-from chariot.worker.sequence import FinishReason, Sequence
-from chariot.worker.tokenizer import IncrementalDetokenizer, Tokenizer
-
-Prompt = str | Seq[int]
+from chariot.worker.sequence import Sequence
 
 
 class Executor(Protocol):

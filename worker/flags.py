@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from chariot.worker.config import DTYPES, POLICIES, EngineConfig
+from chariot.contracts.policies import DEFAULT_POLICY, POLICIES
+from chariot.worker.config import DTYPES, EngineConfig
 
 
 def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required, help="Hugging Face model directory")
-    g.add_argument("--policy", choices=POLICIES, default="sarathi", help="batching policy (default sarathi)")
+    g.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"batching policy (default {DEFAULT_POLICY})")
     g.add_argument("--token-budget", type=int, default=None,
                    help="tokens per iteration (default: 512 for sarathi, max_model_len otherwise)")
     g.add_argument("--tbt-slo-ms", type=float, default=None,

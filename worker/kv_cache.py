@@ -6,8 +6,8 @@ import os
 
 import torch
 
+from chariot.contracts.errors import ConfigError
 from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.errors import ConfigError
 
 
 def bytes_per_token(model: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:

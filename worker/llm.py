@@ -8,12 +8,12 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from chariot.contracts.errors import PipelineError
+from chariot.contracts.outputs import RequestOutput
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine, Prompt
-from chariot.worker.errors import PipelineError
-from chariot.worker.outputs import RequestOutput
 from chariot.worker.pipeline.launcher import LocalPipeline
-from chariot.worker.sampling_params import SamplingParams
 
 
 class LLM:

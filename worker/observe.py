@@ -7,11 +7,11 @@ request its worker-measured TTFT, TBT gaps, queue delay, duration and token usag
 
 from __future__ import annotations
 
+from chariot.contracts.outputs import RequestOutput
+from chariot.contracts.requests import FinishReason
+from chariot.contracts.telemetry import Telemetry
 from chariot.worker.engine import Engine
-from chariot.worker.outputs import RequestOutput
 from chariot.worker.scheduler import SchedulerOutput
-from chariot.worker.sequence import FinishReason
-from chariot.worker.telemetry import Telemetry
 
 
 class EngineMetrics:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chariot.worker.sampling_params import SamplingParams
+from chariot.contracts.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow to inf/NaN.
 GREEDY_TEMPERATURE = 1e-5

@@ -10,40 +10,14 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from chariot.worker.sampling_params import SamplingParams
+from chariot.contracts.requests import FinishReason, RequestTimes
+from chariot.contracts.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"  # cancelled by the client
-    ERROR = "error"  # the engine failed this request (e.g. a pipeline stage died)
-
-
-@dataclass
-class RequestTimes:
-    """Wall-clock timestamps (time.time()) of one request's life."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished: float | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
-    def tbt(self) -> list[float]:
-        """Gaps between consecutive output tokens (time between tokens)."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
 
 @dataclass

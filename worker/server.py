@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health, stop_on_signals
+from chariot.contracts.proto_codec import request_from_proto, response_from_output, stats_to_proto
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.async_engine import AsyncEngine, StepObserver
 from chariot.worker.engine import Engine
-from chariot.worker.grpc_common import abort_with, bind, generation_server, set_health, stop_on_signals
-from chariot.worker.wire import request_from_proto, response_from_output, stats_to_proto
 
 log = logging.getLogger(__name__)
 

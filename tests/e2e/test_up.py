@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker import LLM, SamplingParams
-from chariot.worker.wire import request_to_proto
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
@@ -41,7 +41,7 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def up(tiny_model_dir):
-    cmd = [sys.executable, "-m", "chariot.worker.cli", "up", "--model", str(tiny_model_dir), "--stages", "2",
+    cmd = [sys.executable, "-m", "chariot.cli", "up", "--model", str(tiny_model_dir), "--stages", "2",
            "--http-port", "0", "--grpc-port", "0", *ENGINE_FLAGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -94,7 +94,7 @@ def test_grpc_stream_matches_offline(up, expected):
 @pytest.mark.slow
 def test_generate_cli_streams_from_up(up, expected):
     _, _, grpc_addr, _ = up
-    out = subprocess.run([sys.executable, "-m", "chariot.worker.cli", "generate", "--target", grpc_addr,
+    out = subprocess.run([sys.executable, "-m", "chariot.cli", "generate", "--target", grpc_addr,
                           "--max-tokens", str(MAX_TOKENS), PROMPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(PROMPT)

@@ -23,8 +23,8 @@ from chariot.bench.driver import GiveUp, _Live, _metrics, drive
 from chariot.bench.plots import load_traces, plot_capacity, plot_tbt_cdf, plot_token_timelines
 from chariot.bench.plots import main as plots_main
 from chariot.bench.traces import TRACES
+from chariot.contracts.errors import ConfigError
 from chariot.worker.config import EngineConfig
-from chariot.worker.errors import ConfigError
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY_VOCAB = 512

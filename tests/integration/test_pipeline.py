@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from chariot.contracts.errors import PipelineError
 from chariot.worker import LLM, SamplingParams
-from chariot.worker.errors import PipelineError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPT_LENS = (1, 10, 14, 15, 20, 33, 45)

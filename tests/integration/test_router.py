@@ -34,6 +34,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chariot.contracts.grpc_server import SERVICE_NAME
+from chariot.contracts.proto_codec import request_to_proto
+from chariot.contracts.telemetry import Telemetry, setup_telemetry
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.app import run_router
@@ -41,11 +45,7 @@ from chariot.router.config import RouterConfig, TenantLimit
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
-from chariot.worker.grpc_common import SERVICE_NAME
 from chariot.worker.server import serve
-from chariot.worker.telemetry import Telemetry, setup_telemetry
-from chariot.worker.tokenizer import Tokenizer
-from chariot.worker.wire import request_to_proto
 from tests.redis_server import RedisServer, find_redis_server, free_port
 
 SERVED = "tiny"
@@ -923,7 +923,7 @@ def test_prometheus_scrapes_router_and_worker_metrics(
 RUN_ROUTER_COMMAND = """
 import argparse, sys
 from chariot.router.app import add_router_parser
-from chariot.worker.errors import ChariotError
+from chariot.contracts.errors import ChariotError
 parser = argparse.ArgumentParser(prog="chariot")
 add_router_parser(parser.add_subparsers(dest="command", required=True))
 args = parser.parse_args(sys.argv[1:])

@@ -18,6 +18,7 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # `tests.redis_server` imports as a namespace package from the repository root
     sys.path.insert(0, _ROOT)
 
+from chariot.contracts.errors import AdmissionRejected  # noqa: E402
 from chariot.router.admission import AdmissionController, Decision  # noqa: E402
 from chariot.router.config import RouterConfig, TenantLimit  # noqa: E402
 from chariot.router.registry import ReplicaLoad, ReplicaRegistry, ReplicaSpec  # noqa: E402
@@ -28,7 +29,6 @@ from chariot.router.state import (  # noqa: E402
     SharedState,
     make_state,
 )
-from chariot.worker.errors import AdmissionRejected  # noqa: E402
 from tests.redis_server import RedisServer, find_redis_server, free_port  # noqa: E402
 
 REPLICAS = ("g0", "g1")

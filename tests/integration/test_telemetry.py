@@ -1,4 +1,4 @@
-"""`chariot.worker.telemetry` end to end: the exposition, the OTLP push, traces, and a real Prometheus.
+"""`chariot.contracts.telemetry` end to end: the exposition, the OTLP push, traces, and a real Prometheus.
 
 The Prometheus test is the one that matters for dashboards: it scrapes a running `Telemetry` and checks,
 through PromQL, the documented names and labels, that `histogram_quantile` over the TBT buckets lands
@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer, StatusCode
 
-from chariot.worker.telemetry import (
+from chariot.contracts.telemetry import (
     ADMISSION_OUTCOMES,
     LATENCY_BUCKETS_S,
     METRICS,

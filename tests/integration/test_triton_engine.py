@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import chariot.kernels as kernels
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.llm import LLM
-from chariot.worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[7], list(range(3, 40)), list(range(50, 67)), [9, 8, 7, 6, 5]]  # single-token, >2 blocks, 1 block + 1

@@ -33,15 +33,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chariot.contracts.errors import ConfigError, ModelLoadError, PipelineError
+from chariot.contracts.grpc_server import SERVICE_NAME
+from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
-from chariot.worker.errors import ConfigError, ModelLoadError, PipelineError
-from chariot.worker.grpc_common import SERVICE_NAME
 from chariot.worker.server import EXIT_ENGINE_FAILED, EXIT_OK, serve
-from chariot.worker.wire import request_to_proto
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 256

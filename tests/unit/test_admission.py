@@ -8,12 +8,18 @@ from typing import Any, cast
 
 import pytest
 
+from chariot.contracts.errors import (
+    AdmissionRejected,
+    ConfigError,
+    InvalidRequestError,
+    NoReplicaAvailable,
+    error_status,
+)
 from chariot.router.admission import AdmissionController, Decision, prefill_rate
 from chariot.router.config import RouterConfig, TenantLimit
 from chariot.router.ratelimit import BucketLevel, take_from_bucket
 from chariot.router.registry import ReplicaLoad, ReplicaRegistry, ReplicaSpec
 from chariot.router.state import LocalState, ResilientState
-from chariot.worker.errors import AdmissionRejected, ConfigError, InvalidRequestError, NoReplicaAvailable, error_status
 
 
 class FakeClock:

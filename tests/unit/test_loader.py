@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.worker.config import ModelConfig
-from chariot.worker.errors import ConfigError, ModelLoadError
 from chariot.worker.model import loader
 from chariot.worker.model.loader import load_stage, split_layers
 

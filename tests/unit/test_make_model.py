@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.worker.cli import PRESET_NAMES
 from chariot.worker.config import ModelConfig
-from chariot.worker.errors import ConfigError
 from chariot.worker.model.loader import load_stage
 from chariot.worker.model.make_model import (
     PRESETS,
@@ -25,7 +26,6 @@ from chariot.worker.model.make_model import (
     train_tokenizer,
     weight_shapes,
 )
-from chariot.worker.tokenizer import Tokenizer
 
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors")
 

@@ -15,6 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS
+from chariot.contracts.requests import FinishReason
+from chariot.contracts.sampling_params import SamplingParams
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
     OpenAIRequest,
@@ -29,11 +34,6 @@ from chariot.router.openai_api import (
     usage,
 )
 from chariot.router.upstream import ReplicaUnavailable
-from chariot.worker.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason
-from chariot.worker.tokenizer import Tokenizer
-from chariot.worker.wire import DEFAULT_MAX_TOKENS
 
 
 def body(**fields: Any) -> bytes:

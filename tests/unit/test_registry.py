@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from chariot.contracts.errors import ConfigError
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.config import RouterConfig
 from chariot.router.registry import (
@@ -21,7 +22,6 @@ from chariot.router.registry import (
     parse_replica_file,
     parse_replica_flags,
 )
-from chariot.worker.errors import ConfigError
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.sampler import Sampler, SamplingBatch, apply_top_k_top_p, row_seed
-from chariot.worker.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN = SamplingParams(temperature=1.0)

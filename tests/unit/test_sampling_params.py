@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from chariot.worker.errors import InvalidRequestError
-from chariot.worker.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
+from chariot.contracts.errors import InvalidRequestError
+from chariot.contracts.sampling_params import MAX_TOKENS_LIMIT, SamplingParams
 
 INVALID: list[tuple[dict[str, Any], str, str]] = [
     # (kwargs, field, fragment of the message naming the limit)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.block_manager import BlockManager
-from chariot.worker.sampling_params import SamplingParams
 from chariot.worker.scheduler import POLICY_CLASSES, SchedulerConfig, SchedulerOutput, make_scheduler
 from chariot.worker.sequence import Sequence, SequenceStatus
 

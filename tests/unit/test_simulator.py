@@ -9,10 +9,10 @@ import pytest
 
 from chariot.bench.simulator import SimConfig, predict_capacity, simulate
 from chariot.bench.traces import TRACES, TraceRequest, make_trace
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.budget import CostModel
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
-from chariot.worker.sampling_params import SamplingParams
 
 COST = CostModel((0.01, 4e-4, 1e-3, 1e-7, 1e-6))  # seconds: 10 ms + 0.4 ms/prefill token + ...
 SMALL_TRACE = [TraceRequest(0.0, p, d) for p, d in [(40, 30), (70, 40), (25, 30), (90, 3), (33, 40), (50, 6)]]

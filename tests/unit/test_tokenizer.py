@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chariot.worker.errors import InvalidRequestError, ModelLoadError
-from chariot.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+from chariot.contracts.errors import InvalidRequestError, ModelLoadError
+from chariot.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from chariot.bench.tune import Grid, Profile, Sample, choose_budget, fit, main, profile
+from chariot.contracts.errors import ConfigError
 from chariot.worker.budget import (
     Assumptions,
     BatchShape,
@@ -19,7 +20,6 @@ from chariot.worker.budget import (
     resolve_token_budget,
     worst_case_iteration_s,
 )
-from chariot.worker.errors import ConfigError
 
 # 10 ms fixed, 1 ms per prefill token, 2 ms per decode, nothing else: a budget B with D decodes costs
 # 10 + (B - D) + 2·D ms = 10 + B + D ms.

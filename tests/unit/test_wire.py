@@ -1,4 +1,4 @@
-"""`chariot.worker.wire`: protobuf ⇄ engine conversions and the field-naming validation."""
+"""`chariot.contracts.proto_codec`: protobuf ⇄ engine conversions and the field-naming validation."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from chariot.proto.chariot.v1 import generation_pb2 as pb
-from chariot.worker.errors import InvalidRequestError, UnknownModelError, error_status
-from chariot.worker.outputs import EngineStats, RequestOutput
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason, RequestTimes
-from chariot.worker.wire import (
+from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.proto_codec import (
     DEFAULT_MAX_TOKENS,
     PREFILL_TOKENS_PER_S,
     finish_reason_from_proto,
@@ -25,6 +22,9 @@ from chariot.worker.wire import (
     response_from_output,
     stats_to_proto,
 )
+from chariot.contracts.requests import FinishReason, RequestTimes
+from chariot.contracts.sampling_params import SamplingParams
+from chariot.proto.chariot.v1 import generation_pb2 as pb
 
 MODEL = "served"
 

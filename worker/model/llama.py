@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.kernels import AttentionMetadata, paged_attention, write_kv
 from chariot.worker.config import ModelConfig, RopeScaling
-from chariot.worker.errors import ConfigError, ModelLoadError
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.worker.config import ModelConfig
-from chariot.worker.errors import ConfigError, ModelLoadError
 from chariot.worker.model.llama import LlamaStage
 
 SINGLE_FILE = "model.safetensors"

@@ -26,9 +26,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
+from chariot.contracts.errors import ConfigError
 from chariot.kernels import AttentionMetadata
 from chariot.worker.config import DTYPES, to_torch_dtype
-from chariot.worker.errors import ConfigError
 from chariot.worker.model.llama import LlamaStage, allocate_kv_caches
 
 DEFAULT_MAX_SHARD_BYTES = 100 * 1024 * 1024

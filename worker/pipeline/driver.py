@@ -17,7 +17,7 @@ from typing import NoReturn, TypeVar
 
 import torch
 
-from chariot.worker.errors import PipelineError
+from chariot.contracts.errors import PipelineError
 from chariot.worker.executor import ModelInput
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.stage import StageClock, StageContext

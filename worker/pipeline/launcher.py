@@ -1,42 +1,34 @@
-"""Start a pipeline group's downstream stages as local processes (`LLM(pipeline_stages=P)`,
-`chariot up`). They run the same `chariot worker` entry point the operator runs in pods, with the
-same rendezvous environment; children die with their parent (PR_SET_PDEATHSIG), so none is
-orphaned even if the parent is killed."""
+"""Start a pipeline group's stages as local processes: the downstream stages of an in-process stage 0
+(`LLM(pipeline_stages=P)`), or a whole group (`chariot up`, the benchmarks). They run the same
+`chariot worker` entry point the operator runs in pods, with the same rendezvous environment
+(`chariot.contracts.processes`)."""
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from chariot.contracts.processes import Child, Topology, die_with_parent, free_port, spawn, stage_env
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
-from chariot.worker.pipeline.transport import Topology
 
-PR_SET_PDEATHSIG = 1
+WORKER_READY_PREFIX = "chariot worker ready"
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def worker_command(config: EngineConfig) -> list[str]:
+    """`chariot worker` with `config`'s engine flags, as this interpreter runs it."""
+    return [sys.executable, "-m", "chariot.worker", "worker", *config_to_argv(config)]
 
 
-def die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def stage_env(topo: Topology, rank: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RANK=str(rank), WORLD_SIZE=str(topo.world_size), MASTER_ADDR=topo.master_addr,
-               MASTER_PORT=str(topo.master_port))
-    return env
+def start_group(index: int, config: EngineConfig, served: str) -> tuple[list[Child], Child]:
+    """Every stage of pipeline group `index` as supervised local processes (gRPC and metrics on free
+    ports, rendezvous on loopback); returns (all its children, its stage 0)."""
+    topo = Topology(0, config.pipeline_stages, "127.0.0.1", free_port())
+    cmd = [*worker_command(config), "--port", "0", "--metrics-port", "0", "--served-model-name", served]
+    children = [spawn(f"replica {index} stage {rank}", cmd, stage_env(topo, rank), WORKER_READY_PREFIX)
+                for rank in range(config.pipeline_stages)]
+    return children, children[0]
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -49,7 +41,7 @@ class LocalPipeline:
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
         self.topology = Topology(0, config.pipeline_stages, host, free_port(host))
-        cmd = [sys.executable, "-m", "chariot.worker.cli", "worker", *config_to_argv(config), "--metrics-port", "0"]
+        cmd = [*worker_command(config), "--metrics-port", "0"]
         logdir, port = Path(tempfile.gettempdir()), self.topology.master_port
         self.logs = [logdir / f"chariot-{port}-stage{r}.log" for r in range(1, config.pipeline_stages)]
         self.procs = [_spawn(cmd, stage_env(self.topology, rank), log)

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.kernels import AttentionMetadata
 from chariot.worker.executor import ModelInput
 from chariot.worker.sampler import SamplingBatch
-from chariot.worker.sampling_params import SamplingParams
 
 MAX_STAGES = 16
 _FIXED = 8

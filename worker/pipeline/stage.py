@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from chariot.contracts.errors import ConfigError, PipelineError
+from chariot.contracts.telemetry import Telemetry
 from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.errors import ConfigError, PipelineError
 from chariot.worker.executor import ModelRunner
 from chariot.worker.kv_cache import num_kv_blocks
 from chariot.worker.model.llama import allocate_kv_caches
@@ -24,7 +25,6 @@ from chariot.worker.model.loader import load_stage, split_layers
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.transport import PeerCheck, StageLink, Topology
 from chariot.worker.sampler import Sampler
-from chariot.worker.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"

@@ -9,55 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from chariot.worker.errors import ConfigError, PipelineError
+from chariot.contracts.errors import PipelineError
+from chariot.contracts.processes import Topology
 
 MAX_PENDING_SENDS = 12
 # Stages start at different speeds (imports, model loading): joining the group may take longer than
 # any single message is allowed to. Per-message deadlines are `stage_timeout_s`.
 RENDEZVOUS_TIMEOUT_S = 180.0
 _JOINED_KEY = "chariot/stages-joined"
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits in its pipeline group (the standard torch.distributed env)."""
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_env(cls) -> Topology:
-        try:
-            topo = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
-                       int(os.environ["MASTER_PORT"]))
-        except KeyError as exc:
-            raise ConfigError(exc.args[0], "must be set for a pipeline stage (RANK, WORLD_SIZE, "
-                                           "MASTER_ADDR, MASTER_PORT)") from exc
-        except ValueError as exc:
-            raise ConfigError("RANK/WORLD_SIZE/MASTER_PORT", f"must be integers ({exc})") from exc
-        if not 0 <= topo.rank < topo.world_size:
-            raise ConfigError("RANK", f"must be in [0, WORLD_SIZE={topo.world_size}), got {topo.rank}")
-        return topo
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
 
 
 def backend_for(device: torch.device) -> str:

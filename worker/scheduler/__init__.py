@@ -1,6 +1,6 @@
 """Iteration-level schedulers (DESIGN.md §3): policy objects returning plain batch dataclasses."""
 
-from chariot.worker.scheduler.interface import Scheduler, SchedulerConfig
+from chariot.worker.scheduler.base import Scheduler, SchedulerConfig
 from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
 from chariot.worker.scheduler.policies import POLICY_CLASSES, make_scheduler
 

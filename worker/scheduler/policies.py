@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from chariot.worker.block_manager import BlockManager
-from chariot.worker.scheduler.interface import BatchBuilder, Scheduler, SchedulerConfig
+from chariot.worker.scheduler.base import BatchBuilder, Scheduler, SchedulerConfig
 
 
 class SarathiScheduler(Scheduler):
     """Stall-free batching: all running decodes, then ongoing prefills, then new requests, chunked
     so the iteration never exceeds the token budget. A decode is never dropped for a prefill."""
-
-    chunked_prefill = True
 
     def _fill(self, builder: BatchBuilder) -> None:
         self._schedule_decodes(builder)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from chariot.worker.sequence import FinishReason, RequestTimes
+from chariot.contracts.requests import FinishReason, RequestTimes
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from chariot.worker.errors import InvalidRequestError, ModelLoadError
+from chariot.contracts.errors import InvalidRequestError, ModelLoadError
 
 DEFAULT_CHAT_FORMAT = {"message": "<|{role}|>\n{content}\n", "generation_prompt": "<|assistant|>\n"}
 REPLACEMENT_CHAR = "\ufffd"

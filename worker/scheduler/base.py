@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 
+from chariot.contracts.policies import get_policy
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
 from chariot.worker.sequence import Sequence, SequenceStatus
@@ -67,10 +68,9 @@ class BatchBuilder:
 class Scheduler(ABC):
     """FCFS iteration-level scheduler over one block manager; subclasses implement `_fill`."""
 
-    chunked_prefill = False
-
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
+        self.chunked_prefill = get_policy(config.policy).chunks_prefills
         self.blocks = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order, oldest first

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from chariot.worker.errors import InvalidRequestError
+from chariot.contracts.errors import InvalidRequestError
 
 MAX_TOKENS_LIMIT = 1 << 20
 

@@ -53,7 +53,7 @@ reported through `add_stage_time` over the last `bubble_window_s` seconds.
 Traces: with an OTLP endpoint (or an injected span exporter) each request gets a root span
 `chariot.request` with one child per stage — `chariot.admission` → `chariot.queue` →
 `chariot.prefill` → `chariot.decode` — via `Telemetry.request_span`; the router passes
-`RequestTrace.carrier()` (W3C `traceparent`) to the worker, which continues the same trace. Without
+`RequestSpans.carrier()` (W3C `traceparent`) to the worker, which continues the same trace. Without
 an endpoint the tracer is a no-op and costs next to nothing.
 """
 
@@ -100,8 +100,8 @@ __all__ = [
     "AdmissionOutcome",
     "Attributes",
     "MetricSpec",
+    "RequestSpans",
     "RequestTimer",
-    "RequestTrace",
     "Telemetry",
     "iter_prometheus_names",
     "setup_telemetry",
@@ -205,7 +205,7 @@ def _key(attrs: Attributes) -> tuple[tuple[str, AttributeValue], ...]:
     return tuple(sorted(attrs.items()))
 
 
-class RequestTrace:
+class RequestSpans:
     """The spans of one request: a root span and, at most one at a time, a child span per stage.
 
     Stages are sequential and their boundaries happen in different places (router admission, the
@@ -280,7 +280,7 @@ class RequestTrace:
             self._stage = None
             self._stage_name = None
 
-    def __enter__(self) -> RequestTrace:
+    def __enter__(self) -> RequestSpans:
         return self
 
     def __exit__(
@@ -614,8 +614,8 @@ class Telemetry:
         parent: Mapping[str, str] | None = None,
         start_stage: str | None = "admission",
         timestamp_ns: int | None = None,
-    ) -> RequestTrace:
-        """Open the `chariot.request` root span (child of `parent`, a `RequestTrace.carrier()` dict).
+    ) -> RequestSpans:
+        """Open the `chariot.request` root span (child of `parent`, a `RequestSpans.carrier()` dict).
 
         `start_stage` opens the first stage span right away (`admission` on the router; a worker
         continuing a router's trace would pass `"queue"`); `None` opens none.
@@ -623,7 +623,7 @@ class Telemetry:
         attrs: dict[str, AttributeValue] = {**self._attrs(attributes), "chariot.request.id": request_id}
         ctx = TraceContextTextMapPropagator().extract(dict(parent)) if parent else None
         root = self.tracer.start_span("chariot.request", context=ctx, attributes=attrs, start_time=timestamp_ns)
-        rt = RequestTrace(self.tracer, root, {"component": self.component, "chariot.request.id": request_id})
+        rt = RequestSpans(self.tracer, root, {"component": self.component, "chariot.request.id": request_id})
         if start_stage is not None:
             rt.stage(start_stage, timestamp_ns=timestamp_ns)
         return rt

@@ -17,8 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from chariot.contracts.errors import AdmissionRejected, ConfigError, error_status
 from chariot.proto.chariot.v1 import generation_pb2, generation_pb2_grpc
-from chariot.worker.errors import AdmissionRejected, ConfigError, error_status
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from chariot.contracts.errors import InvalidRequestError, UnknownModelError
+from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.requests import FinishReason, Prompt, RequestTimes
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2 as pb
-from chariot.worker.errors import InvalidRequestError, UnknownModelError
-from chariot.worker.outputs import EngineStats, RequestOutput
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.sequence import FinishReason, RequestTimes
-
-Prompt = str | list[int]
 
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 256

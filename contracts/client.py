@@ -6,9 +6,9 @@ import sys
 
 import grpc
 
+from chariot.contracts.proto_codec import finish_reason_from_proto, request_to_proto
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2_grpc
-from chariot.worker.sampling_params import SamplingParams
-from chariot.worker.wire import finish_reason_from_proto, request_to_proto
 
 
 def stream_completion(target: str, prompt: str, params: SamplingParams, timeout_s: float = 600.0) -> int:

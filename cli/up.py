@@ -1,0 +1,112 @@
+"""`chariot up`: the embedded default — the same router and stage workers as a cluster deployment,
+as local processes on this machine.
+
+Starts R replicas × P pipeline stages (`chariot worker`, rendezvous on loopback) and one router
+(`chariot router`), waits for each to print its ready line, prints the endpoints, and supervises:
+Ctrl-C/SIGTERM or any child exiting tears everything down. Children also die with this process.
+It sits above the worker and router packages: it starts both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.processes import Child, shutdown, spawn, supervise, wait_ready
+from chariot.router.launch import ROUTER_READY_PREFIX, router_command
+from chariot.worker.config import EngineConfig
+from chariot.worker.flags import add_engine_flags, config_from_args
+from chariot.worker.pipeline.launcher import start_group
+
+READY_TIMEOUT_S = 600.0
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "chariot" / "models" / "tiny"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run router + stage workers as local processes (the embedded default)",
+                       description="Start R replicas of P pipeline stages and one router on this machine, "
+                                   "print the endpoints, and stop everything on Ctrl-C. With no --model, "
+                                   "the tiny preset is made first.")
+    add_engine_flags(p, model_required=False)
+    p.set_defaults(stages=2)
+    p.add_argument("--replicas", type=int, default=1, help="pipeline groups (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--redis-url", default=None, help="shared router state (optional)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.set_defaults(handler=_run_up)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ConfigError("replicas", f"must be >= 1, got {args.replicas}")
+    args.model = ensure_model(args.model)
+    return run_up(args, config_from_args(args))
+
+
+def ensure_model(model: str | None) -> str:
+    if model:
+        return model
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        from chariot.worker.model.make_model import make_model
+
+        print(f"no --model given: making the tiny preset in {DEFAULT_MODEL_DIR}", file=sys.stderr)
+        make_model(DEFAULT_MODEL_DIR, "tiny")
+    return str(DEFAULT_MODEL_DIR)
+
+
+def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
+    """Start everything, print the endpoints, supervise until interrupted; the exit code."""
+    served = args.served_model_name or Path(config_for.model).name
+    children: list[Child] = []
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        addresses = []
+        for r in range(args.replicas):
+            group, stage0 = start_group(r, config_for, served)
+            children += group
+            addresses.append((r, stage0))
+        replicas = []
+        for r, stage0 in addresses:
+            grpc_addr = re.search(r"grpc=(\S+)", wait_ready(stage0, children, READY_TIMEOUT_S))
+            assert grpc_addr is not None
+            replicas.append(f"g{r}={grpc_addr.group(1)}")
+        cmd = router_command(config_for.model, served, replicas, host=args.host, http_port=args.http_port,
+                             grpc_port=args.grpc_port, redis_url=args.redis_url, tbt_slo_ms=args.tbt_slo_ms,
+                             ttft_slo_ms=args.ttft_slo_ms)
+        router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
+        children.append(router)
+        line = wait_ready(router, children, READY_TIMEOUT_S)
+        print_endpoints(line, served, replicas, config_for)
+        return supervise(children, stop)
+    except RuntimeError as exc:
+        print(f"chariot up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        shutdown(children)
+
+
+def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig) -> None:
+    http = re.search(r"http=(\S+)", router_line)
+    grpc = re.search(r"grpc=(\S+)", router_line)
+    http_addr = http.group(1) if http else "?"
+    grpc_addr = grpc.group(1) if grpc else "?"
+    print(f"model        {served} ({config.model}), {config.pipeline_stages} stage(s) x {len(replicas)} replica(s), "
+          f"policy {config.policy}")
+    print(f"OpenAI HTTP  http://{http_addr}/v1   (e.g. curl http://{http_addr}/v1/completions "
+          f"-d '{{\"model\": \"{served}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}')")
+    print(f"gRPC         {grpc_addr}   (chariot.v1.Generation; `chariot generate --target {grpc_addr} \"Hello\"`)")
+    print(f"metrics      http://{http_addr}/metrics")
+    print(f"chariot up ready http={http_addr} grpc={grpc_addr}", flush=True)
+
+

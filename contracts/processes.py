@@ -1,0 +1,146 @@
+"""The local process contract: the rendezvous environment a pipeline stage reads, and the supervision
+of local child processes that print a ready line.
+
+`Topology` and `stage_env` are the standard torch.distributed variables (`RANK`, `WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`) that the operator sets in pods and `chariot up` sets for local
+processes, so both start stages the same way. `spawn`/`wait_ready`/`shutdown` run the `chariot`
+processes of a local deployment (`chariot up`, the benchmarks); children die with their parent
+(PR_SET_PDEATHSIG), so none is orphaned even if the parent is killed. Torch-free.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from chariot.contracts.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits in its pipeline group (the standard torch.distributed env)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls) -> Topology:
+        try:
+            topo = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ["MASTER_ADDR"],
+                       int(os.environ["MASTER_PORT"]))
+        except KeyError as exc:
+            raise ConfigError(exc.args[0], "must be set for a pipeline stage (RANK, WORLD_SIZE, "
+                                           "MASTER_ADDR, MASTER_PORT)") from exc
+        except ValueError as exc:
+            raise ConfigError("RANK/WORLD_SIZE/MASTER_PORT", f"must be integers ({exc})") from exc
+        if not 0 <= topo.rank < topo.world_size:
+            raise ConfigError("RANK", f"must be in [0, WORLD_SIZE={topo.world_size}), got {topo.rank}")
+        return topo
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def stage_env(topo: Topology, rank: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(topo.world_size), MASTER_ADDR=topo.master_addr,
+               MASTER_PORT=str(topo.master_port))
+    return env
+
+
+@dataclass
+class Child:
+    """One supervised process and the ready line it printed."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    ready_line: str | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def pump(self, pattern: str) -> None:
+        """Echo the child's stdout and remember its ready line (runs on a thread)."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if self.ready_line is None and line.startswith(pattern):
+                self.ready_line = line.strip()
+                self.ready.set()
+            else:
+                sys.stderr.write(f"[{self.name}] {line}")
+        self.ready.set()  # EOF: the child exited
+
+
+def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str) -> Child:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1,
+                            preexec_fn=die_with_parent)
+    child = Child(name, proc)
+    threading.Thread(target=child.pump, args=(ready_prefix,), daemon=True).start()
+    return child
+
+
+def wait_ready(child: Child, others: list[Child], timeout: float) -> str:
+    """The child's ready line; fails as soon as it or any other child exits first."""
+    deadline = time.monotonic() + timeout
+    while not child.ready.wait(0.2):
+        for c in [child, *others]:
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} before {child.name} was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{child.name} did not become ready within {timeout:.0f}s")
+    if child.ready_line is None:
+        raise RuntimeError(f"{child.name} exited with code {child.proc.wait()} before it was ready")
+    return child.ready_line
+
+
+def supervise(children: list[Child], stop: threading.Event) -> int:
+    while not stop.wait(0.2):
+        for child in children:
+            code = child.proc.poll()
+            if code is not None:
+                print(f"chariot up: {child.name} exited with code {code}; shutting down", file=sys.stderr)
+                return 1
+    return 0
+
+
+def shutdown(children: list[Child], grace_s: float = 10.0) -> None:
+    """SIGTERM the router and every stage 0 (which tell their downstream stages to exit), then the
+    rest; SIGKILL whatever is still alive after the grace period."""
+    leaders = [c for c in children if c.name == "router" or c.name.endswith("stage 0")]
+    for wave in (leaders, [c for c in children if c not in leaders]):
+        for child in wave:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in wave:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
