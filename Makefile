@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test install lint bench clean proto system-deps kubectl
+.PHONY: run test test-gpu install lint bench clean proto system-deps kubectl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ kubectl: $(STAMP)
 
 test: $(STAMP) system-deps kubectl lint
 	$(BIN)/python -m pytest -q
+
+# The CUDA-only tests (kernels on Llama-3-8B shapes, CUDA engine parity): run on a machine with a GPU.
+test-gpu: $(STAMP)
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: no CUDA device')"
+	$(BIN)/python -m pytest -q -m gpu
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a
 # symlinked chariot/ tree (otherwise every chariot.* import would be typed Any).
