@@ -235,7 +235,7 @@ def profile(model_dir: str | Path, dtype: str = "auto", grid: Grid = FULL_GRID, 
     from chariot.worker.config import ModelConfig
 
     model_dir = str(model_dir)
-    dtype = model_dtype(model_dir, dtype)
+    dtype = model_dtype(model_dir, dtype, device)
     grid = grid.clipped(ModelConfig.from_dir(model_dir).max_position_embeddings - 4)
     engine = _make_engine(model_dir, dtype, grid, device)
     try:

@@ -26,6 +26,7 @@ from typing import Any
 
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.policies import get_policy
+from chariot.worker.cpu_features import auto_cpu_dtype, cpu_flags
 
 PROFILE_VERSION = 1
 FEATURES = ("constant", "prefill_tokens", "decode_tokens", "prefill_attention", "decode_context")
@@ -142,12 +143,14 @@ def budget_for_slo(model: CostModel, tbt_slo_s: float, a: Assumptions) -> int:
 
 
 # ---- profile files --------------------------------------------------------------------------------
-def model_dtype(model_dir: str | Path, dtype_name: str) -> str:
-    """Resolve `auto` to the checkpoint's `torch_dtype` (as the engine does)."""
+def model_dtype(model_dir: str | Path, dtype_name: str, device: str = "cpu") -> str:
+    """Resolve `auto` as the engine does (`EngineConfig.torch_dtype`): the checkpoint's `torch_dtype`,
+    or float32 on a CPU that would only emulate it."""
     if dtype_name != "auto":
         return dtype_name
     raw = _read_config(model_dir)
-    return str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    checkpoint = str(raw.get("torch_dtype") or raw.get("dtype") or "float32")
+    return auto_cpu_dtype(checkpoint, cpu_flags())[0] if device == "cpu" else checkpoint
 
 
 def model_shape(model_dir: str | Path) -> dict[str, Any]:

@@ -6,16 +6,20 @@ Both are validated once, here; everything downstream trusts them.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.contracts.policies import get_policy
+from chariot.worker.cpu_features import auto_cpu_dtype, cpu_flags
 
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Names only: torch is imported where a dtype object is needed, so the CLI starts without it.
 DTYPES = ("float32", "float16", "bfloat16")
@@ -225,10 +229,21 @@ class EngineConfig:
         return self.token_budget
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The compute dtype: explicit, or with `auto` the checkpoint's, except that on a CPU without
+        native support for it `auto` picks float32 (and logs why, once)."""
         name = model.torch_dtype if self.dtype == "auto" else self.dtype
         if name not in DTYPES:
             raise ConfigError("dtype", f"model's torch_dtype {name!r} is not supported; pass dtype explicitly")
+        if self.dtype == "auto" and self.device == "cpu":
+            name, reason = auto_cpu_dtype(name, cpu_flags())
+            if reason is not None:
+                _log_once(f"dtype auto: {reason}")
         return to_torch_dtype(name)
+
+
+@cache
+def _log_once(message: str) -> None:
+    log.info("%s", message)
 
 
 def _positive(name: str, value: object) -> None:

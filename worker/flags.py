@@ -22,7 +22,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--tune-profile", default=None,
                    help="profile written by `chariot tune` (default ~/.cache/chariot/tune/<model>-<dtype>.json)")
     g.add_argument("--max-batch-size", type=int, default=128)
-    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="compute dtype; auto = the checkpoint's, except float32 on a CPU without native "
+                        "bf16/fp16 instructions (logged)")
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity in tokens")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3,
