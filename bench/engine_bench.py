@@ -29,6 +29,7 @@ from chariot.contracts.outputs import IterationTimes
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.model.cpu_linear import PackedLinear
 
 NEVER_STOP = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -72,9 +73,10 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     runner = engine.executor.runner  # type: ignore[attr-defined]  # single-process engines only
     stage = runner.stage
     embed = stage.embed_tokens.weight if stage.embed_tokens is not None else None
-    lm_head = stage.lm_head.weight if stage.lm_head is not None else None
+    lm_head = getattr(stage.lm_head, "weight", None)  # None when absent or packed (counted below)
     weights = sum(p.numel() * p.element_size() for p in stage.parameters()
                   if p is not embed or p is lm_head)  # the embedding is only gathered, unless tied
+    weights += sum(m.weight_nbytes for m in stage.modules() if isinstance(m, PackedLinear))
     kv_per_token = sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
                        for k, v in runner.kv_caches)
     return weights + batch * context * kv_per_token

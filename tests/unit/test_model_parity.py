@@ -98,8 +98,11 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(ours, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
 
 
-def full_stage(model_dir: Path) -> LlamaStage:
-    return load_stage(model_dir, (0, _num_layers(model_dir)), torch.float32, progress=False)
+def full_stage(model_dir: Path, pack_linears: bool = True) -> LlamaStage:
+    """The whole model as one stage; on this CPU its linear layers are packed for oneDNN (the
+    serving path) unless `pack_linears` is False."""
+    return load_stage(model_dir, (0, _num_layers(model_dir)), torch.float32, progress=False,
+                      pack_linears=pack_linears)
 
 
 def _num_layers(model_dir: Path) -> int:
@@ -182,3 +185,20 @@ def _two_sequence_meta(table_a: list[int], table_b: list[int]) -> AttentionMetad
         seq_lens_list=(20, 13),
         num_decodes=1,
     )
+
+
+def test_unpacked_linears_match_hf(variant: tuple[Path, torch.Tensor, torch.Tensor]) -> None:
+    """The plain `nn.Linear` path (other devices, or CHARIOT_CPU_PACKED_LINEAR=0) against HF too."""
+    from chariot.worker.model.cpu_linear import PackedLinear
+
+    model_dir, ids, ref = variant
+    stage = full_stage(model_dir, pack_linears=False)
+    assert not any(isinstance(m, PackedLinear) for m in stage.modules())
+    packed = full_stage(model_dir)
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    runner = Runner([stage], seed=4)
+    pieces, pos = [], 0
+    for size in (*CHUNKS, *([1] * DECODE_STEPS)):
+        pieces.append(runner.feed(ids[pos : pos + size]))
+        pos += size
+    assert_logits_close(torch.cat(pieces), ref)

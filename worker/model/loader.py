@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.worker.config import ModelConfig
+from chariot.worker.model import cpu_linear
 from chariot.worker.model.llama import LlamaStage
 
 SINGLE_FILE = "model.safetensors"
@@ -33,8 +34,12 @@ def load_stage(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    pack_linears: bool = True,
 ) -> LlamaStage:
-    """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`."""
+    """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`.
+
+    On the CPU its linear layers are then packed for oneDNN (`cpu_linear.py`) unless `pack_linears`
+    is False (the unpacked `nn.Linear` weights are what tests inspect)."""
     path = Path(model_dir)
     config = ModelConfig.from_dir(path)
     start, end = layer_range
@@ -44,6 +49,8 @@ def load_stage(
     stage.tie_weights()
     plan = _plan_reads(path, stage.weight_names())
     _read_tensors(stage, plan, progress)
+    if pack_linears:
+        cpu_linear.pack_linears(stage, torch.device(device), dtype)
     return stage.eval()
 
 
