@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     layers = [LayerWithoutAttention().eval() for _ in range(LAYERS)]
     eager: list[Step] = [layer.forward for layer in layers]
-    compiled: list[Step] = [torch.compile(layer, dynamic=True) for layer in layers]  # type: ignore[misc]
+    compiled: list[Step] = [torch.compile(layer, dynamic=True) for layer in layers]
     rows = []
     for n in (32, 512):
         e, c = median_ms(eager, n, args.reps), median_ms(compiled, n, args.reps)
