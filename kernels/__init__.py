@@ -6,7 +6,7 @@ PyTorch reference (`reference.py`) runs on any device and is the oracle for the 
 backend (`triton_attention.py`: GPU, or CPU under `TRITON_INTERPRET=1`) is the fast path on CUDA.
 
 This module picks one so the executor never changes when a backend is added: the env var
-`CHARIOT_ATTENTION_BACKEND` (`reference` | `triton`) overrides the default, which is `triton` when
+`CHARIOT_ATTENTION_BACKEND` (`reference` | `triton` | `cpu`) overrides the default, which is `triton` when
 CUDA and the `triton` package are both present, else `reference`.
 An explicit request for a backend that cannot run raises `AttentionBackendError` naming the env var
 instead of silently falling back, so a deployment never runs a slower path than it asked for.
@@ -41,6 +41,7 @@ BACKEND_ENV = "CHARIOT_ATTENTION_BACKEND"
 BACKENDS: dict[str, str] = {
     "reference": "chariot.kernels.reference",
     "triton": "chariot.kernels.triton_attention",
+    "cpu": "chariot.kernels.cpu_attention",  # opt-in: faster decodes, slower prefill chunks (docs/kernels.md)
 }
 
 _active: tuple[str, ModuleType] | None = None
@@ -60,6 +61,13 @@ def _triton_problem() -> str | None:
     return None
 
 
+def _cpu_problem() -> str | None:
+    """Why the C++ CPU kernel cannot run here (it compiles on first use), or None."""
+    from chariot.kernels.cpu_attention import build_problem
+
+    return build_problem()
+
+
 def _default_backend() -> str:
     if torch.cuda.is_available() and _triton_problem() is None:
         return "triton"
@@ -74,7 +82,7 @@ def _resolve(name: str | None) -> str:
         raise AttentionBackendError(
             f"{BACKEND_ENV}={name!r} is not a known attention backend; choose one of {sorted(BACKENDS)}"
         )
-    problem = _triton_problem() if name == "triton" else None
+    problem = {"triton": _triton_problem, "cpu": _cpu_problem}.get(name, lambda: None)()
     if problem is not None:
         raise AttentionBackendError(
             f"{BACKEND_ENV}={name!r} requested but that backend is unavailable: {problem}; "
