@@ -29,6 +29,7 @@ from chariot.contracts.outputs import IterationTimes
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.engine_output import StepResult
 from chariot.worker.model.cpu_linear import PackedLinear
 
 NEVER_STOP = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
@@ -82,22 +83,29 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + batch * context * kv_per_token
 
 
-def run_steps(engine: Engine, n: int, keep: Callable[[Engine], bool]) -> list[IterationTimes]:
+def run_steps(engine: Engine, n: int, keep: Callable[[StepResult], bool]) -> list[IterationTimes]:
+    """Times of the next `n` steps that `keep` accepts (it sees each step's result)."""
     times = []
     for _ in range(n):
-        engine.step()
-        if keep(engine):
-            times.append(engine.last_times)
+        result = engine.step()
+        if keep(result):
+            times.append(result.times)
     return times
+
+
+def prefill_all(engine: Engine) -> None:
+    """Step until every queued prompt is fully prefilled (only decodes are left)."""
+    load = engine.stats()
+    while load.num_waiting or load.queued_prefill_tokens:
+        load = engine.step().stats
 
 
 def bench_decode(target: Target, batch: int, context: int, iters: int) -> Row:
     engine = make_engine(target, "sarathi", 4096, max(4096, context + 64))
     for _ in range(batch):
         engine.add_request([7] * context, NEVER_STOP)
-    while engine.scheduler.num_waiting or any(not s.is_decode for s in engine.scheduler.running):
-        engine.step()
-    times = run_steps(engine, iters, lambda e: True)
+    prefill_all(engine)
+    times = run_steps(engine, iters, lambda r: True)
     return summarize(f"decode batch {batch} (ctx {context})", batch, times, decode_bytes(engine, batch, context))
 
 
@@ -106,8 +114,7 @@ def bench_prefill(target: Target, length: int, iters: int) -> Row:
     times = []
     for _ in range(iters):
         engine.add_request([7] * length, SamplingParams(max_tokens=1, ignore_eos=True))
-        engine.step()
-        times.append(engine.last_times)
+        times.append(engine.step().times)
     return summarize(f"prefill {length}", length, times)
 
 
@@ -115,11 +122,11 @@ def bench_hybrid(target: Target, decodes: int, budget: int, context: int, iters:
     engine = make_engine(target, "sarathi", budget, 8192)
     for _ in range(decodes):
         engine.add_request([7] * context, NEVER_STOP)
-    while engine.scheduler.num_waiting or any(not s.is_decode for s in engine.scheduler.running):
-        engine.step()
+    prefill_all(engine)
     prompt = 2048
     engine.add_request([9] * prompt, NEVER_STOP)  # chunked over several iterations
-    hybrid = run_steps(engine, iters, lambda e: e.scheduler.running[-1].num_computed_tokens < prompt)
+    # full chunks only: steps after which part of the prompt is still left
+    hybrid = run_steps(engine, iters, lambda r: r.stats.queued_prefill_tokens > 0)
     label = f"sarathi hybrid: {decodes} decodes + {budget - decodes}-token chunks of a {prompt}-token prompt"
     return summarize(label, budget, hybrid)
 

@@ -21,7 +21,7 @@ import torch
 
 from chariot.bench.traces import TRACES, make_trace
 from chariot.worker import LLM, SamplingParams
-from chariot.worker.pipeline.stage import STAGE_CPUS_ENV
+from chariot.worker.runtime import STAGE_CPUS_ENV
 
 
 @dataclass(frozen=True)

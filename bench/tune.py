@@ -209,18 +209,19 @@ def _place(engine: Engine, prompt_len: int, computed: int) -> str:
 
 def time_iteration(engine: Engine, prefill_tokens: int, decode_batch: int, context: int) -> float:
     """One engine step of exactly this composition (seconds, schedule to postprocess)."""
+    from chariot.contracts.requests import FinishReason
+
     rids = [_place(engine, context, context - 1) for _ in range(decode_batch)]
     if prefill_tokens:
         prompt = max(context, prefill_tokens)
         rids.append(_place(engine, prompt, prompt - prefill_tokens))
-    engine.step()
-    batch = engine.last_batch
-    for rid in rids:
-        engine.abort(rid)
+    result = engine.step()
+    engine.finish_requests(rids, FinishReason.ABORT)
+    batch = result.batch
     if batch is None or batch.num_decodes != decode_batch or batch.num_prefill_tokens != prefill_tokens:
         raise RuntimeError(f"profiler set up ({prefill_tokens} prefill, {decode_batch} decodes) but the engine "
                            f"ran {batch}")
-    return float(engine.last_times.total)
+    return float(result.times.total)
 
 
 def profile(model_dir: str | Path, dtype: str = "auto", grid: Grid = FULL_GRID, progress: bool = True,

@@ -1,7 +1,8 @@
-"""What the engine streams back per request and step, and its load report."""
+"""What the worker streams back per request and step, the whole result built from it, and the load report."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chariot.contracts.requests import FinishReason, RequestTimes
@@ -9,17 +10,38 @@ from chariot.contracts.requests import FinishReason, RequestTimes
 
 @dataclass
 class RequestOutput:
-    """A request's state after one engine step.
+    """One request's delta after one engine step: what a streaming front sends, O(1) per token.
 
-    `new_token_ids`/`new_text` are this step's delta (what a streaming front sends);
-    `token_ids`/`text` are everything generated so far. `text` never contains a stop string or
-    the special EOS text; while a stop string might still be forming, its prefix is held back.
+    `new_token_ids`/`new_text` are only what this step added; nothing carries the whole output (a
+    consumer that needs it adds the deltas up: `CompletionOutput.from_deltas`). The concatenated
+    `new_text`s never contain a stop string or the text of an EOS / stop token; while a stop string
+    might still be forming, its prefix is held back and comes in a later delta (or never, if the
+    stop string completes). `num_output_tokens` counts every token generated so far.
+    `prompt_token_ids` and `times` are shared with the engine, not copied: read only.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
+    num_output_tokens: int
+    finished: bool
+    finish_reason: FinishReason | None
+    times: RequestTimes
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A request's whole result: its deltas added up (what `LLM.generate` returns).
+
+    `token_ids` are the generated tokens (EOS / stop token ids included); `text` is their detokenized
+    text without any stop string.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finished: bool
@@ -27,6 +49,24 @@ class RequestOutput:
     times: RequestTimes
     num_preemptions: int = 0
     error: str | None = None
+
+    @classmethod
+    def from_deltas(cls, deltas: Sequence[RequestOutput]) -> CompletionOutput:
+        """Concatenate one request's deltas, given in order; the last one supplies the status."""
+        if not deltas:
+            raise ValueError("from_deltas needs at least one RequestOutput")
+        last = deltas[-1]
+        return cls(
+            request_id=last.request_id,
+            prompt_token_ids=last.prompt_token_ids,
+            token_ids=[t for d in deltas for t in d.new_token_ids],
+            text="".join(d.new_text for d in deltas),
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            times=last.times,
+            num_preemptions=last.num_preemptions,
+            error=last.error,
+        )
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ def request_to_proto(
 
 # ---- responses --------------------------------------------------------------------------------
 def response_from_output(out: RequestOutput) -> Any:
-    """One streamed `GenerateResponse`: this step's new token ids and text delta, plus totals and timing."""
+    """One streamed `GenerateResponse`: this step's new token ids and text delta (never the whole
+    output: streaming stays O(1) per token), plus token counts and timing."""
     return pb.GenerateResponse(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
@@ -131,7 +132,7 @@ def response_from_output(out: RequestOutput) -> Any:
         finish_reason=finish_reason_to_proto(out.finish_reason),
         timing=timing_to_proto(out.times),
         prompt_tokens=len(out.prompt_token_ids),
-        completion_tokens=len(out.token_ids),
+        completion_tokens=out.num_output_tokens,
         error=out.error or "",
     )
 

@@ -5,7 +5,8 @@ sequence's cached context (contract in `attention.py`). Several backends impleme
 PyTorch reference (`reference.py`) runs on any device and is the oracle for the others; the Triton
 backend (`triton_attention.py`: GPU, or CPU under `TRITON_INTERPRET=1`) is the fast path on CUDA.
 
-This module picks one so the executor never changes when a backend is added: the env var
+Each backend module exposes its pair as `BACKEND`, an `AttentionBackend` (protocol in
+`attention.py`). This module picks one so the executor never changes when a backend is added: the env var
 `CHARIOT_ATTENTION_BACKEND` (`reference` | `triton` | `cpu`) overrides the default, which is `triton` when
 CUDA and the `triton` package are both present, else `reference`.
 An explicit request for a backend that cannot run raises `AttentionBackendError` naming the env var
@@ -20,17 +21,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from types import ModuleType
 
 import torch
 
-from chariot.kernels.attention import AttentionMetadata
+from chariot.kernels.attention import AttentionBackend, AttentionMetadata
 
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "AttentionBackend",
     "AttentionBackendError",
     "AttentionMetadata",
+    "active_backend",
     "get_backend",
     "paged_attention",
     "select_backend",
@@ -44,7 +46,7 @@ BACKENDS: dict[str, str] = {
     "cpu": "chariot.kernels.cpu_attention",  # opt-in: faster decodes, slower prefill chunks (docs/kernels.md)
 }
 
-_active: tuple[str, ModuleType] | None = None
+_active: AttentionBackend | None = None
 
 
 class AttentionBackendError(RuntimeError):
@@ -100,22 +102,23 @@ def select_backend(name: str | None = None) -> str:
     if name is None:
         name = os.environ.get(BACKEND_ENV)
     chosen = _resolve(name.strip().lower() if name is not None else None)
-    _active = (chosen, importlib.import_module(BACKENDS[chosen]))
+    backend: AttentionBackend = importlib.import_module(BACKENDS[chosen]).BACKEND
+    _active = backend
     return chosen
 
 
-def _module() -> ModuleType:
+def active_backend() -> AttentionBackend:
+    """The selected backend (selecting it on first call)."""
     if _active is None:
         select_backend()
-    assert _active is not None
-    return _active[1]
+    if _active is None:  # select_backend sets it or raises
+        raise AttentionBackendError("no attention backend selected")
+    return _active
 
 
 def get_backend() -> str:
     """The name of the attention backend in use (selecting it on first call)."""
-    _module()
-    assert _active is not None
-    return _active[0]
+    return active_backend().name
 
 
 def write_kv(
@@ -126,7 +129,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter the new tokens' K/V into their cache slots (selected backend)."""
-    _module().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    active_backend().write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -137,5 +140,5 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (selected backend)."""
-    out: torch.Tensor = _module().paged_attention(query, k_cache, v_cache, meta, scale)
+    out: torch.Tensor = active_backend().paged_attention(query, k_cache, v_cache, meta, scale)
     return out

@@ -11,11 +11,16 @@ Layouts:
 - key/value (new tokens): [num_tokens, num_kv_heads, head_dim]
 - k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 - slot = block_table[pos // block_size] * block_size + pos % block_size
+
+Every backend module exposes that function pair as `BACKEND`, an `AttentionBackend`, so
+`chariot.kernels` can select one by name and the executor never imports a backend itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -53,3 +58,48 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_list, default=0)
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """One implementation of the contract above (`chariot.kernels` selects and dispatches to one)."""
+
+    @property
+    def name(self) -> str:
+        """The name `CHARIOT_ATTENTION_BACKEND` selects it by."""
+        ...
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Scatter the new tokens' K/V ([num_tokens, kv_heads, head_dim]) into their cache slots."""
+        ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of every new token over its sequence's cached context; output shaped and typed like query."""
+        ...
+
+
+WriteKv = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+PagedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FunctionBackend:
+    """An `AttentionBackend` made of a backend module's two module-level functions."""
+
+    name: str
+    write_kv: WriteKv
+    paged_attention: PagedAttention

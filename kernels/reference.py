@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chariot.kernels.attention import AttentionMetadata
+from chariot.kernels.attention import AttentionBackend, AttentionMetadata, FunctionBackend
 
 
 def write_kv(
@@ -121,3 +121,6 @@ def _prefill(
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     o = o.view(p, kvh, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(p, max_q, kvh * group, d)
     return o[valid]
+
+
+BACKEND: AttentionBackend = FunctionBackend("reference", write_kv, paged_attention)

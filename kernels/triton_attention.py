@@ -40,9 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from chariot.kernels.attention import AttentionMetadata
+from chariot.kernels.attention import AttentionBackend, AttentionMetadata, FunctionBackend
 
 __all__ = [
+    "BACKEND",
     "SUPPORTED_DTYPES",
     "TileConfig",
     "attention_grid",
@@ -275,6 +276,19 @@ def _dot_operand(x, q_ptr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _load_query(q_ptr, token, head, row_ok, head_dim, stride_qt, stride_qh, stride_qd, BLOCK_D: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    """The prologue both attention kernels share: the query tile of rows (token, head) × head dims,
+    masked to valid rows and dims, as a dot operand; with the dims, their mask and the io mask."""
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_dim
+    io_mask = row_ok[:, None] & dim_ok[None, :]
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = _dot_operand(tl.load(q_ptr + q_offs, mask=io_mask, other=0.0), q_ptr, DOT_FP32)
+    return q, dims, dim_ok, io_mask
+
+
+@triton.jit
 def _attend_range(
     q,
     q_pos,
@@ -386,12 +400,9 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = ctx_before + q_idx  # context position of each row's token; rows past the chunk see all
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    io_mask = row_ok[:, None] & dim_ok[None, :]
     token = (q_start + q_idx).to(tl.int64)
-    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q = _dot_operand(tl.load(q_ptr + q_offs, mask=io_mask, other=0.0), q_ptr, DOT_FP32)
+    q, dims, dim_ok, io_mask = _load_query(q_ptr, token, head, row_ok, head_dim, stride_qt, stride_qh, stride_qd,
+                                           BLOCK_D, DOT_FP32)
 
     kv_end = ctx_before + tl.minimum(q_first + BLOCK_Q, q_len)  # <= seq_len: later slots are never read
     acc, _, l_i = _attend_range(
@@ -482,11 +493,9 @@ def _split_partial_kernel(
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows % GROUP
     row_ok = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_dim
-    io_mask = row_ok[:, None] & dim_ok[None, :]
-    q_offs = token * stride_qt + head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q = _dot_operand(tl.load(q_ptr + q_offs, mask=io_mask, other=0.0), q_ptr, DOT_FP32)
+    tokens = token + tl.zeros([BLOCK_M], tl.int64)  # every row is that one token's (for one GQA head each)
+    q, dims, dim_ok, io_mask = _load_query(q_ptr, tokens, head, row_ok, head_dim, stride_qt, stride_qh, stride_qd,
+                                           BLOCK_D, DOT_FP32)
     q_pos = seq_len - 1 + tl.zeros([BLOCK_M], tl.int32)  # the query is the context's last token
     acc, m_i, l_i = _attend_range(
         q,
@@ -841,3 +850,6 @@ def _split_kv_attention(
         BLOCK_D=kernel_args["BLOCK_D"],
         num_warps=4,
     )
+
+
+BACKEND: AttentionBackend = FunctionBackend("triton", write_kv, paged_attention)

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from chariot.contracts.errors import ConfigError, InvalidRequestError, ModelLoadError
-    from chariot.contracts.outputs import RequestOutput
+    from chariot.contracts.outputs import CompletionOutput, RequestOutput
     from chariot.contracts.sampling_params import SamplingParams
     from chariot.worker.llm import LLM
 
 _EXPORTS = {
     "LLM": "chariot.worker.llm",
+    "CompletionOutput": "chariot.contracts.outputs",
     "RequestOutput": "chariot.contracts.outputs",
     "SamplingParams": "chariot.contracts.sampling_params",
     "ConfigError": "chariot.contracts.errors",
@@ -24,7 +25,10 @@ _EXPORTS = {
     "ModelLoadError": "chariot.contracts.errors",
 }
 
-__all__ = ["LLM", "ConfigError", "InvalidRequestError", "ModelLoadError", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM", "CompletionOutput", "ConfigError", "InvalidRequestError", "ModelLoadError", "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,12 +5,14 @@ forward pass, and the engine must only ever be touched by one thread. So every e
 construction, `add_request`, `abort`, `stats`, `step` — runs on the engine thread. Callers post
 commands to a queue; the thread blocks on that queue when there is nothing to do (no busy spin; it
 wakes every `HEALTH_POLL_S` to let the engine check its pipeline stages) and, while requests are
-live, alternates draining all queued commands with one `step()`. Step outputs go back to each
-request's `asyncio.Queue` through `loop.call_soon_threadsafe`.
+live, alternates draining all queued commands with one step: `engine.step()` → the
+`OutputProcessor` (text, stop strings; a stop-string finish goes back to the engine before the next
+step) → each request's `asyncio.Queue` through `loop.call_soon_threadsafe`. Observers and the Stats
+snapshot learn about a step from its `StepResult` alone.
 
 Prefill throughput (for the Stats RPC and the router's TTFT prediction) is measured, not modelled:
-each `step()` that completes a batch (`Engine.last_batch`) with prompt tokens in it is recorded as
-(its prefill tokens, the wall time of that `step()` call). Over the last `PREFILL_WINDOW` such steps,
+each step that completes a batch (`StepResult.batch`) with prompt tokens in it is recorded as
+(its prefill tokens, that step's wall time). Over the last `PREFILL_WINDOW` such steps,
 rate = their prefill tokens / their wall time, i.e. how fast this replica works through queued
 prompts while it has some (decodes sharing those batches included, as they would be). With a
 pipeline, `step()` returns once per completed micro-batch, so the ratio is the steady-state rate.
@@ -29,7 +31,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 from chariot.contracts.errors import EngineDeadError
@@ -38,6 +40,8 @@ from chariot.contracts.proto_codec import PREFILL_TOKENS_PER_S
 from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.engine import Engine
+from chariot.worker.engine_output import EngineOutput, StepResult
+from chariot.worker.output_processor import OutputProcessor, run_step
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,9 @@ class _Sink:
     queue: asyncio.Queue[_Item]
 
 
-StepObserver: TypeAlias = Callable[[Engine, list[RequestOutput]], None]
-"""Called on the engine thread after each step with that step's outputs (metrics, logging)."""
+StepObserver: TypeAlias = Callable[[StepResult, Sequence[RequestOutput]], None]
+"""Called on the engine thread after each step with its result and the outputs sent to the fronts
+(metrics, logging). It must not touch the engine."""
 
 def _send(items: list[tuple[_Sink, _Item]]) -> None:
     """Hand items to their consumers' queues: one wake-up per event loop per step, not per item."""
@@ -119,6 +124,7 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._engine: Engine | None = None
+        self._processor: OutputProcessor | None = None  # engine thread only
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._meter = PrefillMeter()  # engine thread only
         # Load report refreshed by the engine thread after every step and command batch, so Stats
@@ -235,6 +241,7 @@ class AsyncEngine:
     def _load(self) -> Engine | None:
         try:
             self._engine = self._factory()
+            self._processor = OutputProcessor(self._engine.tokenizer)
         except BaseException as exc:
             self._ready.set_exception(exc)
             self._die(f"engine failed to load: {exc}")
@@ -296,24 +303,28 @@ class AsyncEngine:
             if cmd.future is not None:
                 cmd.future.set_result(result)
 
-    def _step(self, engine: Engine) -> None:
-        before = getattr(engine, "last_batch", None)
-        t0 = time.perf_counter()
-        outputs = engine.step()
-        elapsed = time.perf_counter() - t0
-        batch = getattr(engine, "last_batch", None)
-        if batch is not None and batch is not before:
-            self._meter.record(batch.num_prefill_tokens, elapsed)
-        if self._observer is not None:
-            self._observer(engine, outputs)
-        self._deliver(outputs)
-        self._refresh_snapshot()
+    @property
+    def processor(self) -> OutputProcessor:
+        if self._processor is None:
+            raise EngineDeadError("engine is not loaded")
+        return self._processor
 
-    @staticmethod
-    def _check_health(engine: Engine) -> list[RequestOutput]:
+    def _step(self, engine: Engine) -> None:
+        result, outputs = run_step(engine, self.processor)
+        if result.batch is not None:
+            self._meter.record(result.batch.num_prefill_tokens, result.times.total)
+        if self._observer is not None:
+            self._observer(result, outputs)
+        self._deliver(outputs)
+        self._snapshot = self._with_prefill_rate(result.stats)
+
+    def _process(self, outputs: Iterable[EngineOutput]) -> tuple[RequestOutput, ...]:
+        """Outputs that carry no new tokens (aborts, errors): no stop string can match in them."""
+        return self.processor.process(outputs).outputs
+
+    def _check_health(self, engine: Engine) -> tuple[RequestOutput, ...]:
         """Let the engine notice a pipeline failure while idle (it fails live requests, sets `failed`)."""
-        check = getattr(engine, "check_health", None)
-        return list(check()) if check is not None else []
+        return self._process(engine.check_health())
 
     @staticmethod
     def _shutdown_engine(engine: Engine) -> None:
@@ -325,7 +336,7 @@ class AsyncEngine:
         except Exception:
             log.exception("engine shutdown failed")
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
         items: list[tuple[_Sink, _Item]] = []
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
@@ -337,6 +348,7 @@ class AsyncEngine:
         if self._failed is not None:
             raise EngineDeadError(self._failed)
         self.engine.add_request(prompt, params, request_id=request_id, arrival_time=time.time())
+        self.processor.add_request(request_id, params)
         self._sinks[request_id] = sink
 
     def _abort_if_mine(self, request_id: str, sink: _Sink) -> None:
@@ -346,16 +358,18 @@ class AsyncEngine:
 
     def _abort_now(self, request_id: str) -> RequestOutput | None:
         out = self.engine.abort(request_id)
-        if out is not None:
-            self._deliver([out])
-        return out
+        outputs = self._process([] if out is None else [out])
+        self._deliver(outputs)
+        return outputs[0] if outputs else None
 
     def _refresh_snapshot(self) -> None:
         if self._engine is not None:
             self._snapshot = self._stats_now()
 
     def _stats_now(self) -> EngineStats:
-        stats = self.engine.stats()
+        return self._with_prefill_rate(self.engine.stats())
+
+    def _with_prefill_rate(self, stats: EngineStats) -> EngineStats:
         extra = {**stats.extra, PREFILL_TOKENS_PER_S: self._meter.tokens_per_s}
         return dataclasses.replace(stats, extra=extra)
 

@@ -128,19 +128,22 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _generate_offline(args: argparse.Namespace, params: SamplingParams) -> int:
     from chariot.worker.engine import Engine
+    from chariot.worker.output_processor import OutputProcessor, run_step
 
     if args.stages != 1:
         raise ConfigError("stages", "`generate` runs a single-process engine; use --stages 1")
     engine = Engine(config_from_args(args))
-    engine.add_request(args.prompt, params)
+    processor = OutputProcessor(engine.tokenizer)
+    processor.add_request(engine.add_request(args.prompt, params), params)
     print(args.prompt, end="", flush=True)
-    while engine.has_unfinished:
-        for out in engine.step():
+    while len(processor):
+        for out in run_step(engine, processor)[1]:
             print(out.new_text, end="", flush=True)
             if out.finished:
                 ttft = out.times.ttft or 0.0
-                print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason.value if out.finish_reason else '-'}"
-                      f", ttft={ttft * 1000:.1f} ms]", file=sys.stderr)
+                reason = out.finish_reason.value if out.finish_reason else "-"
+                print(f"\n[{out.num_output_tokens} tokens, finish={reason}, ttft={ttft * 1000:.1f} ms]",
+                      file=sys.stderr)
     return 0
 
 

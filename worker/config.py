@@ -241,6 +241,44 @@ class EngineConfig:
         return to_torch_dtype(name)
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An `EngineConfig` with everything derived from it and the checkpoint computed once, per process:
+    the driver resolves it for its scheduler and its stage, a downstream stage for its stage; no
+    code past this point re-reads `config.json` or re-derives a limit, the dtype or the layer split.
+
+    `layer_ranges[r]` is pipeline stage r's half-open range of decoder layers (one range, all layers,
+    for a single process).
+    """
+
+    engine: EngineConfig
+    model: ModelConfig
+    max_model_len: int
+    token_budget: int
+    dtype: torch.dtype
+    device: torch.device
+    layer_ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def resolve(cls, config: EngineConfig) -> ResolvedConfig:
+        """Read the checkpoint's config and validate every derived value (raises ConfigError /
+        ModelLoadError naming the field)."""
+        import torch
+
+        from chariot.worker.model.loader import split_layers
+
+        model = ModelConfig.from_dir(config.model)
+        max_len = config.resolved_max_model_len(model)
+        split = list(config.layer_split) if config.layer_split and config.pipeline_stages > 1 else None
+        ranges = split_layers(model.num_layers, config.pipeline_stages, split)
+        return cls(config, model, max_len, config.resolved_token_budget(max_len), config.torch_dtype(model),
+                   torch.device(config.device), tuple(ranges))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_ranges)
+
+
 @cache
 def _log_once(message: str) -> None:
     log.info("%s", message)

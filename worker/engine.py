@@ -1,9 +1,13 @@
-"""The engine loop of one pipeline group's driver: `add_request / step / abort`.
+"""The engine loop of one pipeline group's driver: `add_request / step / finish_requests`.
 
-Each `step()` is schedule → prepare inputs → execute → postprocess. Execution goes through an
-`Executor` so the same loop drives a single process (`ModelRunner`) or a pipeline of stages.
-All request validation happens in `add_request`; a bad request raises `InvalidRequestError` and
-leaves every other request untouched.
+Each `step()` is schedule → prepare inputs → execute → postprocess and returns a `StepResult`
+(`engine_output.py`): per-request token deltas plus the batch, times and load of that step. The
+engine works on token ids only — EOS / stop token ids, max_tokens, max_model_len, aborts, errors;
+text (detokenization, stop strings) is the `OutputProcessor`'s, which asks the engine to finish a
+request through `finish_requests` when a stop string matches. Execution goes through an `Executor`
+so the same loop drives a single process (`ModelRunner`) or a pipeline of stages. All request
+validation happens in `add_request`; a bad request raises `InvalidRequestError` and leaves every
+other request untouched. `validate_prompt` is the one place the worker encodes a text prompt.
 """
 
 from __future__ import annotations
@@ -12,26 +16,24 @@ import itertools
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
 
 from chariot.contracts.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
-from chariot.contracts.outputs import EngineStats, IterationTimes, RequestOutput
+from chariot.contracts.outputs import EngineStats, IterationTimes
 from chariot.contracts.requests import FinishReason, Prompt
 from chariot.contracts.sampling_params import SamplingParams
-from chariot.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.worker.block_manager import BlockManager
-from chariot.worker.config import EngineConfig, ModelConfig
-from chariot.worker.executor import InputBuilder, LocalExecutor, ModelInput, ModelRunner
-from chariot.worker.kv_cache import num_kv_blocks
-from chariot.worker.model.llama import allocate_kv_caches
-from chariot.worker.model.loader import load_stage
+from chariot.worker.config import EngineConfig, ResolvedConfig
+from chariot.worker.engine_output import NO_TIMES, EngineOutput, StageTime, StepResult
+from chariot.worker.executor import InputBuilder, LocalExecutor
+from chariot.worker.micro_batch import MicroBatch
 from chariot.worker.pipeline.driver import PipelineExecutor
-from chariot.worker.pipeline.stage import StageContext
 from chariot.worker.pipeline.transport import PeerCheck, Topology
-from chariot.worker.sampler import Sampler
+from chariot.worker.runtime import build_stage_runtime
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
 from chariot.worker.sequence import Sequence
 
@@ -46,7 +48,7 @@ class Executor(Protocol):
     max_in_flight: int
     failed: str | None
 
-    def submit(self, inp: ModelInput) -> None: ...
+    def submit(self, inp: MicroBatch) -> None: ...
 
     def wait(self) -> torch.Tensor: ...
 
@@ -55,25 +57,15 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass
-class _Detok:
-    """Streaming text state of one request."""
-
-    stream: IncrementalDetokenizer
-    emitted: int = 0  # characters of output_text already streamed
-
-
 class Engine:
     """Single-driver LLM engine: scheduler + block manager on this process, model via an executor."""
 
     def __init__(self, config: EngineConfig, progress: bool = True, topology: Topology | None = None,
                  peer_check: PeerCheck | None = None) -> None:
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
-        self.max_model_len = config.resolved_max_model_len(self.model_config)
-        self.token_budget = config.resolved_token_budget(self.max_model_len)
-        self.device = torch.device(config.device)
-        self.dtype = config.torch_dtype(self.model_config)
+        self.resolved = r = ResolvedConfig.resolve(config)
+        self.model_config, self.max_model_len, self.token_budget = r.model, r.max_model_len, r.token_budget
+        self.device, self.dtype = r.device, r.dtype
         self.tokenizer = Tokenizer(config.model)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
@@ -83,30 +75,23 @@ class Engine:
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len),
             self.blocks,
         )
-        self.inputs = InputBuilder(self.blocks, self.device)
+        self.inputs = InputBuilder(self.blocks)
         self.failed: str | None = None
         self._in_flight: deque[SchedulerOutput] = deque()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
-        self._detok: dict[int, _Detok] = {}
         self.iterations = 0
-        self.last_batch: SchedulerOutput | None = None
-        self.last_times = IterationTimes(0.0, 0.0, 0.0, 0.0)
+        self._last_iteration_s = 0.0
+        self._stage_reported = (0.0, 0.0)  # stage 0's busy/idle seconds up to the previous step result
 
     def _make_executor(self, topology: Topology | None, progress: bool, peer_check: PeerCheck | None,
                        ) -> tuple[Executor, int]:
-        if self.config.pipeline_stages > 1:
-            if topology is None or topology.world_size != self.config.pipeline_stages or topology.rank != 0:
-                raise ConfigError("pipeline_stages", "a pipelined engine runs on rank 0 of a group of "
-                                                     f"{self.config.pipeline_stages} stages")
-            ctx = StageContext.build(self.config, topology, progress, peer_check)
-            return PipelineExecutor(ctx), ctx.num_blocks
-        cfg = self.model_config
-        num_blocks = num_kv_blocks(self.config, cfg, cfg.num_layers, self.dtype, self.max_model_len)
-        stage = load_stage(self.config.model, (0, cfg.num_layers), self.dtype, self.device, progress=progress)
-        caches = allocate_kv_caches(cfg, cfg.num_layers, num_blocks, self.config.block_size, self.dtype,
-                                    self.device)
-        return LocalExecutor(ModelRunner(stage, caches, Sampler(self.config.seed))), num_blocks
+        stages = self.config.pipeline_stages
+        if stages > 1 and (topology is None or topology.rank != 0):
+            raise ConfigError("pipeline_stages", f"a pipelined engine runs on rank 0 of a group of {stages} stages")
+        runtime = build_stage_runtime(self.resolved, topology if stages > 1 else None, progress, peer_check)
+        executor: Executor = LocalExecutor(runtime.runner) if runtime.link is None else PipelineExecutor(runtime)
+        return executor, runtime.kv_cache.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(
@@ -126,7 +111,6 @@ class Engine:
         token_ids = self.validate_prompt(prompt, params)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, params, arrival_time or time.time())
         self._by_request[request_id] = seq
-        self._detok[seq.seq_id] = _Detok(IncrementalDetokenizer(self.tokenizer))
         self.scheduler.add(seq)
         return request_id
 
@@ -157,31 +141,45 @@ class Engine:
             )
         return token_ids
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request and free its KV blocks; returns its final output, or None if unknown."""
-        seq = self._by_request.get(request_id)
-        if seq is None:
-            return None
-        return self._finish(seq, FinishReason.ABORT)
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> tuple[EngineOutput, ...]:
+        """Finish live requests now (free their KV blocks) with `reason`; unknown ids are skipped.
 
-    def fail(self, request_id: str, error: str) -> RequestOutput | None:
+        The output processor calls this with STOP when a stop string matched; `abort` with ABORT.
+        Returns each finished request's last output (no new tokens). A request still in an in-flight
+        micro-batch is finished too: that batch's token for it is dropped when it comes back.
+        """
+        outputs = []
+        for request_id in request_ids:
+            seq = self._by_request.get(request_id)
+            if seq is not None:
+                self._finish(seq, reason)
+                outputs.append(self._output(seq, ()))
+        return tuple(outputs)
+
+    def abort(self, request_id: str) -> EngineOutput | None:
+        """Cancel a request and free its KV blocks; returns its final output, or None if unknown."""
+        outputs = self.finish_requests([request_id], FinishReason.ABORT)
+        return outputs[0] if outputs else None
+
+    def fail(self, request_id: str, error: str) -> EngineOutput | None:
         """Finish a request with an error (e.g. its pipeline stage died)."""
         seq = self._by_request.get(request_id)
         if seq is None:
             return None
         seq.error = error
-        return self._finish(seq, FinishReason.ERROR)
+        return self.finish_requests([request_id], FinishReason.ERROR)[0]
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         """Fill the pipeline (schedule → prepare → submit, up to `max_in_flight` batches), then
-        wait for the oldest batch and postprocess it. Returns the requests that changed."""
+        wait for the oldest batch and postprocess it. Returns the token deltas of the requests that
+        changed, with the completed batch, its times and the load after it."""
         if self.failed is not None:
-            return []
+            return self._result(())
         t0 = time.perf_counter()
         sched = prep = 0.0
         try:
@@ -196,40 +194,52 @@ class Engine:
                 self.executor.submit(inp)
                 self._in_flight.append(batch)
             if not self._in_flight:
-                return []
+                return self._result(())
             tokens = self.executor.wait()
         except PipelineError as exc:
-            return self._fail_all(str(exc))
+            return self._result(self._fail_all(str(exc)))
         t2 = time.perf_counter()
         batch = self._in_flight.popleft()
         outputs = self.process_output(batch, tokens.tolist())
-        self.last_batch = batch
-        self.last_times = IterationTimes(sched, prep, t2 - t0 - sched - prep, time.perf_counter() - t2)
+        times = IterationTimes(sched, prep, t2 - t0 - sched - prep, time.perf_counter() - t2)
+        self._last_iteration_s = times.total
         self.iterations += 1
-        return outputs
+        return self._result(outputs, batch, times)
 
-    def check_health(self) -> list[RequestOutput]:
+    def _result(self, outputs: Iterable[EngineOutput], batch: SchedulerOutput | None = None,
+                times: IterationTimes = NO_TIMES) -> StepResult:
+        return StepResult(tuple(outputs), batch, times, self.stats(), self._stage_time())
+
+    def _stage_time(self) -> StageTime | None:
+        """Stage 0's busy/idle increment since the previous step result; None without a pipeline."""
+        clock = getattr(self.executor, "clock", None)  # a pipeline's stage 0 keeps busy/idle time
+        if clock is None:
+            return None
+        busy, idle = float(clock.busy_s), float(clock.idle_s)
+        before_busy, before_idle = self._stage_reported
+        self._stage_reported = (busy, idle)
+        return StageTime(0, busy - before_busy, idle - before_idle)
+
+    def check_health(self) -> tuple[EngineOutput, ...]:
         """Notice a pipeline failure detected while idle (heartbeats); fails all live requests."""
         if self.failed is None and self.executor.failed is not None:
             return self._fail_all(self.executor.failed)
-        return []
+        return ()
 
-    def _fail_all(self, message: str) -> list[RequestOutput]:
+    def _fail_all(self, message: str) -> tuple[EngineOutput, ...]:
         """The group is broken: every live request finishes with an error, no new ones are taken."""
         self.failed = message
         self._in_flight.clear()
-        outputs = []
-        for seq in list(self._by_request.values()):
+        for seq in self._by_request.values():
             seq.error = message
-            outputs.append(self._finish(seq, FinishReason.ERROR))
-        return outputs
+        return self.finish_requests(list(self._by_request), FinishReason.ERROR)
 
     def shutdown(self) -> None:
         """Stop the executor (and, for a pipeline, every downstream stage)."""
         self.executor.shutdown()
 
-    def process_output(self, batch: SchedulerOutput, tokens: list[int]) -> list[RequestOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests' blocks."""
+    def process_output(self, batch: SchedulerOutput, tokens: list[int]) -> list[EngineOutput]:
+        """Append sampled tokens, apply token stop conditions, free finished requests' blocks."""
         self.scheduler.complete(batch)
         now = time.time()
         outputs = []
@@ -239,73 +249,46 @@ class Engine:
                 continue
             token = next(sampled)
             seq = self.scheduler.seqs.get(chunk.seq_id)
-            if seq is None:  # aborted while in flight
+            if seq is None:  # finished (aborted, stopped) while in flight
                 continue
             outputs.append(self._append_token(seq, token, now))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
         seq.output_token_ids.append(token)
         if seq.times.first_token is None:
             seq.times.first_token = now
         seq.times.token_times.append(now)
         reason = self._stop_reason(seq, token)
         if reason is not None:
-            return self._finish(seq, reason, new_tokens=[token])
-        return self._snapshot(seq, [token])
+            self._finish(seq, reason)
+        return self._output(seq, (token,), stop_token_id=token if reason is FinishReason.STOP else None)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """The engine's own stop conditions (token ids and lengths; stop strings are not its business)."""
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        detok = self._detok[seq.seq_id]
-        before = len(seq.output_text)
-        seq.output_text += detok.stream.step(token)
-        if params.stop and self._truncate_at_stop(seq, before):
             return FinishReason.STOP
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence, before: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop)
-        window_start = max(0, before - longest + 1)
-        hits = [i for s in seq.params.stop if (i := seq.output_text.find(s, window_start)) >= 0]
-        if not hits:
-            return False
-        seq.output_text = seq.output_text[: min(hits)]
-        return True
-
-    def _finish(self, seq: Sequence, reason: FinishReason, new_tokens: list[int] | None = None) -> RequestOutput:
-        if reason is FinishReason.LENGTH:  # stopped mid-character? emit what the detokenizer held back
-            seq.output_text += self._detok[seq.seq_id].stream.flush()
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         seq.times.finished = time.time()
         self.scheduler.finish(seq)
-        out = self._snapshot(seq, new_tokens or [])
         del self._by_request[seq.request_id]
-        del self._detok[seq.seq_id]
-        return out
 
-    def _snapshot(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        detok = self._detok[seq.seq_id]
-        end = len(seq.output_text)
-        if not seq.is_finished and seq.params.stop:
-            end -= max(len(s) for s in seq.params.stop) - 1  # a stop string may still be forming
-        end = max(end, detok.emitted)
-        delta = seq.output_text[detok.emitted : end]
-        detok.emitted = end
-        return RequestOutput(
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: tuple[int, ...], stop_token_id: int | None = None) -> EngineOutput:
+        return EngineOutput(
             request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_tokens,
-            new_text=delta,
-            token_ids=list(seq.output_token_ids),
-            text=seq.output_text[:end],
-            finished=seq.is_finished,
+            num_output_tokens=len(seq.output_token_ids),
             finish_reason=seq.finish_reason,
+            prompt_token_ids=seq.prompt_token_ids,
             times=seq.times,
+            stop_token_id=stop_token_id,
             num_preemptions=seq.num_preemptions,
             error=seq.error,
         )
@@ -322,7 +305,7 @@ class Engine:
             token_budget=self.token_budget,
             max_batch_size=self.config.max_batch_size,
             num_preemptions=self.scheduler.num_preemptions,
-            last_iteration_s=self.last_times.total,
+            last_iteration_s=self._last_iteration_s,
             iterations=self.iterations,
             pipeline_stages=self.config.pipeline_stages,
             bubble_fraction=self.executor.bubble_fraction(),

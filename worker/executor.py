@@ -1,54 +1,37 @@
-"""Executor: turns a scheduler batch into tensors and runs one forward pass over it.
+"""Executor: turns a scheduler batch into a packed micro-batch and runs one forward pass over it.
 
-`InputBuilder` (stage 0) flattens a `SchedulerOutput` into a `ModelInput` — token ids, positions,
-slot mapping, block tables — with vectorised numpy, one row of Python work per *sequence*, none
-per token. `ModelInput` is also what a pipeline micro-batch carries between stages.
-`ModelRunner` owns a model stage and its KV cache and executes a `ModelInput`; on the last stage it
-also computes logits for the sampled rows only and samples.
+`InputBuilder` (stage 0) packs a `SchedulerOutput` into a host `MicroBatch` (`micro_batch.py`) —
+token ids, positions, slot mapping, block tables, sampling parameters — with vectorised numpy,
+one row of Python work per *sequence*, none per token. `ModelRunner` owns a model stage and its
+KV cache, decodes a micro-batch for its device (the same decoding on every stage) and executes
+it; on the last stage it also computes logits for the sampled rows only and samples.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from chariot.kernels import AttentionMetadata
 from chariot.worker.block_manager import BlockManager
+from chariot.worker.kv_cache import KVCache
+from chariot.worker.micro_batch import Layout, MicroBatch, ModelInput, decode_batch, pack
 from chariot.worker.model.llama import LlamaStage
-from chariot.worker.sampler import Sampler, SamplingBatch
+from chariot.worker.sampler import Sampler, SamplingColumns
 from chariot.worker.scheduler.output import SchedulerOutput
 from chariot.worker.sequence import Sequence
 
 
-@dataclass(frozen=True)
-class ModelInput:
-    """One iteration's flattened batch. Rows of `sample_indices` are the last token of each chunk
-    that samples, in chunk order; `sampling` has one row per sampled chunk."""
-
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    attn: AttentionMetadata
-    sample_indices: torch.Tensor  # [N] long
-    sampling: SamplingBatch | None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-
 class InputBuilder:
-    """Builds `ModelInput`s from scheduler batches (stage 0 only)."""
+    """Packs scheduler batches into host micro-batches (stage 0 only)."""
 
-    def __init__(self, block_manager: BlockManager, device: torch.device) -> None:
+    def __init__(self, block_manager: BlockManager) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
-        self.device = device
 
-    def build(self, batch: SchedulerOutput, seqs: Mapping[int, Sequence]) -> ModelInput:
+    def build(self, batch: SchedulerOutput, seqs: Mapping[int, Sequence]) -> MicroBatch:
         chunks = batch.chunks
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
@@ -66,32 +49,13 @@ class InputBuilder:
         for c in chunks:
             input_ids.extend(seqs[c.seq_id].token_slice(c.start, c.start + c.num_tokens))
         sampled = [i for i, c in enumerate(chunks) if c.samples]
-        sample_rows = cu[1:][sampled] - 1
         sampled_seqs = [seqs[chunks[i].seq_id] for i in sampled]
-        sampling = (
-            SamplingBatch.from_params(
-                [s.params for s in sampled_seqs], [len(s.output_token_ids) for s in sampled_seqs], self.device
-            )
-            if sampled_seqs
-            else None
-        )
-        dev = self.device
-        attn = AttentionMetadata(
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_lens=tuple(q_lens.tolist()),
-            seq_lens_list=tuple(seq_lens.tolist()),
-            num_decodes=batch.num_decodes,
-        )
-        return ModelInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            attn=attn,
-            sample_indices=torch.from_numpy(sample_rows).to(dev),
-            sampling=sampling,
-        )
+        sampling = SamplingColumns.from_params([s.params for s in sampled_seqs],
+                                               [len(s.output_token_ids) for s in sampled_seqs])
+        layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled))
+        sections: list[np.ndarray | list[int]] = [input_ids, positions, slots, cu, seq_lens, tables,
+                                                  cu[1:][sampled] - 1]
+        return pack(layout, sections, sampling)
 
     def _block_tables(self, batch: SchedulerOutput, seq_lens: np.ndarray) -> np.ndarray:
         width = max(1, -(-int(seq_lens.max()) // self.block_size))
@@ -103,17 +67,23 @@ class InputBuilder:
 
 
 class ModelRunner:
-    """Executes `ModelInput`s on one model stage with its own KV cache."""
+    """Executes micro-batches on one model stage with its own KV cache; samples if it has a sampler
+    (the last stage)."""
 
-    def __init__(
-        self,
-        stage: LlamaStage,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        sampler: Sampler | None,
-    ) -> None:
+    def __init__(self, stage: LlamaStage, kv_cache: KVCache, sampler: Sampler | None,
+                 device: torch.device) -> None:
         self.stage = stage
-        self.kv_caches = kv_caches
+        self.kv_cache = kv_cache
         self.sampler = sampler
+        self.device = device
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.kv_cache.layers
+
+    def decode(self, mb: MicroBatch) -> ModelInput:
+        """This stage's device view of a micro-batch (sampling parameters only if it samples)."""
+        return decode_batch(mb, self.device, with_sampling=self.sampler is not None)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
@@ -129,8 +99,9 @@ class ModelRunner:
         logits = self.stage.compute_logits(hidden_states[inp.sample_indices])
         return self.sampler(logits, inp.sampling)
 
-    def execute(self, inp: ModelInput) -> torch.Tensor:
+    def execute(self, mb: MicroBatch) -> torch.Tensor:
         """Single-process path: all layers here; returns sampled token ids."""
+        inp = self.decode(mb)
         return self.sample(inp, self.forward(inp))
 
 
@@ -144,8 +115,8 @@ class LocalExecutor:
         self.runner = runner
         self._results: deque[torch.Tensor] = deque()
 
-    def submit(self, inp: ModelInput) -> None:
-        self._results.append(self.runner.execute(inp))
+    def submit(self, mb: MicroBatch) -> None:
+        self._results.append(self.runner.execute(mb))
 
     def wait(self) -> torch.Tensor:
         return self._results.popleft()

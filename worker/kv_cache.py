@@ -1,13 +1,22 @@
-"""KV-cache sizing: how many blocks fit, from a token count or a fraction of free device memory."""
+"""The paged KV cache of one stage: how many blocks fit, agreeing on that across a pipeline, and
+the per-layer cache tensors.
+
+Why a module of its own: the single-process engine and every pipeline stage own a KV cache the
+same way — sized from a token count or a fraction of free device memory, shrunk to the smallest
+capacity in the group (stage 0's block tables index every stage's cache), then allocated.
+"""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 
 from chariot.contracts.errors import ConfigError
-from chariot.worker.config import EngineConfig, ModelConfig
+from chariot.worker.config import ModelConfig, ResolvedConfig
+from chariot.worker.model.llama import KVCache as LayerCache
+from chariot.worker.model.llama import allocate_kv_caches
 
 
 def bytes_per_token(model: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:
@@ -22,24 +31,48 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(
-    config: EngineConfig, model: ModelConfig, num_layers: int, dtype: torch.dtype, max_model_len: int
-) -> int:
-    """Blocks for this stage; at least enough for one sequence of `max_model_len` tokens."""
-    if config.kv_cache_tokens is not None:
-        tokens = config.kv_cache_tokens
-        field = "kv_cache_tokens"
-    else:
-        budget = int(free_device_memory(torch.device(config.device)) * config.kv_cache_memory_fraction)
-        tokens = budget // bytes_per_token(model, num_layers, dtype)
-        field = "kv_cache_memory_fraction"
-    blocks = tokens // config.block_size
-    needed = -(-max_model_len // config.block_size)
-    reserve = int(config.watermark * blocks)
-    if blocks - reserve < needed:
-        raise ConfigError(
-            field,
-            f"KV cache of {blocks} blocks ({tokens} tokens) cannot hold one sequence of max_model_len "
-            f"{max_model_len} tokens plus the watermark; raise {field} or lower max_model_len",
-        )
-    return blocks
+class KVCache:
+    """One stage's KV cache: a (k_cache, v_cache) pair per layer of the stage, each
+    [num_blocks, block_size, kv_heads, head_dim]. Size it with `blocks_that_fit` (and, in a
+    pipeline, `agree`) before loading weights; then `allocate`."""
+
+    def __init__(self, layers: list[LayerCache], num_blocks: int, block_size: int) -> None:
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+    @staticmethod
+    def blocks_that_fit(resolved: ResolvedConfig, num_layers: int) -> int:
+        """Blocks for a stage of `num_layers` layers; raises ConfigError (naming the knob) unless
+        they hold at least one sequence of `max_model_len` tokens plus the watermark."""
+        config = resolved.engine
+        if config.kv_cache_tokens is not None:
+            tokens, field = config.kv_cache_tokens, "kv_cache_tokens"
+        else:
+            budget = int(free_device_memory(resolved.device) * config.kv_cache_memory_fraction)
+            tokens = budget // bytes_per_token(resolved.model, num_layers, resolved.dtype)
+            field = "kv_cache_memory_fraction"
+        blocks = tokens // config.block_size
+        needed = -(-resolved.max_model_len // config.block_size)
+        if blocks - int(config.watermark * blocks) < needed:
+            raise ConfigError(
+                field,
+                f"KV cache of {blocks} blocks ({tokens} tokens) cannot hold one sequence of max_model_len "
+                f"{resolved.max_model_len} tokens plus the watermark; raise {field} or lower max_model_len",
+            )
+        return blocks
+
+    @staticmethod
+    def agree(local_blocks: int, device: torch.device) -> int:
+        """Pipeline: every stage must index the same blocks, so take the smallest capacity over the
+        group (a collective over the default process group: every stage calls it)."""
+        t = torch.tensor([local_blocks], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    @classmethod
+    def allocate(cls, resolved: ResolvedConfig, num_layers: int, num_blocks: int) -> KVCache:
+        block_size = resolved.engine.block_size
+        layers = allocate_kv_caches(resolved.model, num_layers, num_blocks, block_size, resolved.dtype,
+                                    resolved.device)
+        return cls(layers, num_blocks, block_size)

@@ -1,4 +1,8 @@
-"""Offline batch API (`LLM.generate`), the contract tests, benchmarks and outside checks use."""
+"""Offline batch API (`LLM.generate`), the contract tests, benchmarks and outside checks use.
+
+`generate` drives the engine through an `OutputProcessor` like the server does, and adds each
+request's streamed deltas up into one `CompletionOutput` (whole token ids and text) at the end.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,11 @@ from typing import Any, cast
 from tqdm.auto import tqdm
 
 from chariot.contracts.errors import PipelineError
-from chariot.contracts.outputs import RequestOutput
+from chariot.contracts.outputs import CompletionOutput, RequestOutput
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine, Prompt
+from chariot.worker.output_processor import OutputProcessor, run_step
 from chariot.worker.pipeline.launcher import LocalPipeline
 
 
@@ -84,27 +89,30 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    ) -> list[CompletionOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises and queues nothing.
-        Raises `PipelineError` if a pipeline stage fails (every request is failed with it).
+        All prompts are validated (and text prompts encoded, once) before any is queued, so a bad
+        one raises and queues nothing. Raises `PipelineError` if a pipeline stage fails (every
+        request is failed with it).
         """
         batch = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(batch))
-        for prompt, p in zip(batch, params, strict=True):
-            self.engine.validate_prompt(prompt, p)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(batch, params, strict=True)]
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+        token_ids = [self.engine.validate_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
+        processor = OutputProcessor(self.engine.tokenizer)
+        deltas: dict[str, list[RequestOutput]] = {}
+        for ids, p in zip(token_ids, params, strict=True):
+            rid = self.engine.add_request(ids, p)
+            processor.add_request(rid, p)
+            deltas[rid] = []
+        with tqdm(total=len(deltas), disable=not use_tqdm, desc="generate") as bar:
+            while len(processor):
+                for out in run_step(self.engine, processor)[1]:
+                    deltas[out.request_id].append(out)
+                    bar.update(int(out.finished))
                 if self.engine.failed is not None:
                     raise PipelineError(self.engine.failed)
-        return [done[i] for i in ids]
+        return [CompletionOutput.from_deltas(d) for d in deltas.values()]
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -1,17 +1,19 @@
 """Worker-side metrics: turns engine steps into the telemetry of DESIGN.md §7.
 
-An `EngineMetrics` instance is the AsyncEngine's step observer (it runs on the engine thread): per
-iteration it records batch composition, load gauges and stage-0 busy/idle time; per finished
-request its worker-measured TTFT, TBT gaps, queue delay, duration and token usage.
+An `EngineMetrics` instance is the AsyncEngine's step observer (it runs on the engine thread) and
+reads only what a step hands it — the `StepResult` and the outputs sent to the fronts, never the
+engine: per iteration it records batch composition, load gauges and stage-0 busy/idle time; per
+finished request its worker-measured TTFT, TBT gaps, queue delay, duration and token usage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from chariot.contracts.outputs import RequestOutput
 from chariot.contracts.requests import FinishReason
 from chariot.contracts.telemetry import Telemetry
-from chariot.worker.engine import Engine
-from chariot.worker.scheduler import SchedulerOutput
+from chariot.worker.engine_output import StepResult
 
 
 class EngineMetrics:
@@ -19,19 +21,17 @@ class EngineMetrics:
 
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
-        self._last_batch: SchedulerOutput | None = None
 
-    def __call__(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+    def __call__(self, result: StepResult, outputs: Sequence[RequestOutput]) -> None:
         tel = self.telemetry
-        batch = engine.last_batch
-        if batch is not None and batch is not self._last_batch:
-            self._last_batch = batch
+        batch = result.batch
+        if batch is not None:
             tel.record_batch(batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens)
-        tel.set_engine_state(running=engine.scheduler.num_running, waiting=engine.scheduler.num_waiting,
-                             kv_cache_usage=engine.blocks.usage)
-        clock = getattr(engine.executor, "clock", None)  # pipeline stage 0 keeps busy/idle time
-        if clock is not None:
-            clock.report(tel)
+        load = result.stats
+        tel.set_engine_state(running=load.num_running, waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage)
+        stage = result.stage_time
+        if stage is not None and (stage.busy_s > 0 or stage.idle_s > 0):
+            tel.add_stage_time(stage.stage, stage.busy_s, stage.idle_s)
         for out in outputs:
             if out.finished:
                 self._record_request(out)
@@ -47,4 +47,4 @@ class EngineMetrics:
         end = t.finished if t.finished is not None else t.arrival
         error = None if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else (
             out.finish_reason.value if out.finish_reason else "unknown")
-        tel.record_request(end - t.arrival, len(out.prompt_token_ids), len(out.token_ids), error_type=error)
+        tel.record_request(end - t.arrival, len(out.prompt_token_ids), out.num_output_tokens, error_type=error)

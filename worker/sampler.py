@@ -47,6 +47,42 @@ def row_seed(seed: int, step: int) -> int:
 
 
 @dataclass(frozen=True)
+class SamplingColumns:
+    """Per-row sampling parameters as plain host values, one column per field: what a packed
+    micro-batch carries (`chariot.worker.micro_batch`) and what a `SamplingBatch` is built from.
+
+    `steps[i]` is how many tokens row i's request has generated so far (the index of the token
+    being sampled).
+    """
+
+    temperatures: tuple[float, ...]
+    top_ks: tuple[int, ...]
+    top_ps: tuple[float, ...]
+    seeds: tuple[int | None, ...]
+    steps: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.steps)
+        if any(len(col) != n for col in (self.temperatures, self.top_ks, self.top_ps, self.seeds)):
+            raise ValueError(f"sampling columns of unequal length for {n} steps")
+        if any(s < 0 for s in self.steps):
+            raise ValueError(f"steps must be >= 0, got {list(self.steps)}")
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], steps: Sequence[int]) -> SamplingColumns:
+        """Rows `params[i]` at generation step `steps[i]`."""
+        if len(params) != len(steps):
+            raise ValueError(f"got {len(params)} sampling params but {len(steps)} steps")
+        return cls(
+            temperatures=tuple(float(p.temperature) for p in params),
+            top_ks=tuple(p.top_k for p in params),
+            top_ps=tuple(float(p.top_p) for p in params),
+            seeds=tuple(p.seed for p in params),
+            steps=tuple(int(s) for s in steps),
+        )
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling parameters of one iteration, as device tensors plus host-side facts.
 
@@ -59,8 +95,7 @@ class SamplingBatch:
     temperatures: torch.Tensor  # [N] float32; 0 for greedy rows
     top_ks: torch.Tensor  # [N] int64; 0 = off
     top_ps: torch.Tensor  # [N] float32; 1.0 = off
-    seeds: tuple[int | None, ...]
-    steps: tuple[int, ...]
+    columns: SamplingColumns  # the exact host values it was built from (seeds and steps among them)
     sample_rows: tuple[int, ...]  # non-greedy rows
     filter_rows: tuple[int, ...]  # non-greedy rows that use top-k or top-p (subset of sample_rows)
     top_k_bound: int | None  # max top_k of filter_rows when all use top-k (no full sort), else None
@@ -75,25 +110,33 @@ class SamplingBatch:
         device: torch.device | str | None = None,
     ) -> SamplingBatch:
         """Build the batch for rows `params[i]` at generation step `steps[i]`."""
-        if len(params) != len(steps):
-            raise ValueError(f"got {len(params)} sampling params but {len(steps)} steps")
-        if any(s < 0 for s in steps):
-            raise ValueError(f"steps must be >= 0, got {list(steps)}")
-        sample_rows = [i for i, p in enumerate(params) if p.temperature >= GREEDY_TEMPERATURE]
-        filter_pos = [j for j, i in enumerate(sample_rows) if _filters(params[i])]
-        ks = [params[sample_rows[j]].top_k for j in filter_pos]
+        return cls.from_columns(SamplingColumns.from_params(params, steps), device)
+
+    @classmethod
+    def from_columns(cls, cols: SamplingColumns, device: torch.device | str | None = None) -> SamplingBatch:
+        """Build the batch from host columns."""
+        sample_rows = [i for i, t in enumerate(cols.temperatures) if t >= GREEDY_TEMPERATURE]
+        filter_pos = [j for j, i in enumerate(sample_rows) if cols.top_ks[i] > 0 or cols.top_ps[i] < 1.0]
+        ks = [cols.top_ks[sample_rows[j]] for j in filter_pos]
         return cls(
-            temperatures=_tensor([_row_temperature(p.temperature) for p in params], torch.float32, device),
-            top_ks=_tensor([p.top_k for p in params], torch.int64, device),
-            top_ps=_tensor([p.top_p for p in params], torch.float32, device),
-            seeds=tuple(p.seed for p in params),
-            steps=tuple(int(s) for s in steps),
+            temperatures=_tensor([_row_temperature(t) for t in cols.temperatures], torch.float32, device),
+            top_ks=_tensor(cols.top_ks, torch.int64, device),
+            top_ps=_tensor(cols.top_ps, torch.float32, device),
+            columns=cols,
             sample_rows=tuple(sample_rows),
             filter_rows=tuple(sample_rows[j] for j in filter_pos),
             top_k_bound=max(ks) if ks and min(ks) > 0 else None,
             sample_index=_tensor(sample_rows, torch.int64, device),
             filter_index=_tensor(filter_pos, torch.int64, device),
         )
+
+    @property
+    def seeds(self) -> tuple[int | None, ...]:
+        return self.columns.seeds
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return self.columns.steps
 
     @property
     def num_rows(self) -> int:
@@ -106,10 +149,6 @@ class SamplingBatch:
 
 def _tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _filters(params: SamplingParams) -> bool:
-    return params.top_k > 0 or params.top_p < 1.0
 
 
 def _row_temperature(temperature: float) -> float:

@@ -44,7 +44,6 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
-    output_text: str = ""
     times: RequestTimes = field(init=False)
 
     def __post_init__(self) -> None:

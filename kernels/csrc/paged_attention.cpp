@@ -1,166 +1,449 @@
-// Paged varlen attention on the CPU that reads K/V blocks in place through the block table.
+// Paged varlen attention on the CPU, reading K/V blocks in place through the block table.
 //
-// One call covers a whole iteration (decodes and prefill chunks): work items are
-// (sequence, query tile, KV head) and run in parallel; each keeps the query rows of its tile for
-// all query heads of its GQA group, so every K/V row it loads serves the whole group. Softmax is
-// online (flash style) with fp32 accumulation; positions at or past a sequence's length, and
-// positions after a query's own (causality), are never read.
-#include <torch/extension.h>
+// One call serves a whole iteration (decodes first, then prefill chunks). A work item is
+// (sequence, tile of query tokens, KV head); its rows are the tile's tokens × the query heads of
+// that KV head's GQA group, so each K/V row read from the cache serves the whole group.
+//
+// Everything is computed transposed, with the rows (m) in the vector lanes:
+//   St[n][m]   = Σ_d K[n][d] · Qt[d][m]     scores of key n for every row (QKᵀ, transposed)
+//   accT[d][m] = Σ_n V[n][d] · Pt[n][m]     unnormalised output (PV, transposed)
+// Both are one register-blocked micro-kernel shape: a scalar of K or V broadcast against vectors
+// of rows. K and V are read straight from the cache rows (fp32) or from a small per-tile fp32 copy
+// (bf16, fp16); nothing is gathered or transposed. The online softmax (flash attention, log2
+// units, fp32) works on whole vectors of rows too: running max, sum and rescale per lane.
+// Causality and seq_len bound every read: a tile reads keys up to its last token's position, which
+// is below seq_len, and masks (selects, never multiplies) keys after each row's own position, so
+// NaN or garbage in unused cache slots cannot reach the output.
+//
+// Work items are sorted by cost and handed out through an atomic counter on torch's thread pool
+// (at::parallel_for), so the thread count follows torch.get_num_threads().
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
+#include <atomic>
+#include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#ifndef CHARIOT_OPS_NAMESPACE
+#define CHARIOT_OPS_NAMESPACE chariot_cpu_attention
+#endif
 
 namespace {
 
-constexpr int64_t kTileQ = 16;
+// --- 8-lane fp32 vectors (GCC/Clang vector extensions: AVX2 ymm with -march=native) -----------
 
-struct WorkItem {
-  int64_t seq;
-  int64_t q_begin;  // first query row of the tile, relative to the sequence's first new token
-  int64_t q_end;
+constexpr int64_t kLanes = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef float vf_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+typedef int32_t vi_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline vi load(const int32_t* p) { return *reinterpret_cast<const vi_unaligned*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
+inline vf splat(float x) { return vf{} + x; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// 2^x, exactly 0 for x < -126 (so -inf gives 0); about 2e-7 relative error (Cephes exp2f).
+inline vf exp2v(vf x) {
+  const vf clamped = vmin(vmax(x, splat(-127.f)), splat(127.f));
+  const vf magic = splat(12582912.f);  // 1.5 · 2^23: adding then subtracting it rounds to an integer
+  const vf whole = (clamped + magic) - magic;
+  const vf f = clamped - whole;  // in [-0.5, 0.5]
+  vf p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const vi bits = (vi)p + (__builtin_convertvector(whole, vi) << 23);  // scale by 2^whole in the exponent
+  return x < splat(-126.f) ? splat(0.f) : (vf)bits;
+}
+
+// --- micro-kernels -----------------------------------------------------------------------------
+// C[x][m-block] over XB values of x and MV vectors of rows; A is broadcast one scalar at a time.
+
+// St[x][·] = Σ_d krow[x][d] · Qt[d][·] for keys x < XB.
+template <int XB, int MV>
+inline void qk_block(const float* const* krow, int64_t dim, const float* qt, int64_t ld, float* st) {
+  vf c[XB][MV] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    vf b[MV];
+    for (int j = 0; j < MV; ++j) b[j] = load(qt + d * ld + j * kLanes);
+    for (int i = 0; i < XB; ++i) {
+      const vf a = splat(krow[i][d]);
+      for (int j = 0; j < MV; ++j) c[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < XB; ++i)
+    for (int j = 0; j < MV; ++j) store(st + i * ld + j * kLanes, c[i][j]);
+}
+
+// accT[d0 + x][·] = alpha[·] · accT[d0 + x][·] + Σ_n vrow[n][d0 + x] · Pt[n][·] for x < XB.
+template <int XB, int MV>
+inline void pv_block(const float* const* vrow, int64_t d0, int64_t keys, const float* pt, int64_t ld,
+                     const float* alpha, float* acc) {
+  vf c[XB][MV];
+  for (int j = 0; j < MV; ++j) {
+    const vf a = load(alpha + j * kLanes);
+    for (int i = 0; i < XB; ++i) c[i][j] = load(acc + (d0 + i) * ld + j * kLanes) * a;
+  }
+  for (int64_t n = 0; n < keys; ++n) {
+    vf b[MV];
+    for (int j = 0; j < MV; ++j) b[j] = load(pt + n * ld + j * kLanes);
+    const float* v = vrow[n] + d0;
+    for (int i = 0; i < XB; ++i) {
+      const vf a = splat(v[i]);
+      for (int j = 0; j < MV; ++j) c[i][j] += a * b[j];
+    }
+  }
+  for (int i = 0; i < XB; ++i)
+    for (int j = 0; j < MV; ++j) store(acc + (d0 + i) * ld + j * kLanes, c[i][j]);
+}
+
+// A remainder of fewer than XB rows of x, as blocks of decreasing size (each size at most once).
+template <int XB, int MV>
+inline void qk_tail(const float* const* krow, int64_t rest, int64_t dim, const float* qt, int64_t ld, float* st) {
+  if constexpr (XB > 0) {
+    if (rest >= XB) {
+      qk_block<XB, MV>(krow, dim, qt, ld, st);
+      krow += XB, st += XB * ld, rest -= XB;
+    }
+    qk_tail<XB - 1, MV>(krow, rest, dim, qt, ld, st);
+  }
+}
+
+template <int XB, int MV>
+inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t keys, const float* pt, int64_t ld,
+                    const float* alpha, float* acc) {
+  if constexpr (XB > 0) {
+    if (rest >= XB) {
+      pv_block<XB, MV>(vrow, d0, keys, pt, ld, alpha, acc);
+      d0 += XB, rest -= XB;
+    }
+    pv_tail<XB - 1, MV>(vrow, d0, rest, keys, pt, ld, alpha, acc);
+  }
+}
+
+// Register blocking: 12 accumulators (6 x × 2 vectors, or 8 x × 1 vector) of the 16 ymm registers.
+template <int MV>
+constexpr int kBlockX = MV == 2 ? 6 : 8;
+
+template <int MV>
+void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st) {
+  constexpr int XB = kBlockX<MV>;
+  int64_t x = 0;
+  for (; x + XB <= keys; x += XB) qk_block<XB, MV>(krow + x, dim, qt, ld, st + x * ld);
+  qk_tail<XB - 1, MV>(krow + x, keys - x, dim, qt, ld, st + x * ld);
+}
+
+template <int MV>
+void pv_panel(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t ld, const float* alpha,
+              float* acc) {
+  constexpr int XB = kBlockX<MV>;
+  int64_t d0 = 0;
+  for (; d0 + XB <= dim; d0 += XB) pv_block<XB, MV>(vrow, d0, keys, pt, ld, alpha, acc);
+  pv_tail<XB - 1, MV>(vrow, d0, dim - d0, keys, pt, ld, alpha, acc);
+}
+
+// The row vectors in panels of 16 rows, then one of 8 (rows are padded to a multiple of 8).
+void scores(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st) {
+  int64_t m = 0;
+  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m);
+  if (m < rows) qk_panel<1>(krow, keys, dim, qt + m, rows, st + m);
+}
+
+void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t rows,
+                const float* alpha, float* acc) {
+  int64_t m = 0;
+  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) pv_panel<2>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+  if (m < rows) pv_panel<1>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+}
+
+// --- one work item -----------------------------------------------------------------------------
+
+constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
+constexpr int64_t kTargetRows = 64;  // query rows (tokens × group heads) per work item
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct Item {
+  int32_t seq, kv_head;
+  int64_t first, last;  // the tile's query tokens [first, last), relative to the sequence's first new token
+  int64_t cost;
 };
 
-template <typename T>
-inline float as_float(const T* p) { return static_cast<float>(*p); }
-
-template <typename scalar_t>
+template <typename q_t, typename kv_t>
 struct Problem {
-  const scalar_t* q; const scalar_t* k; const scalar_t* v; scalar_t* out;
-  const int32_t* query_start; const int32_t* seq_lens; const int32_t* tables;
+  const q_t* q;
+  const kv_t* k;
+  const kv_t* v;
+  q_t* out;
+  const int32_t* query_start;
+  const int32_t* seq_lens;
+  const int32_t* tables;
   int64_t table_stride, heads, kv_heads, dim, block_size;
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
-  int64_t c_stride_b, c_stride_s, c_stride_h;
+  int64_t k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s, v_stride_h;
   float scale;
+  int64_t group() const { return heads / kv_heads; }
 };
 
-template <typename scalar_t>
-void attend(const Problem<scalar_t>& P, const WorkItem& w, int64_t kvh,
-            std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores,
-            std::vector<float>& blocks) {
-  const int64_t group = P.heads / P.kv_heads, D = P.dim, bs = P.block_size;
-  const int64_t start = P.query_start[w.seq];
-  const int64_t qlen = P.query_start[w.seq + 1] - start;
-  const int64_t ctx_before = P.seq_lens[w.seq] - qlen;
-  const int64_t rows = (w.q_end - w.q_begin) * group;
-  qf.assign(rows * D, 0.f); acc.assign(rows * D, 0.f); scores.assign(rows * bs, 0.f);
-  blocks.resize(2 * D * bs);
-  std::vector<float> m(rows, -std::numeric_limits<float>::infinity()), l(rows, 0.f);
-  std::vector<int64_t> pos(rows);
-  for (int64_t i = w.q_begin; i < w.q_end; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = (i - w.q_begin) * group + g;
-      pos[r] = ctx_before + i;
-      const scalar_t* src = P.q + (start + i) * P.q_stride_t + (kvh * group + g) * P.q_stride_h;
-      for (int64_t d = 0; d < D; ++d) qf[r * D + d] = as_float(src + d) * P.scale;
-    }
-  }
-  const int64_t last_key = ctx_before + w.q_end - 1;
+// Per-thread buffers, sized once per call for the largest tile.
+struct Scratch {
+  std::vector<float> qt, acc, st, m, l, alpha, kbuf, vbuf;
+  std::vector<int32_t> qpos;
+  std::vector<const float*> krow, vrow;
+  Scratch(int64_t rows, int64_t dim, bool convert)
+      : qt(rows * dim), acc(rows * dim), st(kKeyTile * rows), m(rows), l(rows), alpha(rows),
+        kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
+        krow(kKeyTile), vrow(kKeyTile) {}
+};
+
+inline int64_t padded_rows(int64_t rows) { return (rows + kLanes - 1) / kLanes * kLanes; }
+
+// Points krow/vrow at the cache rows of keys [p0, p0 + n): in place for fp32, else converted to fp32.
+template <typename q_t, typename kv_t>
+void locate_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
   const int32_t* table = P.tables + w.seq * P.table_stride;
-  float* kt = blocks.data();           // this block's keys, transposed: [D][bs]
-  float* vb = blocks.data() + D * bs;  // this block's values: [bs][D]
-  for (int64_t b0 = 0; b0 <= last_key; b0 += bs) {
-    const int64_t n = std::min(bs, last_key + 1 - b0);
-    const int64_t base = static_cast<int64_t>(table[b0 / bs]) * P.c_stride_b + kvh * P.c_stride_h;
-    for (int64_t t = 0; t < n; ++t) {  // one load (and conversion) per K/V row, for the whole group
-      const scalar_t* key = P.k + base + t * P.c_stride_s;
-      const scalar_t* val = P.v + base + t * P.c_stride_s;
-      for (int64_t d = 0; d < D; ++d) {
-        kt[d * bs + t] = as_float(key + d);
-        vb[t * D + d] = as_float(val + d);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(n, pos[r] - b0 + 1);  // causal: keys after the query are not read
-      if (visible <= 0) continue;
-      float* sr = scores.data() + r * bs;
-      const float* qr = qf.data() + r * D;
-      std::fill(sr, sr + bs, 0.f);
-      for (int64_t d = 0; d < D; ++d) {
-        const float qd = qr[d];
-        const float* kd = kt + d * bs;
-#pragma omp simd
-        for (int64_t t = 0; t < bs; ++t) sr[t] += qd * kd[t];
-      }
-      float block_max = sr[0];
-      for (int64_t t = 1; t < visible; ++t) block_max = std::max(block_max, sr[t]);
-      const float new_m = std::max(m[r], block_max);
-      const float factor = std::exp(m[r] - new_m);  // exp(-inf) = 0 on the first block
-      float* ar = acc.data() + r * D;
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < visible; ++t) { sr[t] = expf(sr[t] - new_m); sum += sr[t]; }
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) ar[d] *= factor;
-      for (int64_t t = 0; t < visible; ++t) {
-        const float p = sr[t];
-        const float* vt = vb + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vt[d];
-      }
-      l[r] = l[r] * factor + sum;
-      m[r] = new_m;
-    }
-  }
-  for (int64_t i = w.q_begin; i < w.q_end; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t r = (i - w.q_begin) * group + g;
-      scalar_t* dst = P.out + (start + i) * P.o_stride_t + (kvh * group + g) * P.o_stride_h;
-      const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inv);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = p0 + i;
+    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+    const kv_t* key = P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h;
+    const kv_t* val = P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h;
+    if constexpr (std::is_same_v<kv_t, float>) {
+      s.krow[i] = key, s.vrow[i] = val;
+    } else {
+      float* kd = s.kbuf.data() + i * P.dim;
+      float* vd = s.vbuf.data() + i * P.dim;
+      for (int64_t d = 0; d < P.dim; ++d) kd[d] = static_cast<float>(key[d]), vd[d] = static_cast<float>(val[d]);
+      s.krow[i] = kd, s.vrow[i] = vd;
     }
   }
 }
 
-std::vector<WorkItem> work_items(const int32_t* query_start, int64_t num_seqs) {
-  std::vector<WorkItem> items;
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t qlen = query_start[s + 1] - query_start[s];
-    for (int64_t b = 0; b < qlen; b += kTileQ) items.push_back({s, b, std::min(qlen, b + kTileQ)});
+// Qt[d][m] = q[m][d] · scale · log2 e for row m = token × group + head; padded rows are 0 and see every key.
+template <typename q_t, typename kv_t>
+void load_queries(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t ctx_before, int64_t rows,
+                  Scratch& s) {
+  const int64_t group = P.group(), real = (w.last - w.first) * group;
+  const float qscale = P.scale * kLog2e;
+  std::fill(s.qt.begin(), s.qt.begin() + rows * P.dim, 0.f);
+  for (int64_t r = 0; r < rows; ++r) s.qpos[r] = r < real ? static_cast<int32_t>(ctx_before + w.first + r / group)
+                                                          : std::numeric_limits<int32_t>::max();
+  for (int64_t r = 0; r < real; ++r) {
+    const q_t* src = P.q + (start + w.first + r / group) * P.q_stride_t + (w.kv_head * group + r % group) * P.q_stride_h;
+    for (int64_t d = 0; d < P.dim; ++d) s.qt[d * rows + r] = static_cast<float>(src[d]) * qscale;
   }
+  std::fill(s.acc.begin(), s.acc.begin() + rows * P.dim, 0.f);
+  std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+}
+
+// Online-softmax step over the scores St[n][·] of keys [p0, p0 + n): masks keys after each row's
+// position (only when some key is past the tile's first row), turns St into probabilities, and
+// leaves each row's rescale factor for its earlier sum in `alpha`.
+void softmax_step(Scratch& s, int64_t p0, int64_t n, int64_t rows, bool masked) {
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < rows; m += kLanes) {
+    const vi qpos = load(s.qpos.data() + m);
+    vf mx = neg_inf;
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = s.st.data() + i * rows + m;
+      vf x = load(row);
+      if (masked) {
+        x = (vi{} + static_cast<int32_t>(p0 + i)) <= qpos ? x : neg_inf;
+        store(row, x);
+      }
+      mx = vmax(mx, x);
+    }
+    const vf m_old = load(s.m.data() + m);
+    const vf m_new = vmax(m_old, mx);  // finite: key 0 (in the first step) is visible to every row
+    const vf alpha = m_old == neg_inf ? splat(0.f) : exp2v(m_old - m_new);
+    vf sum = splat(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      float* row = s.st.data() + i * rows + m;
+      const vf p = exp2v(load(row) - m_new);
+      store(row, p);
+      sum += p;
+    }
+    store(s.m.data() + m, m_new);
+    store(s.l.data() + m, load(s.l.data() + m) * alpha + sum);
+    store(s.alpha.data() + m, alpha);
+  }
+}
+
+template <typename q_t, typename kv_t>
+void store_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t rows, const Scratch& s) {
+  const int64_t group = P.group(), real = (w.last - w.first) * group;
+  for (int64_t r = 0; r < real; ++r) {
+    q_t* dst = P.out + (start + w.first + r / group) * P.o_stride_t + (w.kv_head * group + r % group) * P.o_stride_h;
+    const float inv = 1.f / s.l[r];
+    for (int64_t d = 0; d < P.dim; ++d) dst[d] = static_cast<q_t>(s.acc[d * rows + r] * inv);
+  }
+}
+
+template <typename q_t, typename kv_t>
+void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  const int64_t start = P.query_start[w.seq];
+  const int64_t ctx_before = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start);
+  const int64_t rows = padded_rows((w.last - w.first) * P.group());
+  load_queries(P, w, start, ctx_before, rows, s);
+  const int64_t end = ctx_before + w.last;          // keys [0, end): end <= seq_len
+  const int64_t first_row_pos = ctx_before + w.first;  // keys after this need masking for some row
+  for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, end - p0);
+    locate_rows(P, w, p0, n, s);
+    scores(s.krow.data(), n, P.dim, s.qt.data(), rows, s.st.data());
+    softmax_step(s, p0, n, rows, p0 + n - 1 > first_row_pos);
+    accumulate(s.vrow.data(), P.dim, n, s.st.data(), rows, s.alpha.data(), s.acc.data());
+  }
+  store_output(P, w, start, rows, s);
+}
+
+// --- scheduling --------------------------------------------------------------------------------
+
+int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv_heads, int64_t threads) {
+  int64_t tokens = std::max<int64_t>(1, kTargetRows / group);
+  auto items = [&](int64_t t) {
+    int64_t count = 0;
+    for (int64_t q : qlens) count += (q + t - 1) / t;
+    return count * kv_heads;
+  };
+  while (tokens > 1 && tokens * group > kLanes && items(tokens) < 4 * threads) tokens /= 2;  // enough items to share
+  return tokens;
+}
+
+std::vector<Item> work_items(const int32_t* query_start, const int32_t* seq_lens, int64_t num_seqs, int64_t group,
+                             int64_t kv_heads, int64_t threads) {
+  std::vector<int64_t> qlens(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) qlens[s] = query_start[s + 1] - query_start[s];
+  const int64_t tokens = tile_tokens(qlens, group, kv_heads, threads);
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t ctx_before = seq_lens[s] - qlens[s];
+    for (int64_t b = 0; b < qlens[s]; b += tokens) {
+      const int64_t e = std::min(qlens[s], b + tokens);
+      const int64_t cost = (ctx_before + e) * (padded_rows((e - b) * group) + 4);  // keys × rows (+ per-key overhead)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({int32_t(s), int32_t(h), b, e, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   return items;
 }
 
-template <typename scalar_t>
-void run(const Problem<scalar_t>& P, int64_t num_seqs) {
-  const std::vector<WorkItem> items = work_items(P.query_start, num_seqs);
-  const int64_t total = static_cast<int64_t>(items.size()) * P.kv_heads;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, scores, blocks;
-    for (int64_t idx = begin; idx < end; ++idx) {
-      attend(P, items[idx / P.kv_heads], idx % P.kv_heads, qf, acc, scores, blocks);
+template <typename q_t, typename kv_t>
+void run(const Problem<q_t, kv_t>& P, int64_t num_seqs) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads);
+  if (items.empty()) return;
+  int64_t max_rows = 0;
+  for (const Item& w : items) max_rows = std::max(max_rows, padded_rows((w.last - w.first) * P.group()));
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, items.size());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch s(max_rows, P.dim, !std::is_same_v<kv_t, float>);
+    for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
+      attend(P, items[i], s);
     }
   });
+}
+
+// --- entry point -------------------------------------------------------------------------------
+
+void check_inputs(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                  const at::Tensor& out) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &query_start_loc, &seq_lens, &block_tables, &out})
+    TORCH_CHECK(t->device().is_cpu(), "the CPU attention kernel needs CPU tensors, got one on ", t->device());
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [num_tokens, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache and v_cache must both be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
+              k_cache.size(3));
+  TORCH_CHECK(k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0, "num_heads ", query.size(1),
+              " must be a multiple of num_kv_heads ", k_cache.size(2));
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be the contiguous dimension");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "v_cache must match k_cache's dtype and out query's");
+  for (const at::Tensor* t : {&query_start_loc, &seq_lens, &block_tables})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata tensors must be contiguous int32");
+  TORCH_CHECK(query_start_loc.dim() == 1 && seq_lens.dim() == 1 && block_tables.dim() == 2 &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) == seq_lens.size(0),
+              "query_start_loc [S + 1], seq_lens [S] and block_tables [S, W] disagree on S");
+}
+
+// Every read stays inside the cache: lengths consistent, and every table entry a sequence uses valid.
+void check_metadata(const int32_t* query_start, const int32_t* seq_lens, const int32_t* tables, int64_t num_seqs,
+                    int64_t width, int64_t num_tokens, int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(num_seqs == 0 || (query_start[0] == 0 && query_start[num_seqs] == num_tokens),
+              "query_start_loc must run from 0 to num_tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = query_start[s + 1] - query_start[s];
+    TORCH_CHECK(qlen >= 0 && qlen <= seq_lens[s], "sequence ", s, ": query length ", qlen, " not in [0, seq_len ",
+                seq_lens[s], "]");
+    const int64_t used = (int64_t(seq_lens[s]) + block_size - 1) / block_size;
+    TORCH_CHECK(used <= width, "sequence ", s, " needs ", used, " blocks but block_tables has ", width, " columns");
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t block = tables[s * width + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, ": block_tables entry ", block, " out of range");
+    }
+  }
+}
+
+template <typename q_t, typename kv_t>
+void launch(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& qsl,
+            const at::Tensor& lens, const at::Tensor& tables, double scale, const at::Tensor& out) {
+  const Problem<q_t, kv_t> P{query.data_ptr<q_t>(), k_cache.data_ptr<kv_t>(), v_cache.data_ptr<kv_t>(),
+                             out.data_ptr<q_t>(), qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
+                             tables.data_ptr<int32_t>(), tables.size(1), query.size(1), k_cache.size(2),
+                             query.size(2), k_cache.size(1), query.stride(0), query.stride(1), out.stride(0),
+                             out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), static_cast<float>(scale)};
+  run(P, lens.size(0));
+}
+
+template <typename q_t>
+void launch_for_cache(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& qsl, const at::Tensor& lens, const at::Tensor& tables, double scale,
+                      const at::Tensor& out) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return launch<q_t, float>(query, k_cache, v_cache, qsl, lens, tables, scale, out);
+    case at::kBFloat16: return launch<q_t, c10::BFloat16>(query, k_cache, v_cache, qsl, lens, tables, scale, out);
+    case at::kHalf: return launch<q_t, c10::Half>(query, k_cache, v_cache, qsl, lens, tables, scale, out);
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type(), " (float32, bfloat16, float16)");
+  }
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
+                     double scale, const at::Tensor& out) {
+  check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out);
+  check_metadata(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+                 seq_lens.size(0), block_tables.size(1), query.size(0), k_cache.size(1), k_cache.size(0));
+  switch (query.scalar_type()) {
+    case at::kFloat: return launch_for_cache<float>(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+    case at::kBFloat16:
+      return launch_for_cache<c10::BFloat16>(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+    case at::kHalf:
+      return launch_for_cache<c10::Half>(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out);
+    default: TORCH_CHECK(false, "unsupported query dtype ", query.scalar_type(), " (float32, bfloat16, float16)");
+  }
 }
 
 }  // namespace
 
-torch::Tensor paged_attention(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                              torch::Tensor block_tables, double scale) {
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4, "query [T, H, D] and cache [blocks, block, KVH, D]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(), "K/V caches differ");
-  TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "cache and query dtypes differ");
-  auto qsl = query_start_loc.to(torch::kInt32).contiguous();
-  auto lens = seq_lens.to(torch::kInt32).contiguous();
-  auto tables = block_tables.to(torch::kInt32).contiguous();
-  auto out = torch::empty_like(query);
-  const int64_t num_seqs = lens.size(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    Problem<scalar_t> P{query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                        out.data_ptr<scalar_t>(), qsl.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                        tables.data_ptr<int32_t>(), tables.size(1), query.size(1), k_cache.size(2),
-                        query.size(2), k_cache.size(1), query.stride(0), query.stride(1), out.stride(0),
-                        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                        static_cast<float>(scale)};
-    run(P, num_seqs);
-  });
-  return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged varlen attention reading K/V blocks in place");
+#define CHARIOT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+CHARIOT_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
+  m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
+        "Tensor block_tables, float scale, Tensor(a!) out) -> ()",
+        &paged_attention);
 }

@@ -22,11 +22,11 @@ def main(model_dir: str, timeout_s: float) -> int:
     for i in range(4):
         engine.add_request([5 + i] * 30, SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0))
     while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
+        for out in engine.step().outputs:
+            if out.finish_reason is not None:
                 print(json.dumps({"id": out.request_id, "reason": out.finish_reason.value, "error": out.error,
-                                  "tokens": len(out.token_ids)}), flush=True)
-            elif len(out.token_ids) == 5:
+                                  "tokens": out.num_output_tokens}), flush=True)
+            elif out.num_output_tokens == 5:
                 print("STREAMING", flush=True)
     if engine.failed is not None:
         print("FAILED", engine.failed, flush=True)

@@ -11,6 +11,7 @@ import torch
 from chariot.worker import LLM, ConfigError, InvalidRequestError, ModelLoadError, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.output_processor import OutputProcessor, run_step
 
 MAX_NEW = 12
 PROMPT_LENS = (1, 3, 17, 33, 70)
@@ -92,18 +93,21 @@ def tiny_llm(tiny_model_dir):
 
 def test_streamed_deltas_and_timestamps(tiny_llm):
     engine = tiny_llm.engine
-    rid = engine.add_request("Hello world, this is", SamplingParams(max_tokens=10, temperature=0.0,
-                                                                    ignore_eos=True))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    processor = OutputProcessor(engine.tokenizer)
+    rid = engine.add_request("Hello world, this is", params)
+    processor.add_request(rid, params)
     deltas, tokens, final = [], [], None
     while engine.has_unfinished:
-        for out in engine.step():
-            assert out.request_id == rid
+        for out in run_step(engine, processor)[1]:
+            assert out.request_id == rid and out.num_output_tokens == len(tokens) + len(out.new_token_ids)
             deltas.append(out.new_text)
             tokens += out.new_token_ids
             final = out
     assert final is not None and final.finished and final.finish_reason.value == "length"
-    assert tokens == final.token_ids and len(tokens) == 10
-    assert "".join(deltas) == final.text == tiny_llm.tokenizer.decode(final.token_ids)
+    assert len(tokens) == 10 and len(processor) == 0
+    assert "".join(deltas) == tiny_llm.tokenizer.decode(tokens)
+    assert tiny_llm.generate("Hello world, this is", params)[0].text == "".join(deltas)
     t = final.times
     assert t.arrival <= t.first_scheduled <= t.first_token <= t.token_times[-1] <= t.finished
     assert len(t.token_times) == 10 and t.token_times == sorted(t.token_times)
@@ -175,9 +179,9 @@ def test_bad_requests_are_rejected_and_others_keep_running(tiny_llm):
         SamplingParams(top_p=0.0)
     final = None
     while engine.has_unfinished:
-        for out in engine.step():
+        for out in engine.step().outputs:
             final = out
-    assert final.request_id == good and final.finished and len(final.token_ids) == 6
+    assert final.request_id == good and final.finished and final.num_output_tokens == 6
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 

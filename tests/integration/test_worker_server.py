@@ -41,6 +41,7 @@ from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.engine_output import StepResult
 from chariot.worker.server import EXIT_ENGINE_FAILED, EXIT_OK, serve
 
 SERVED = "tiny"
@@ -56,7 +57,7 @@ class PacedEngine(Engine):
 
     pace_s = PACE_S
 
-    def step(self) -> list[Any]:
+    def step(self) -> StepResult:
         outputs = super().step()
         time.sleep(self.pace_s)
         return outputs
@@ -461,7 +462,7 @@ def test_engine_failure_fails_requests_and_exits_nonzero(tiny_model_dir: Path) -
 class CrashingEngine(PacedEngine):
     """A bug in the engine loop (an exception escapes step())."""
 
-    def step(self) -> list[Any]:
+    def step(self) -> StepResult:
         if self.iterations >= 3:
             raise RuntimeError("bug in step")
         return super().step()

@@ -9,6 +9,7 @@ per-sequence causal SDPA over the whole unpaged sequence with K/V heads repeated
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 import chariot.kernels as kernels
 from chariot.kernels import AttentionMetadata, paged_attention, write_kv
+from chariot.kernels.attention import AttentionBackend, FunctionBackend
 
 HEADS = [(4, 4), (4, 2), (4, 1), (8, 2), (6, 3)]  # (num_heads, num_kv_heads)
 FILL = float("nan")  # never-written cache slots; any read of them shows up as NaN
@@ -270,11 +272,20 @@ def test_dispatch_follows_reselection(restore_backend: pytest.MonkeyPatch) -> No
     """Functions imported before a re-selection still dispatch to the current backend."""
     calls: list[str] = []
 
-    class Fake:
-        @staticmethod
-        def write_kv(*args: object) -> None:
-            calls.append("write_kv")
+    def fake_write_kv(*args: object) -> None:
+        calls.append("write_kv")
 
-    restore_backend.setattr(kernels, "_active", ("fake", Fake))
+    fake = FunctionBackend("fake", fake_write_kv, lambda *args: torch.empty(0))
+    restore_backend.setattr(kernels, "_active", fake)
     write_kv(torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0))
     assert calls == ["write_kv"] and kernels.get_backend() == "fake"
+
+
+@pytest.mark.parametrize("name", sorted(kernels.BACKENDS))
+def test_every_backend_module_exposes_the_protocol(name: str) -> None:
+    """Each backend module's `BACKEND` is an `AttentionBackend` named as `BACKENDS` names it, made of
+    that module's own functions (importing a backend module needs no GPU and no compiler)."""
+    module = importlib.import_module(kernels.BACKENDS[name])
+    backend = module.BACKEND
+    assert isinstance(backend, AttentionBackend) and backend.name == name
+    assert backend.paged_attention is module.paged_attention and backend.write_kv is module.write_kv

@@ -30,10 +30,10 @@ def engine_batches(model: Path, cfg: SimConfig, trace: list[TraceRequest]) -> tu
                                                               ignore_eos=True))
     batches = []
     while engine.has_unfinished and len(batches) < 500:
-        engine.step()
-        assert engine.last_batch is not None
-        batches.append([(c.seq_id, c.num_tokens) for c in engine.last_batch.chunks])
-    return batches, engine.scheduler.num_preemptions
+        batch = engine.step().batch
+        assert batch is not None
+        batches.append([(c.seq_id, c.num_tokens) for c in batch.chunks])
+    return batches, engine.stats().num_preemptions
 
 
 def sim_batches(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[Batches, int]:

@@ -112,8 +112,8 @@ def test_request_round_trip() -> None:
 def _output(**kw: Any) -> RequestOutput:
     times = RequestTimes(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.2])
     base: dict[str, Any] = dict(
-        request_id="r", prompt_token_ids=[1, 2, 3], new_token_ids=[9], new_text="ab", token_ids=[8, 9],
-        text="xab", finished=False, finish_reason=None, times=times,
+        request_id="r", prompt_token_ids=[1, 2, 3], new_token_ids=[9], new_text="ab", num_output_tokens=2,
+        finished=False, finish_reason=None, times=times,
     )
     return RequestOutput(**{**base, **kw})
 

@@ -1,7 +1,8 @@
 """Stage 0's side of the pipeline: an `Executor` that keeps up to P micro-batches in flight.
 
-`submit` runs stage 0's layers and streams the micro-batch downstream without waiting for earlier
-ones; `wait` returns the oldest micro-batch's sampled tokens (results arrive in submission order).
+`submit` decodes the packed micro-batch for stage 0's device, runs stage 0's layers and streams
+the packed buffer (as stage 0's `InputBuilder` made it) with the hidden states downstream without
+waiting for earlier ones; `wait` returns the oldest micro-batch's sampled tokens (results arrive in submission order).
 While nothing is in flight a heartbeat thread pings the pipeline so downstream stages never sit in
 an unbounded receive and a dead stage is noticed even when idle.
 """
@@ -18,9 +19,10 @@ from typing import NoReturn, TypeVar
 import torch
 
 from chariot.contracts.errors import PipelineError
-from chariot.worker.executor import ModelInput
+from chariot.worker.micro_batch import MicroBatch
 from chariot.worker.pipeline import protocol as wire
-from chariot.worker.pipeline.stage import StageClock, StageContext
+from chariot.worker.pipeline.stage import StageClock
+from chariot.worker.runtime import StageRuntime
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -29,9 +31,10 @@ T = TypeVar("T")
 class PipelineExecutor:
     """Executor for stage 0 of a P-stage pipeline (see `chariot.worker.engine.Executor`)."""
 
-    def __init__(self, ctx: StageContext, heartbeat_s: float | None = None) -> None:
-        self.ctx = ctx
-        self.world = ctx.topo.world_size
+    def __init__(self, runtime: StageRuntime, heartbeat_s: float | None = None) -> None:
+        self.runner = runtime.runner
+        self.link = runtime.pipeline_link()
+        self.world = runtime.resolved.num_stages
         self.max_in_flight = self.world
         self.clock = StageClock(0)
         self.counters = torch.zeros(2 * wire.MAX_STAGES, dtype=torch.long)  # latest of every stage
@@ -43,22 +46,23 @@ class PipelineExecutor:
         self._next_id = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._result_len = wire.result_len(ctx.config.max_batch_size)
-        interval = heartbeat_s if heartbeat_s is not None else ctx.config.stage_timeout_s / 4
+        config = runtime.resolved.engine
+        self._result_len = wire.result_len(config.max_batch_size)
+        interval = heartbeat_s if heartbeat_s is not None else config.stage_timeout_s / 4
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(interval,), daemon=True,
                                            name="pipeline-heartbeat")
         self._heartbeat.start()
 
     # ---- Executor --------------------------------------------------------------------------
-    def submit(self, inp: ModelInput) -> None:
+    def submit(self, mb: MicroBatch) -> None:
         with self._lock:
             self._raise_if_failed()
             t0 = time.perf_counter()
-            hidden = self.ctx.runner.forward(inp)
-            header, payload = wire.encode_batch(inp, self._next_id)
+            hidden = self.runner.forward(self.runner.decode(mb))
             self.clock.busy_s += time.perf_counter() - t0
+            header = wire.Header(wire.Kind.BATCH, self._next_id, mb.layout)
             raw = wire.encode_header(header, self.clock.stamp(self.counters))
-            self._guard(lambda: self.ctx.link.send([raw, payload, hidden], 1))
+            self._guard(lambda: self.link.send([raw, mb.payload, hidden], 1))
             self._submitted[self._next_id] = (t0, time.perf_counter())
             self._pending.append(self._next_id)
             self._next_id += 1
@@ -69,7 +73,7 @@ class PipelineExecutor:
             if not self._pending:
                 raise RuntimeError("wait() with no micro-batch in flight")
             t0 = time.perf_counter()
-            raw = self._guard(lambda: self.ctx.link.recv((self._result_len,), torch.long, self.world - 1))
+            raw = self._guard(lambda: self.link.recv((self._result_len,), torch.long, self.world - 1))
             self.clock.idle_s += time.perf_counter() - t0
             mb_id, tokens, counters = wire.decode_result(raw.cpu())
             expected = self._pending.popleft()
@@ -97,10 +101,10 @@ class PipelineExecutor:
         with self._lock:
             if self.failed is None:
                 try:
-                    self.ctx.link.send([wire.encode_header(wire.Header(wire.Kind.SHUTDOWN, 0))], 1)
+                    self.link.send([wire.encode_header(wire.Header(wire.Kind.SHUTDOWN, 0))], 1)
                 except PipelineError as exc:
                     log.warning("shutdown: %s", exc)
-            self.ctx.link.close()
+            self.link.close()
 
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -114,8 +118,8 @@ class PipelineExecutor:
 
     def _ping(self) -> None:
         beat = wire.encode_header(wire.Header(wire.Kind.HEARTBEAT, wire.HEARTBEAT_ID))
-        self._guard(lambda: self.ctx.link.send([beat], 1))
-        raw = self._guard(lambda: self.ctx.link.recv((self._result_len,), torch.long, self.world - 1))
+        self._guard(lambda: self.link.send([beat], 1))
+        raw = self._guard(lambda: self.link.recv((self._result_len,), torch.long, self.world - 1))
         if int(raw[0]) != wire.HEARTBEAT_ID:
             self._fail("pipeline protocol error: expected a heartbeat acknowledgement")
 
