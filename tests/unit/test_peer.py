@@ -1,0 +1,308 @@
+"""`chariot bench peer`: the pure parts (flags, SSE → token times, fresh prompts, shared prefix,
+capacity bounds and ratios, give-up verdicts, CPU record), and the streaming client against Chariot's
+real OpenAI HTTP front on the tiny preset. vLLM is never started here (the test suite does not
+install it)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from chariot.bench.capacity import RequestTrace
+from chariot.bench.peer import (
+    SERVED_NAME,
+    SHARED_PREFIX_TOKENS,
+    Bounds,
+    LoadResult,
+    PeerConfig,
+    Planned,
+    Server,
+    _Stream,
+    add_peer_args,
+    busy_requests,
+    capacity_bounds,
+    chariot_command,
+    chariot_server,
+    check_vllm_head_dim,
+    common_load,
+    format_capacity,
+    format_ratio,
+    fresh_prompts,
+    latency_summary,
+    parse_cpuinfo,
+    probe_metrics,
+    probe_seed,
+    request_body,
+    resolve_config,
+    run_load,
+    sse_payload,
+    stop_reason,
+    token_times_from_sse,
+    variant_prefix,
+    vllm_command,
+    vllm_env,
+    wait_idle,
+    warm_up,
+)
+from chariot.bench.traces import TRACES
+from chariot.cli.main import parser as chariot_parser
+from chariot.contracts.errors import ConfigError
+
+VOCAB = 512
+
+
+def args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_peer_args(p)
+    return p.parse_args(list(argv))
+
+
+def sse(obj: object) -> str:
+    return "data: " + json.dumps(obj)
+
+
+def chunk(token_ids: list[int] | None = None, text: str = "x", usage: int | None = None) -> str:
+    choice: dict[str, object] = {"index": 0, "text": text, "finish_reason": None}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body: dict[str, object] = {"choices": [choice]}
+    if usage is not None:
+        body["usage"] = {"prompt_tokens": 3, "completion_tokens": usage, "total_tokens": 3 + usage}
+    return sse(body)
+
+
+# ---- flags ---------------------------------------------------------------------------------------
+def test_defaults_resolve_to_the_documented_run() -> None:
+    cfg = resolve_config(args())
+    assert cfg.model == Path("models/100m") and cfg.dtype == "float32" and cfg.token_budget == 512
+    assert cfg.trace == TRACES["chat"] and cfg.scale == 0.25 and cfg.requests == 64
+    assert cfg.tbt_slo_ms == 1000 and cfg.ttft_slo_ms == 2000
+    assert cfg.systems == ("chariot", "vllm") and cfg.variants == ("fresh", "shared-prefix")
+    assert cfg.out == Path("bench/results/peer") and not cfg.quick
+    quick = resolve_config(args("--quick"))
+    assert quick.max_probes < cfg.max_probes and quick.single_output < cfg.single_output
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (["--requests", "0"], "requests"),
+    (["--systems", "chariot,tgi"], "systems"),
+    (["--systems", ""], "systems"),
+    (["--variants", "cached"], "variants"),
+    (["--qps-low", "2", "--qps-high", "1"], "qps_high"),
+    (["--qps-low", "0"], "qps_low"),
+    (["--dtype", "int8"], "dtype"),
+    (["--trace", "books"], "trace"),
+    (["--token-budget", "0"], "token_budget"),
+    (["--tbt-slo-ms", "-1"], "tbt_slo_ms"),
+    (["--ttft-slo-ms", "0"], "ttft_slo_ms"),
+    (["--kv-cache-gib", "0"], "kv_cache_gib"),
+    (["--max-len", "300"], "max_len"),
+    (["--scale", "0"], "scale"),
+])
+def test_bad_flags_raise_config_error_naming_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resolve_config(args(*argv))
+    assert err.value.field == field
+    assert any(ch.isdigit() for ch in err.value.message) or "," in err.value.message  # names the limit
+
+
+def test_registered_as_chariot_bench_peer() -> None:
+    parsed = chariot_parser().parse_args(["bench", "peer", "--quick", "--requests", "8"])
+    assert parsed.bench_command == "peer" and parsed.requests == 8 and parsed.quick
+    assert parsed.handler.__name__ == "run_peer"
+
+
+def test_vllm_rejects_a_head_dim_its_cpu_attention_lacks(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        check_vllm_head_dim(tiny_model_dir)  # the tiny preset has head_dim 16
+    assert err.value.field == "model" and "head_dim 16" in err.value.message and "32" in err.value.message
+
+
+def test_both_servers_get_the_same_model_dtype_budget_and_kv_bytes(tiny_model_dir: Path) -> None:
+    cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=256, trace=TRACES["chat"], scale=0.25,
+                     requests=8, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
+                     max_probes=2, systems=("chariot", "vllm"), variants=("fresh",), quick=True, out=Path("/tmp/x"),
+                     max_len=1024, kv_cache_gib=1)
+    ours, theirs = chariot_command(cfg), vllm_command(cfg, 12345)
+
+    def flag(cmd: list[str], name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    assert flag(ours, "--model") == flag(theirs, "--model") == str(tiny_model_dir.resolve())
+    assert flag(ours, "--dtype") == flag(theirs, "--dtype") == "float32"
+    assert flag(ours, "--token-budget") == flag(theirs, "--max-num-batched-tokens") == "256"
+    assert flag(ours, "--max-model-len") == flag(theirs, "--max-model-len") == "1024"
+    assert flag(ours, "--max-batch-size") == flag(theirs, "--max-num-seqs")
+    assert flag(ours, "--policy") == "sarathi" and "--enable-chunked-prefill" in theirs
+    # tiny preset: 2 layers × K and V × 2 KV heads × 16 dims × 4 bytes = 512 B per token → 1 GiB
+    assert int(flag(ours, "--kv-cache-tokens")) == (1 << 30) // 512
+    assert vllm_env(cfg)["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PYTHONPATH" not in vllm_env(cfg)
+    assert float(flag(ours, "--ttft-slo-ms")) >= 3_600_000 and int(flag(ours, "--max-queue-per-replica")) >= 10**6
+    assert flag(theirs, "--port") == "12345" and flag(ours, "--http-port") == "0"
+
+
+# ---- SSE → token times ---------------------------------------------------------------------------
+def test_sse_chunks_become_token_times() -> None:
+    events = [(1.0, chunk([7])), (1.0, ""), (1.5, chunk([8, 9])), (2.0, chunk([], text="")),
+              (2.5, chunk([10])), (3.0, sse({"choices": [], "usage": {"completion_tokens": 4}})),
+              (3.0, "data: [DONE]")]
+    times, error, done = token_times_from_sse(events)
+    assert times == (1.0, 1.5, 1.5, 2.5) and error is None and done  # 2 tokens in one chunk: one zero gap
+
+
+def test_sse_counts_from_cumulative_usage_when_chunks_carry_no_token_ids() -> None:
+    events = [(1.0, chunk(usage=1)), (2.0, chunk(usage=3)), (3.0, chunk(text="", usage=3)),
+              (4.0, sse({"choices": [], "usage": {"completion_tokens": 4}}))]
+    assert token_times_from_sse(events)[0] == (1.0, 2.0, 2.0, 4.0)
+
+
+def test_sse_falls_back_to_one_token_per_text_chunk_and_reports_errors() -> None:
+    events = [(1.0, chunk(text="a")), (2.0, chunk(text="")), (3.0, chunk(text="b")),
+              (4.0, sse({"error": {"message": "engine died", "code": 500}}))]
+    times, error, done = token_times_from_sse(events)
+    assert times == (1.0, 3.0) and error == "engine died" and not done
+    assert sse_payload(": keep-alive") is None and sse_payload("data: not json") is None
+
+
+def test_request_body_asks_both_servers_for_the_same_stream() -> None:
+    body = request_body(SERVED_NAME, [20, 21], 5)
+    assert body["prompt"] == [20, 21] and body["max_tokens"] == 5 and body["stream"] is True
+    assert body["ignore_eos"] is True and body["temperature"] == 0.0 and body["return_token_ids"] is True
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+
+
+# ---- prompts -------------------------------------------------------------------------------------
+def test_probes_get_fresh_contents_with_the_same_lengths() -> None:
+    lengths = [5, 40, 300, 1]
+    seeds = [probe_seed(0, "vllm", "fresh", 0), probe_seed(0, "vllm", "fresh", 1), probe_seed(0, "chariot", "fresh", 0)]
+    assert len(set(seeds)) == 3
+    runs = [fresh_prompts(lengths, VOCAB, s) for s in seeds]
+    for run in runs:
+        assert [len(p) for p in run] == lengths
+        assert all(16 <= t < VOCAB for p in run for t in p)
+    for a, b in [(0, 1), (0, 2), (1, 2)]:
+        assert all(pa != pb for pa, pb in zip(runs[a][:3], runs[b][:3], strict=True))
+    assert fresh_prompts(lengths, VOCAB, seeds[0]) == runs[0]  # deterministic per seed
+
+
+def test_shared_prefix_variant_shares_exactly_the_prefix() -> None:
+    assert variant_prefix("fresh", VOCAB, 0) == []
+    prefix = variant_prefix("shared-prefix", VOCAB, 0)
+    assert len(prefix) == SHARED_PREFIX_TOKENS and prefix == variant_prefix("shared-prefix", VOCAB, 0)
+    probes = [fresh_prompts([10, 20, 30], VOCAB, probe_seed(0, "chariot", "shared-prefix", i), prefix) for i in (0, 1)]
+    prompts = [p for probe in probes for p in probe]
+    assert [len(p) for p in probes[0]] == [SHARED_PREFIX_TOKENS + n for n in (10, 20, 30)]
+    assert all(p[:SHARED_PREFIX_TOKENS] == prefix for p in prompts)
+    assert len({p[SHARED_PREFIX_TOKENS] for p in prompts}) > 1  # the shared part ends at the prefix
+    assert len({tuple(p[SHARED_PREFIX_TOKENS:]) for p in prompts}) == len(prompts)
+
+
+# ---- capacity bounds and ratios ------------------------------------------------------------------
+def test_capacity_bounds_from_probes() -> None:
+    assert capacity_bounds([(0.5, True), (1.0, False), (0.75, True)]) == Bounds(0.75, 1.0)
+    assert capacity_bounds([(0.5, True), (1.0, True)]) == Bounds(1.0, None)
+    assert capacity_bounds([(0.5, False)]) == Bounds(0.0, 0.5)
+    assert format_capacity(Bounds(0.75, 1.0)) == "0.75"
+    assert format_capacity(Bounds(1.0, None)) == "≥ 1"
+    assert format_capacity(Bounds(0.0, 0.5)) == "< 0.5"
+
+
+def test_capacity_ratio_at_a_search_bound_renders_as_a_range() -> None:
+    bracketed = Bounds(0.5, 0.75)
+    assert format_ratio(Bounds(1.0, 1.5), bracketed) == "2.00×"  # both bracketed: a point
+    assert format_ratio(Bounds(2.0, None), bracketed) == "≥ 2.67×"  # ours at the ceiling: 2 / 0.75
+    assert format_ratio(Bounds(1.0, 1.5), Bounds(0.0, 0.25)) == "≥ 4.00×"  # theirs under the floor
+    assert format_ratio(Bounds(0.0, 0.25), Bounds(1.0, 1.5)) == "< 0.25×"  # ours under the floor
+    assert format_ratio(Bounds(1.0, 1.5), Bounds(1.0, None)) == "< 1.50×"  # theirs at the ceiling
+    assert format_ratio(Bounds(1.0, None), Bounds(1.0, None)) == "unknown"
+
+
+def test_common_load_is_the_highest_both_passed() -> None:
+    assert common_load([{0.5: True, 1.0: True, 2.0: False}, {0.5: True, 1.0: True, 1.5: True}]) == 1.0
+    assert common_load([{0.5: True, 1.0: False}, {0.5: False, 1.0: False}]) == 1.0  # none passed: highest probed
+    assert common_load([{0.5: True}, {0.75: True}]) is None
+
+
+# ---- verdicts and summaries ----------------------------------------------------------------------
+def trace(arrival: float, times: list[float], ok: bool = True) -> RequestTrace:
+    return RequestTrace(arrival=arrival, scheduled=None, token_times=tuple(times), prompt_tokens=4, ok=ok)
+
+
+def test_probe_passes_only_within_both_slos_and_without_failures() -> None:
+    fast = [trace(0.0, [0.1, 0.2, 0.3]), trace(1.0, [1.2, 1.3, 1.4])]
+    assert probe_metrics(1.0, LoadResult(tuple(fast), 2.0), ttft_slo_s=0.5).meets(0.2)
+    assert not probe_metrics(1.0, LoadResult(tuple(fast), 2.0), ttft_slo_s=0.05).meets(0.2)  # median TTFT
+    assert not probe_metrics(1.0, LoadResult(tuple(fast), 2.0), ttft_slo_s=0.5).meets(0.05)  # P99 TBT
+    failed = [*fast, trace(2.0, [2.1], ok=False)]
+    m = probe_metrics(1.0, LoadResult(tuple(failed), 3.0), ttft_slo_s=0.5)
+    assert m.failed == 1 and not m.meets(0.2)
+
+
+def test_latency_summary_percentiles_in_ms() -> None:
+    s = latency_summary([trace(0.0, [0.1, 0.2, 0.4]), trace(1.0, [1.3, 1.4])], wall_s=2.0)
+    assert s["ttft_p50_ms"] == pytest.approx(100.0) and s["ttft_p99_ms"] == pytest.approx(300.0)
+    assert s["tbt_p50_ms"] == pytest.approx(100.0) and s["tbt_p99_ms"] == pytest.approx(200.0)
+    assert s["output_tokens"] == 5 and s["output_tokens_per_s"] == 2.5 and s["failed"] == 0
+    assert latency_summary([])["tbt_p99_ms"] is None
+
+
+def stream(max_tokens: int, arrival: float | None, times: list[float], done: bool = False) -> _Stream:
+    return _Stream(Planned(0.0, [1, 2], max_tokens), arrival=arrival, token_times=times, done=done)
+
+
+def test_stop_reason_fires_only_when_the_verdict_is_certain() -> None:
+    from chariot.bench.peer import Limits
+
+    limits = Limits(tbt_slo_s=0.5, ttft_slo_s=1.0)
+    healthy = [stream(3, 0.0, [0.2, 0.4]), stream(3, 0.1, [0.3])]
+    assert stop_reason(healthy, 0.5, limits) is None
+    waiting = [stream(3, 0.0, []), stream(3, 0.0, []), stream(3, 0.0, [0.1])]
+    assert stop_reason(waiting, 1.5, limits) == "median TTFT > 1 s"
+    stalled = [stream(200, 0.0, [0.1])]  # 199 gaps: P99 allows one slow gap
+    assert stop_reason(stalled, 0.9, limits) is None  # one open slow gap is allowed
+    stalled[0].token_times.append(1.0)  # one observed slow gap, and the open one
+    assert stop_reason(stalled, 1.7, limits) == "P99 TBT > 500 ms"
+    broken = [*healthy, _Stream(Planned(0.0, [1], 3), arrival=0.0, error="HTTP 500", done=True)]
+    assert stop_reason(broken, 0.5, limits) == "a request failed (HTTP 500)"
+
+
+def test_busy_requests_from_either_server() -> None:
+    assert busy_requests(Server("chariot", ""), json.dumps({"status": "ok", "in_flight": 2})) == 2
+    metrics = ('# HELP x\nvllm:num_requests_running{engine="0",model_name="peer"} 1.0\n'
+               'vllm:num_requests_waiting{engine="0",model_name="peer"} 3.0\n'
+               'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3.0\n')
+    assert busy_requests(Server("vllm", ""), metrics) == 4
+
+
+def test_cpuinfo_model_flags_and_count() -> None:
+    text = ("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: sse avx2 fma avx512f\n\n"
+            "processor\t: 1\nmodel name\t: AMD EPYC 9R14\nflags\t\t: sse avx2 fma avx512f\n")
+    cpu = parse_cpuinfo(text)
+    assert cpu.model == "AMD EPYC 9R14" and cpu.flags == ("avx2", "avx512f", "fma", "sse") and cpu.logical_cpus == 2
+    assert parse_cpuinfo("").logical_cpus == 0
+
+
+# ---- the client against Chariot's real HTTP front ------------------------------------------------
+@pytest.mark.slow
+def test_streaming_client_against_chariot_http_front(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
+                     requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
+                     max_probes=2, systems=("chariot",), variants=("fresh",), quick=True, out=tmp_path, max_len=256,
+                     kv_cache_gib=1, ready_timeout_s=180)
+    prompts = fresh_prompts([12, 30, 5, 60], VOCAB, probe_seed(0, "chariot", "fresh", 0))
+    planned = [Planned(0.1 * i, p, n) for i, (p, n) in enumerate(zip(prompts, [6, 1, 9, 4], strict=True))]
+    with chariot_server(cfg) as server:
+        warm_up(server, VOCAB)
+        result = asyncio.run(run_load(server.base_url, SERVED_NAME, planned, drain_s=60))
+        wait_idle(server, timeout_s=30)
+    assert result.gave_up is None and result.errors == ()
+    for p, t in zip(planned, result.traces, strict=True):
+        assert t.ok and len(t.token_times) == p.max_tokens and t.prompt_tokens == len(p.prompt)
+        assert list(t.token_times) == sorted(t.token_times) and t.token_times[0] > t.arrival >= p.arrival_s - 1e-3
+    m = probe_metrics(1.0, result, ttft_slo_s=cfg.ttft_slo_ms / 1e3)
+    assert m.failed == 0 and math.isfinite(m.p99_tbt) and m.meets(cfg.tbt_slo_ms / 1e3)
