@@ -4,7 +4,8 @@
 #   docker build -t chariot .                                    # CPU torch (default, small)
 #   docker build -t chariot --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu124 .   # CUDA
 #
-# Non-root (uid 10001, matching the pods' securityContext), no build tools in the final image.
+# Non-root (uid 10001, matching the pods' securityContext). The final image carries g++ only: the CPU
+# attention kernel (kernels/cpu_attention.py) and Triton's launcher compile on first use.
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
@@ -32,6 +33,7 @@ FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.title="chariot" \
       org.opencontainers.image.description="Kubernetes-native LLM serving with the Sarathi-Serve scheduler" \
       org.opencontainers.image.licenses="Apache-2.0"
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 10001 chariot && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin chariot
 COPY --from=build /opt/chariot /opt/chariot
 ENV PATH=/opt/chariot/bin:$PATH PYTHONUNBUFFERED=1 HOME=/tmp

@@ -27,8 +27,9 @@ $(MODEL)/config.json: | $(STAMP)
 run: $(STAMP) $(MODEL)/config.json
 	$(BIN)/chariot up --model $(MODEL)
 
-# Real servers the tests run against (Debian packages): Prometheus and Redis.
-SYSTEM_BINS := prometheus redis-server
+# Real servers the tests run against (Debian packages): Prometheus and Redis; g++ builds the CPU
+# attention kernel on first use (kernels/cpu_attention.py).
+SYSTEM_BINS := prometheus redis-server g++
 system-deps:
 	@missing=""; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
 	if [ -n "$$missing" ]; then \

@@ -1,7 +1,8 @@
 """Exceptions that cross component boundaries.
 
 Every error a user can cause carries the offending field and, where there is one, the limit, so the
-gRPC/HTTP fronts can map it to INVALID_ARGUMENT / 400 without parsing messages.
+gRPC/HTTP fronts can map it to INVALID_ARGUMENT / 400 without parsing messages. Each one pickles with
+its fields (`__reduce__`), since errors cross from the engine-core process to the front.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ class InvalidRequestError(ChariotError, ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.message)
+
 
 class ConfigError(ChariotError, ValueError):
     """An engine/model configuration value is invalid."""
@@ -27,6 +31,9 @@ class ConfigError(ChariotError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.message)
 
 
 class ModelLoadError(ChariotError):
@@ -53,6 +60,9 @@ class AdmissionRejected(ChariotError):
         self.reason = reason
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self) -> tuple[type, tuple[str, float]]:
+        return type(self), (self.reason, self.retry_after_s)
+
 
 class NoReplicaAvailable(ChariotError):
     """No ready replica can serve the request."""
@@ -63,6 +73,10 @@ class UnknownModelError(InvalidRequestError):
 
     def __init__(self, model: str, served: str) -> None:
         super().__init__("model", f"unknown model {model!r}; this server serves {served!r}")
+        self.model, self.served = model, served
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.model, self.served)
 
 
 # The one error → status mapping (DESIGN.md §4), used by every gRPC and HTTP front.

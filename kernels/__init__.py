@@ -8,7 +8,8 @@ backend (`triton_attention.py`: GPU, or CPU under `TRITON_INTERPRET=1`) is the f
 Each backend module exposes its pair as `BACKEND`, an `AttentionBackend` (protocol in
 `attention.py`). This module picks one so the executor never changes when a backend is added: the env var
 `CHARIOT_ATTENTION_BACKEND` (`reference` | `triton` | `cpu`) overrides the default, which is `triton` when
-CUDA and the `triton` package are both present, else `reference`.
+CUDA and the `triton` package are both present, else the C++ CPU kernel (`cpu_attention.py`, compiled on
+first use), else — when no compiler can build it — `reference`, with a warning saying why.
 An explicit request for a backend that cannot run raises `AttentionBackendError` naming the env var
 instead of silently falling back, so a deployment never runs a slower path than it asked for.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 
 import torch
@@ -43,10 +45,11 @@ BACKEND_ENV = "CHARIOT_ATTENTION_BACKEND"
 BACKENDS: dict[str, str] = {
     "reference": "chariot.kernels.reference",
     "triton": "chariot.kernels.triton_attention",
-    "cpu": "chariot.kernels.cpu_attention",  # opt-in: faster decodes, slower prefill chunks (docs/kernels.md)
+    "cpu": "chariot.kernels.cpu_attention",
 }
 
 _active: AttentionBackend | None = None
+log = logging.getLogger(__name__)
 
 
 class AttentionBackendError(RuntimeError):
@@ -71,8 +74,12 @@ def _cpu_problem() -> str | None:
 
 
 def _default_backend() -> str:
-    if torch.cuda.is_available() and _triton_problem() is None:
-        return "triton"
+    if torch.cuda.is_available():
+        return "triton" if _triton_problem() is None else "reference"
+    problem = _cpu_problem()
+    if problem is None:
+        return "cpu"
+    log.warning("attention falls back to the PyTorch reference (slower on CPU): %s", problem)
     return "reference"
 
 

@@ -12,7 +12,8 @@ isolated build environment and no second torch) with `-O3 -march=native -fopenmp
 directory keyed by a hash of the source, the flags, torch's version and this CPU
 (`$CHARIOT_KERNEL_CACHE`, default `~/.cache/chariot/kernels`); later processes load the cached
 library directly, without a compiler. `write_kv` is the reference's `index_copy_` (a few per cent
-of an attention call; see `cpu_attention_bench`).
+of an attention call; see `bench/cpu_attention_bench.py`). It is the default attention backend on a
+machine without CUDA whenever it builds (`kernels/__init__.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from functools import cache
@@ -69,11 +71,19 @@ def _compile(name: str, build_dir: Path, namespace: str) -> None:
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    _put_venv_on_path()  # torch runs `ninja` from PATH; the `ninja` wheel puts it beside this Python
     log.warning("compiling the CPU attention kernel (first use, ~%d s) into %s ...", COMPILE_SECONDS, build_dir)
     t0 = time.perf_counter()
     load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
          extra_cflags=[*FLAGS, f"-DCHARIOT_OPS_NAMESPACE={namespace}"], extra_ldflags=["-fopenmp"], verbose=False)
     log.warning("CPU attention kernel compiled in %.0f s", time.perf_counter() - t0)
+
+
+def _put_venv_on_path() -> None:
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
 
 
 @cache

@@ -18,9 +18,13 @@ import torch
 # Without a GPU the Triton kernels run under the Triton interpreter, which must be switched on before
 # anything in the process imports `triton` (Triton fixes its jit helpers' mode at import). Set here,
 # at the first import pytest makes, so test collection order cannot matter. Subprocesses inherit it
-# harmlessly: without CUDA the default attention backend stays the reference one.
+# harmlessly: without CUDA the default attention backend is the C++ CPU kernel, not Triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One compiled CPU attention kernel for the whole session, pods of the e2e test kubelet included (it
+# gives each pod its own HOME, which would otherwise mean one ~25 s compile per pod).
+os.environ.setdefault("CHARIOT_KERNEL_CACHE", str(Path.home() / ".cache" / "chariot" / "kernels"))
 
 from chariot.worker.model.make_model import make_model
 

@@ -57,31 +57,56 @@ class _Command:
     future: concurrent.futures.Future[Any] | None  # None: fire and forget
 
 
-@dataclasses.dataclass
-class _Sink:
-    """Where one request's outputs go: its consumer's queue on its event loop."""
+class Channel:
+    """Where a batch of outputs for some sinks goes, in one hand-over per step (see `_send`)."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[_Item]
+    def send(self, batch: list[tuple[Sink, _Item]]) -> None:
+        raise NotImplementedError
+
+
+class _LoopChannel(Channel):
+    """An asyncio event loop: items go to their sinks' queues in one callback on that loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _LoopChannel) and other.loop is self.loop
+
+    def __hash__(self) -> int:
+        return id(self.loop)
+
+    def send(self, batch: list[tuple[Sink, _Item]]) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(_put_all, batch)
+
+
+@dataclasses.dataclass(eq=False)
+class Sink:
+    """Where one request's outputs go: a channel, and (for an asyncio consumer) its queue."""
+
+    channel: Channel
+    queue: asyncio.Queue[_Item] | None = None
+    request_id: str = ""
 
 
 StepObserver: TypeAlias = Callable[[StepResult, Sequence[RequestOutput]], None]
 """Called on the engine thread after each step with its result and the outputs sent to the fronts
 (metrics, logging). It must not touch the engine."""
 
-def _send(items: list[tuple[_Sink, _Item]]) -> None:
-    """Hand items to their consumers' queues: one wake-up per event loop per step, not per item."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, _Item]]] = {}
+def _send(items: list[tuple[Sink, _Item]]) -> None:
+    """Hand items to their consumers: one hand-over per channel (event loop, pipe) per step."""
+    by_channel: dict[Channel, list[tuple[Sink, _Item]]] = {}
     for sink, item in items:
-        by_loop.setdefault(sink.loop, []).append((sink, item))
-    for loop, batch in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
-            loop.call_soon_threadsafe(_put_all, batch)
+        by_channel.setdefault(sink.channel, []).append((sink, item))
+    for channel, batch in by_channel.items():
+        channel.send(batch)
 
 
-def _put_all(batch: list[tuple[_Sink, _Item]]) -> None:
+def _put_all(batch: list[tuple[Sink, _Item]]) -> None:
     for sink, item in batch:
-        sink.queue.put_nowait(item)
+        if sink.queue is not None:
+            sink.queue.put_nowait(item)
 
 
 class PrefillMeter:
@@ -114,8 +139,10 @@ class AsyncEngine:
         engine_factory: Callable[[], Engine],
         name: str = "chariot-engine",
         observer: StepObserver | None = None,
+        on_snapshot: Callable[[EngineStats], None] | None = None,
     ) -> None:
         self._factory = engine_factory
+        self._on_snapshot = on_snapshot  # engine thread: after commands changed the load report
         self._name = name
         self._observer = observer  # called on the engine thread after every step
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -125,7 +152,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._engine: Engine | None = None
         self._processor: OutputProcessor | None = None  # engine thread only
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._meter = PrefillMeter()  # engine thread only
         # Load report refreshed by the engine thread after every step and command batch, so Stats
         # is answered at once even while a long iteration runs (routers poll it with short deadlines).
@@ -158,6 +185,10 @@ class AsyncEngine:
         return self._engine
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def failed(self) -> str | None:
         """Why the engine died, or None while it is healthy."""
         return self._failed
@@ -186,12 +217,13 @@ class AsyncEngine:
         KV blocks freed.
         """
         rid = request_id or uuid.uuid4().hex
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        queue_: asyncio.Queue[_Item] = asyncio.Queue()
+        sink = Sink(_LoopChannel(asyncio.get_running_loop()), queue_, rid)
         finished = False
         try:
             await self._call(lambda: self._add(prompt, params, rid, sink))
             while not finished:
-                item = await sink.queue.get()
+                item = await queue_.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -210,6 +242,37 @@ class AsyncEngine:
         snapshot = self._snapshot
         return snapshot if snapshot is not None else await self._call(self._stats_now)
 
+    # ---- the same for a caller off any event loop (the engine-core process, `engine_core.py`) --
+    def submit_add(self, prompt: Prompt, params: SamplingParams, sink: Sink) -> concurrent.futures.Future[None]:
+        """Queue a request whose outputs go to `sink` (id `sink.request_id`); the future fails with
+        the validation error, if any."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._post(_Command(lambda: self._add(prompt, params, sink.request_id, sink), future))
+        return future
+
+    def submit_abort(
+        self, request_id: str, sink: Sink | None = None
+    ) -> concurrent.futures.Future[RequestOutput | None]:
+        """Abort `request_id` (only if `sink` registered it, when a sink is given)."""
+        future: concurrent.futures.Future[RequestOutput | None] = concurrent.futures.Future()
+        fn = (lambda: self._abort_now(request_id)) if sink is None else (lambda: self._abort_if_mine(request_id, sink))
+        if not self._post(_Command(fn, future), strict=False):
+            future.set_result(None)  # closed: every stream has ended already
+        return future
+
+    @property
+    def snapshot(self) -> EngineStats | None:
+        """The latest load report (see `stats`), or None before the engine loaded."""
+        return self._snapshot
+
+    @property
+    def ready_future(self) -> concurrent.futures.Future[None]:
+        return self._ready
+
+    @property
+    def dead_future(self) -> concurrent.futures.Future[str]:
+        return self._dead
+
     # ---- command plumbing (any thread) -------------------------------------------------------
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread and await its result (or exception)."""
@@ -217,13 +280,15 @@ class AsyncEngine:
         self._post(_Command(fn, future))
         return await asyncio.wrap_future(future)
 
-    def _post(self, cmd: _Command, strict: bool = True) -> None:
+    def _post(self, cmd: _Command, strict: bool = True) -> bool:
+        """Queue `cmd`; False (or EngineDeadError, if `strict`) once the engine is closed."""
         with self._lock:
             if not self._closed:
                 self._commands.put(cmd)
-                return
+                return True
         if strict:
             raise EngineDeadError(self._failed or "engine is shut down")
+        return False
 
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -313,10 +378,10 @@ class AsyncEngine:
         result, outputs = run_step(engine, self.processor)
         if result.batch is not None:
             self._meter.record(result.batch.num_prefill_tokens, result.times.total)
+        self._snapshot = self._with_prefill_rate(result.stats)
         if self._observer is not None:
             self._observer(result, outputs)
         self._deliver(outputs)
-        self._snapshot = self._with_prefill_rate(result.stats)
 
     def _process(self, outputs: Iterable[EngineOutput]) -> tuple[RequestOutput, ...]:
         """Outputs that carry no new tokens (aborts, errors): no stop string can match in them."""
@@ -337,24 +402,23 @@ class AsyncEngine:
             log.exception("engine shutdown failed")
 
     def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        items: list[tuple[_Sink, _Item]] = []
+        items: list[tuple[Sink, _Item]] = []
         for out in outputs:
             sink = self._sinks.pop(out.request_id, None) if out.finished else self._sinks.get(out.request_id)
             if sink is not None:
                 items.append((sink, out))
         _send(items)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, sink: _Sink) -> None:
+    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, sink: Sink) -> None:
         if self._failed is not None:
             raise EngineDeadError(self._failed)
         self.engine.add_request(prompt, params, request_id=request_id, arrival_time=time.time())
         self.processor.add_request(request_id, params)
         self._sinks[request_id] = sink
 
-    def _abort_if_mine(self, request_id: str, sink: _Sink) -> None:
+    def _abort_if_mine(self, request_id: str, sink: Sink) -> RequestOutput | None:
         """Abort `request_id` only if `sink` registered it (an id reused by another caller is left alone)."""
-        if self._sinks.get(request_id) is sink:
-            self._abort_now(request_id)
+        return self._abort_now(request_id) if self._sinks.get(request_id) is sink else None
 
     def _abort_now(self, request_id: str) -> RequestOutput | None:
         out = self.engine.abort(request_id)
@@ -365,6 +429,8 @@ class AsyncEngine:
     def _refresh_snapshot(self) -> None:
         if self._engine is not None:
             self._snapshot = self._stats_now()
+            if self._on_snapshot is not None:
+                self._on_snapshot(self._snapshot)
 
     def _stats_now(self) -> EngineStats:
         return self._with_prefill_rate(self.engine.stats())

@@ -57,6 +57,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one)")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: dir name)")
     g.add_argument("--otlp-endpoint", default=None, help="OTLP collector for metrics and traces")
+    g.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="stage 0 runs the engine loop in a child process (default: it never competes with "
+                        "the gRPC front for the GIL) or on a thread of the server process")
     p.set_defaults(handler=_run_worker)
 
 
@@ -84,6 +87,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology | None, served: str,
                   telemetry: Telemetry, metrics_port: int) -> int:
     import asyncio
+    import functools
 
     from chariot.worker.engine import Engine
     from chariot.worker.observe import EngineMetrics
@@ -95,8 +99,9 @@ def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology
         print(f"chariot worker ready grpc={args.host}:{bound[0]} metrics={args.metrics_host}:{metrics_port}",
               flush=True)
 
-    return asyncio.run(serve(lambda: Engine(config, topology=topo), args.host, args.port, served,
-                             ready=bound.append, observer=EngineMetrics(telemetry), on_ready=announce))
+    factory = functools.partial(Engine, config, topology=topo)  # picklable: the engine core builds it
+    return asyncio.run(serve(factory, args.host, args.port, served, ready=bound.append,
+                             observer=EngineMetrics(telemetry), on_ready=announce, engine_core=args.engine_core))
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -8,18 +8,22 @@ all stages agree on the block count before anyone allocates).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 
 from chariot.contracts.errors import ConfigError
+from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.model.loader import load_stage
 from chariot.worker.pipeline.transport import PeerCheck, StageLink, Topology
 from chariot.worker.sampler import Sampler
+
+log = logging.getLogger(__name__)
 
 STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"
 
@@ -48,8 +52,13 @@ class StageRuntime:
 def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, progress: bool = True,
                         peer_check: PeerCheck | None = None) -> StageRuntime:
     """Size the KV cache, join the pipeline group (if `topology`), agree on the block count, load
-    this rank's layers and allocate its cache."""
+    this rank's layers and allocate its cache.
+
+    The attention backend is selected first, so that a kernel compiled on first use (the C++ CPU
+    kernel, ~25 s) is built before the stages meet, not inside the first micro-batch where a peer
+    would time out waiting for it."""
     rank = _rank(resolved, topology)
+    log.info("stage %d attention backend: %s", rank, active_backend().name)
     if topology is not None:
         pin_stage_cpus(rank)
     first, last = resolved.layer_ranges[rank]

@@ -24,6 +24,7 @@ from chariot.contracts.proto_codec import request_from_proto, response_from_outp
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.async_engine import AsyncEngine, StepObserver
 from chariot.worker.engine import Engine
+from chariot.worker.engine_core import ENGINE_CORES, EngineCoreClient
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,13 @@ EXIT_ENGINE_FAILED = 1
 DEFAULT_GRACE_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+EngineFront = AsyncEngine | EngineCoreClient  # the same API: engine thread here, or engine-core process
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """`chariot.v1.Generation` backed by one AsyncEngine."""
 
-    def __init__(self, engine: AsyncEngine, served_model: str) -> None:
+    def __init__(self, engine: EngineFront, served_model: str) -> None:
         self._engine = engine
         self._model = served_model
 
@@ -56,13 +58,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """This replica's load report."""
         try:
             stats = await self._engine.stats()
-            return stats_to_proto(stats, self._model, self._engine.engine.max_model_len)
+            return stats_to_proto(stats, self._model, self._engine.max_model_len)
         except Exception as exc:
             await abort_with(context, exc)
 
 
 # ---- server assembly --------------------------------------------------------------------------
-def build_server(engine: AsyncEngine, served_model: str) -> tuple[grpc.aio.Server, Any]:
+def build_server(engine: EngineFront, served_model: str) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with Generation, health (initially NOT_SERVING) and reflection; not yet bound."""
     return generation_server(GenerationServicer(engine, served_model))
 
@@ -79,16 +81,22 @@ async def serve(
     grace_s: float = DEFAULT_GRACE_S,
     observer: StepObserver | None = None,
     on_ready: Callable[[], None] | None = None,
+    engine_core: str = "thread",
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set): returns 0, or 1 if the engine failed.
 
-    The engine is built on its own thread while the server already answers health checks
-    (NOT_SERVING until loaded). `ready(port)` is called once the server listens, with the bound port.
+    The engine is built on its own thread (`engine_core="thread"`) or in a child process
+    (`"process"`: `engine_factory` must then be picklable; see `engine_core.py`) while the server
+    already answers health checks (NOT_SERVING until loaded). `ready(port)` is called once the
+    server listens, with the bound port.
     A load failure (e.g. ModelLoadError, ConfigError) is re-raised. On shutdown, health goes
     NOT_SERVING, in-flight calls get `grace_s` seconds to finish, then remaining requests are aborted.
     """
     stop = stop or asyncio.Event()
-    engine = AsyncEngine(engine_factory, observer=observer)
+    if engine_core not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {ENGINE_CORES}, not {engine_core!r}")
+    engine: EngineFront = (EngineCoreClient(engine_factory, observer=observer) if engine_core == "process"
+                           else AsyncEngine(engine_factory, observer=observer))
     server, health_servicer = build_server(engine, served_model)
     try:
         await set_health(health_servicer, _NOT_SERVING)
@@ -107,7 +115,7 @@ async def serve(
 
 
 async def _run(
-    engine: AsyncEngine, health_servicer: Any, stop: asyncio.Event, on_ready: Callable[[], None] | None
+    engine: EngineFront, health_servicer: Any, stop: asyncio.Event, on_ready: Callable[[], None] | None
 ) -> int:
     """Wait for the model to load, serve until stopped or the engine dies; the exit code."""
     if not await _first_or_stop(engine.wait_ready(), stop):

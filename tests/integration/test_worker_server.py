@@ -13,6 +13,7 @@ is paced (`PACE_S` per step, like a bigger model) so that "mid-stream" is a real
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -83,14 +84,16 @@ class FailingExecutor:
 
 
 def paced_factory(model_dir: Path) -> Callable[[], Engine]:
-    return lambda: PacedEngine(EngineConfig(model=str(model_dir), **ENGINE_KW), progress=False)
+    """Picklable, so that the engine-core process can build the engine itself."""
+    return functools.partial(PacedEngine, EngineConfig(model=str(model_dir), **ENGINE_KW), progress=False)
 
 
 class RunningServer:
     """`serve()` on its own thread and event loop, port 0; stopped through `serve(stop=...)`."""
 
-    def __init__(self, factory: Callable[[], Engine], served_model: str = SERVED) -> None:
+    def __init__(self, factory: Callable[[], Engine], served_model: str = SERVED, engine_core: str = "thread") -> None:
         self.port = 0
+        self.engine_core = engine_core
         self.exit_code: int | None = None
         self.error: BaseException | None = None
         self._factory, self._model = factory, served_model
@@ -119,7 +122,8 @@ class RunningServer:
     async def _serve(self) -> int:
         self._stop = asyncio.Event()
         return await serve(
-            self._factory, "127.0.0.1", 0, self._model, ready=self._on_ready, stop=self._stop, grace_s=1.0
+            self._factory, "127.0.0.1", 0, self._model, ready=self._on_ready, stop=self._stop, grace_s=1.0,
+            engine_core=self.engine_core,
         )
 
     def _on_ready(self, port: int) -> None:
@@ -166,9 +170,10 @@ def joined(responses: list[Any]) -> tuple[list[int], str]:
     return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Any:
-    srv = RunningServer(paced_factory(tiny_model_dir))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Any:
+    """Every server test runs against both engine fronts: the engine thread and the engine-core process."""
+    srv = RunningServer(paced_factory(tiny_model_dir), engine_core=request.param)
     srv.wait_serving()
     yield srv
     assert srv.stop() == EXIT_OK

@@ -243,11 +243,31 @@ def restore_backend(monkeypatch: pytest.MonkeyPatch):
     kernels.select_backend()
 
 
-def test_default_backend_on_cpu_is_reference(restore_backend: pytest.MonkeyPatch) -> None:
+def test_default_backend_on_cpu_is_the_cpu_kernel(restore_backend: pytest.MonkeyPatch) -> None:
+    """Without CUDA the C++ kernel is the default (`make test` installs a compiler and ninja)."""
     restore_backend.delenv(kernels.BACKEND_ENV, raising=False)
     restore_backend.setattr(torch.cuda, "is_available", lambda: False)
-    assert kernels.select_backend() == "reference"
-    assert kernels.get_backend() == "reference"
+    assert kernels.select_backend() == "cpu"
+    assert kernels.get_backend() == "cpu"
+
+
+def test_default_falls_back_to_reference_when_the_kernel_cannot_build(
+    restore_backend: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler (simulated: this machine has one) → the reference, with a warning saying why."""
+    restore_backend.delenv(kernels.BACKEND_ENV, raising=False)
+    restore_backend.setattr(torch.cuda, "is_available", lambda: False)
+    restore_backend.setattr(kernels, "_cpu_problem", lambda: "the C++ kernel did not build (no g++)")
+    with caplog.at_level("WARNING", logger="chariot.kernels"):
+        assert kernels.select_backend() == "reference"
+    assert "no g++" in caplog.text and "reference" in caplog.text
+
+
+def test_explicit_cpu_request_raises_when_it_cannot_build(restore_backend: pytest.MonkeyPatch) -> None:
+    restore_backend.setenv(kernels.BACKEND_ENV, "cpu")
+    restore_backend.setattr(kernels, "_cpu_problem", lambda: "the C++ kernel did not build (no g++)")
+    with pytest.raises(kernels.AttentionBackendError, match="no g\\+\\+"):
+        kernels.select_backend()
 
 
 def test_env_selects_reference(restore_backend: pytest.MonkeyPatch) -> None:
