@@ -77,6 +77,47 @@ def test_micro_batches_overlap_under_load(small_model_dir):
     assert 0.0 < stats.bubble_fraction < 1.0
 
 
+def process_tree(pid: int) -> list[int]:
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                pids += process_tree(int(child))
+    return pids
+
+
+def listening_addresses(pids: list[int]) -> list[str]:
+    """Local addresses of the TCP sockets in LISTEN state that these processes hold (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+@pytest.mark.slow
+def test_stage_listeners_bind_the_rendezvous_address_only(tiny_model_dir, monkeypatch):
+    """The TCPStore and gloo listen on 127.0.0.1 when the group meets there, never on a wildcard."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    with LLM(str(tiny_model_dir), pipeline_stages=2, **engine_kwargs("sarathi")) as llm:
+        llm.generate(prompts(500)[:2], GREEDY)
+        addresses = listening_addresses(process_tree(os.getpid()))
+    loopback_v4, loopback_v6 = "0100007F", "00000000000000000000000001000000"
+    assert loopback_v4 in addresses or loopback_v6 in addresses
+    wildcard = {"00000000", "00000000000000000000000000000000"}
+    assert not wildcard & set(addresses), addresses
+
+
 def run_victim(model_dir: Path, timeout_s: float) -> tuple[subprocess.Popen, list[int]]:
     script = Path(__file__).with_name("pipeline_victim.py")
     proc = subprocess.Popen([sys.executable, str(script), str(model_dir), str(timeout_s)],

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +28,7 @@ MAX_PENDING_SENDS = 12
 # any single message is allowed to. Per-message deadlines are `stage_timeout_s`.
 RENDEZVOUS_TIMEOUT_S = 180.0
 _JOINED_KEY = "chariot/stages-joined"
+LISTEN_BACKLOG = 128
 
 
 def backend_for(device: torch.device) -> str:
@@ -35,13 +39,61 @@ PeerCheck = Callable[[], str | None]
 """Returns why a peer stage cannot join (e.g. a local child exited), or None while all is well."""
 
 
+def listen_socket(addr: str, port: int, deadline: float) -> socket.socket:
+    """Stage 0's store socket, bound to the rendezvous address itself, never a wildcard.
+
+    (`TCPStore` on its own listens on every interface, unauthenticated.) The address may be a pod's
+    DNS name that resolves only once the pod has an IP, so resolution is retried until `deadline`.
+    """
+    while True:
+        try:
+            family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+            break
+        except socket.gaierror as exc:
+            if time.monotonic() > deadline:
+                raise PipelineError(f"rendezvous address MASTER_ADDR={addr!r} does not resolve: {exc}") from exc
+            time.sleep(0.5)
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise PipelineError(f"rendezvous store cannot listen on {addr}:{port}: {exc}") from exc
+    return sock
+
+
+def loopback_only(topo: Topology) -> None:
+    """A group that meets on a loopback address keeps gloo's own listeners on loopback too."""
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(topo.master_addr)).is_loopback
+    except (OSError, ValueError):
+        return
+    names = {name for _, name in socket.if_nameindex()}
+    if loopback and "lo" in names:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def rendezvous(topo: Topology, timeout: datetime.timedelta, peer_check: PeerCheck | None = None) -> dist.TCPStore:
     """Meet every stage at stage 0's TCP store, polling so a stage that died is reported at once
-    (through `peer_check`) instead of after the whole rendezvous timeout."""
-    store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=topo.is_first,
-                          timeout=timeout, wait_for_workers=False)
-    joined = store.add(_JOINED_KEY, 1)
+    (through `peer_check`) instead of after the whole rendezvous timeout.
+
+    On stage 0 the store serves on a socket bound to the rendezvous address (see `listen_socket`);
+    the store owns that socket from then on and closes it when it goes."""
     deadline = time.monotonic() + timeout.total_seconds()
+    sock = listen_socket(topo.master_addr, topo.master_port, deadline) if topo.is_first else None
+    try:
+        store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=topo.is_first,
+                              timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=None if sock is None else sock.fileno())
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+    if sock is not None:
+        sock.detach()  # the store closes the descriptor
+    joined = store.add(_JOINED_KEY, 1)
     while joined < topo.world_size:
         problem = peer_check() if peer_check is not None else None
         if problem is not None:
@@ -65,6 +117,7 @@ class StageLink:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device  # tensors cross the wire from here (cuda for nccl, cpu for gloo)
         join_timeout = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+        loopback_only(topo)
         store = rendezvous(topo, join_timeout, peer_check)
         dist.init_process_group(backend_for(device), store=store, rank=topo.rank, world_size=topo.world_size,
                                 timeout=join_timeout)
