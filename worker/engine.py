@@ -72,7 +72,8 @@ class Engine:
         self.executor, num_blocks = self._make_executor(topology, progress, peer_check)
         self.blocks = BlockManager(num_blocks, config.block_size, config.watermark)
         self.scheduler = make_scheduler(
-            SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len),
+            SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len,
+                            self.model_config.attention_cost if config.attention_aware_chunks else 0.0),
             self.blocks,
         )
         self.inputs = InputBuilder(self.blocks)

@@ -34,6 +34,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--layer-split", default=None, help="layers per stage, comma separated (e.g. 5,3)")
     g.add_argument("--stage-timeout", type=float, default=15.0,
                    help="seconds before a silent pipeline stage is declared dead")
+    g.add_argument("--no-attention-aware-chunks", dest="attention_aware_chunks", action="store_false",
+                   help="size sarathi's prefill chunks by tokens alone (default: late chunks of long prompts "
+                        "shrink by their attention work, so no iteration outgrows the budget's time)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--engine-seed", type=int, default=0, help="seed of sampling for requests without a seed")
 
@@ -51,7 +54,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,
-        stage_timeout_s=args.stage_timeout,
+        stage_timeout_s=args.stage_timeout, attention_aware_chunks=args.attention_aware_chunks,
     )
 
 
@@ -68,4 +71,6 @@ def config_to_argv(c: EngineConfig) -> list[str]:
             argv += [flag, str(value)]
     if c.layer_split:
         argv += ["--layer-split", ",".join(map(str, c.layer_split))]
+    if not c.attention_aware_chunks:
+        argv.append("--no-attention-aware-chunks")
     return argv

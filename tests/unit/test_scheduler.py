@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.scheduler import POLICY_CLASSES, SchedulerConfig, SchedulerOutput, make_scheduler
+from chariot.worker.scheduler.base import chunk_tokens
 from chariot.worker.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
@@ -20,11 +22,11 @@ BLOCK = 4
 class FakeRun:
     """Drives a scheduler like the engine does, sampling token 7 for every sampling chunk."""
 
-    def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1) -> None:
-        max_len = 64
+    def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1,
+                 attention_cost: float = 0.0, max_len: int = 64) -> None:
         budget = budget if policy == "sarathi" else max(budget, max_len)
         self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0)
-        self.config = SchedulerConfig(policy, budget, max_batch, max_len)
+        self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost)
         self.sched = make_scheduler(self.config, self.blocks)
         self.in_flight: deque[SchedulerOutput] = deque()
         self.depth = in_flight
@@ -142,6 +144,43 @@ def test_sarathi_chunks_prefill_under_budget_and_keeps_decodes():
     assert sizes == [[(0, 1), (1, 15)], [(0, 1), (1, 15)], [(0, 1), (1, 10)]]
 
 
+@given(room=st.integers(1, 4096), start=st.integers(0, 65536), cost=st.floats(0.0, 0.05))
+def test_chunk_tokens_never_costs_more_than_a_fresh_chunk(room, start, cost):
+    c = chunk_tokens(room, start, cost)
+    assert 1 <= c <= room
+    if start == 0 or cost == 0.0:
+        assert c == room
+    elif c > 1:  # the largest size within the fresh chunk's cost (at least 1 token always goes)
+        limit = room + cost * room * room
+        assert c + cost * c * (start + c) <= limit * (1 + 1e-9)
+        assert c == room or (c + 1) + cost * (c + 1) * (start + c + 1) > limit
+
+
+def test_sarathi_shrinks_late_chunks_of_long_prompts_by_their_attention():
+    """The same prompt, chunked by tokens alone vs with attention counted (100m's ρ ≈ 1.8e-4)."""
+    sizes = {}
+    for cost in (0.0, 1.8e-4):
+        run = FakeRun("sarathi", budget=512, max_batch=8, num_blocks=1024, attention_cost=cost, max_len=4096)
+        run.add(0, 2048, 1)
+        sizes[cost] = []
+        while sum(sizes[cost]) < 2048:
+            sizes[cost] += [c.num_tokens for c in run.step().chunks]
+    assert sizes[0.0] == [512, 512, 512, 512]
+    shrunk = sizes[1.8e-4]
+    assert shrunk[0] == 512 and sum(shrunk) == 2048
+    assert all(a > b for a, b in itertools.pairwise(shrunk[:-1]))  # later chunks, fewer tokens
+
+
+def test_attention_cost_of_a_llama_layer():
+    from chariot.worker.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "num_hidden_layers": 8,
+                                 "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 2816,
+                                 "vocab_size": 8192})
+    # 4·16·64 FLOPs per (query, key) pair over 2 × (2·1024·1024 + 2·1024·256 + 3·1024·2816) per token
+    assert cfg.attention_cost == pytest.approx(4096 / (2 * 11_272_192))
+
+
 def test_vllm_prefill_iteration_pauses_decodes():
     run = FakeRun("vllm", budget=64, max_batch=8, num_blocks=64)
     run.add(0, 5, 10)
@@ -196,3 +235,17 @@ def test_fcfs_head_of_line_blocks_later_requests():
             if c.start == 0:
                 order.append(c.seq_id)
     assert order == [0, 1, 2]
+
+
+def test_attention_aware_chunks_flag_reaches_child_stages(tiny_model_dir):
+    """`--no-attention-aware-chunks` survives the config → argv → config round trip of local stages."""
+    import argparse
+
+    from chariot.worker.config import EngineConfig
+    from chariot.worker.flags import add_engine_flags, config_from_args, config_to_argv
+
+    for aware in (True, False):
+        cfg = EngineConfig(model=str(tiny_model_dir), token_budget=64, attention_aware_chunks=aware)
+        p = argparse.ArgumentParser()
+        add_engine_flags(p)
+        assert config_from_args(p.parse_args(config_to_argv(cfg))) == cfg

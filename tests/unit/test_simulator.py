@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from chariot.bench.simulator import SimConfig, predict_capacity, simulate
 from chariot.bench.traces import TRACES, TraceRequest, make_trace
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.budget import CostModel
-from chariot.worker.config import EngineConfig
+from chariot.worker.config import EngineConfig, ModelConfig
 from chariot.worker.engine import Engine
 
 COST = CostModel((0.01, 4e-4, 1e-3, 1e-7, 1e-6))  # seconds: 10 ms + 0.4 ms/prefill token + ...
@@ -47,6 +48,7 @@ def sim_batches(cfg: SimConfig, trace: list[TraceRequest]) -> tuple[Batches, int
     SimConfig("vllm", token_budget=None, max_batch_size=4, max_model_len=256, kv_cache_tokens=2048),
 ], ids=["sarathi-chunked", "sarathi-preempting", "vllm"])
 def test_simulator_matches_engine_step_for_step(tiny_model_dir: Path, cfg: SimConfig) -> None:
+    cfg = dataclasses.replace(cfg, attention_cost=ModelConfig.from_dir(tiny_model_dir).attention_cost)
     real, real_preempt = engine_batches(tiny_model_dir, cfg, SMALL_TRACE)
     sim, sim_preempt = sim_batches(cfg, SMALL_TRACE)
     assert sim == real

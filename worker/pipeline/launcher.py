@@ -16,16 +16,19 @@ from chariot.worker.flags import config_to_argv
 
 WORKER_READY_PREFIX = "chariot worker ready"
 
+
 def worker_command(config: EngineConfig) -> list[str]:
     """`chariot worker` with `config`'s engine flags, as this interpreter runs it."""
     return [sys.executable, "-m", "chariot.worker", "worker", *config_to_argv(config)]
 
 
-def start_group(index: int, config: EngineConfig, served: str) -> tuple[list[Child], Child]:
+def start_group(index: int, config: EngineConfig, served: str, engine_core: str = "process",
+                ) -> tuple[list[Child], Child]:
     """Every stage of pipeline group `index` as supervised local processes (gRPC and metrics on free
     ports, rendezvous on loopback); returns (all its children, its stage 0)."""
     topo = Topology(0, config.pipeline_stages, "127.0.0.1", free_port())
-    cmd = [*worker_command(config), "--port", "0", "--metrics-port", "0", "--served-model-name", served]
+    cmd = [*worker_command(config), "--port", "0", "--metrics-port", "0", "--served-model-name", served,
+           "--engine-core", engine_core]
     children = [spawn(f"replica {index} stage {rank}", cmd, stage_env(topo, rank), WORKER_READY_PREFIX)
                 for rank in range(config.pipeline_stages)]
     return children, children[0]

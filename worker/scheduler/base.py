@@ -7,6 +7,7 @@ pipelining) live here once. `schedule()` never blocks and never touches tensors.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -26,6 +27,9 @@ class SchedulerConfig:
     token_budget: int
     max_batch_size: int
     max_model_len: int
+    attention_cost: float = 0.0
+    """Token-equivalents of one (query, key) pair of a prefill chunk's attention (`ModelConfig.
+    attention_cost`); 0 sizes chunks by their tokens alone. See `chunk_tokens`."""
 
     @property
     def max_running(self) -> int:
@@ -193,6 +197,28 @@ class Scheduler(ABC):
             self._add_prefill_chunk(seq, builder)
 
     def _add_prefill_chunk(self, seq: Sequence, builder: BatchBuilder) -> None:
-        size = min(seq.num_remaining, builder.tokens_left) if self.chunked_prefill else seq.num_remaining
+        if self.chunked_prefill:
+            room = chunk_tokens(builder.tokens_left, seq.num_computed_tokens, self.config.attention_cost)
+            size = min(seq.num_remaining, room)
+        else:
+            size = seq.num_remaining
         if size > 0 and size <= builder.tokens_left:
             builder.add(seq, size)
+
+
+def chunk_tokens(room: int, start: int, attention_cost: float) -> int:
+    """How many prompt tokens a chunk starting after `start` cached tokens may hold in `room` tokens
+    of budget, so that it costs no more than a chunk of `room` tokens with no cached context.
+
+    A chunk of c tokens at `start` computes c·(start + c) attention pairs besides its c tokens of
+    linear layers: late chunks of long prompts cost more per token, and at a fixed token count the
+    iterations holding them would exceed the time the budget was sized for (a TBT stall on every
+    running decode). With ρ = `attention_cost`, c is the largest integer with
+    c + ρ·c·(start + c) ≤ room + ρ·room², at least 1 so the prompt always progresses.
+    """
+    if attention_cost <= 0.0 or room <= 0 or start <= 0:
+        return room
+    limit = room + attention_cost * room * room
+    b = 1.0 + attention_cost * start
+    c = int((-b + math.sqrt(b * b + 4.0 * attention_cost * limit)) / (2.0 * attention_cost))
+    return max(1, min(room, c))
