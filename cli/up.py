@@ -3,7 +3,8 @@ as local processes on this machine.
 
 Starts R replicas × P pipeline stages (`chariot worker`, rendezvous on loopback) and one router
 (`chariot router`), waits for each to print its ready line, prints the endpoints, and supervises:
-Ctrl-C/SIGTERM or any child exiting tears everything down. Children also die with this process.
+a dead stage fails and recreates its own group only (`chariot.cli.groups`, the operator's gang-restart
+semantics); Ctrl-C/SIGTERM or the router exiting tears everything down. Children die with this process.
 It sits above the worker and router packages: it starts both.
 """
 
@@ -17,12 +18,13 @@ import sys
 import threading
 from pathlib import Path
 
+from chariot.cli.groups import GroupSupervisor
 from chariot.contracts.errors import ConfigError
-from chariot.contracts.processes import Child, shutdown, spawn, supervise, wait_ready
+from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
+from chariot.operator.reconcile import Backoff
 from chariot.router.launch import ROUTER_READY_PREFIX, router_command
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import add_engine_flags, config_from_args
-from chariot.worker.pipeline.launcher import start_group
 
 READY_TIMEOUT_S = 600.0
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "chariot" / "models" / "tiny"
@@ -47,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="where each stage 0 runs its engine loop: a child process (default) or a thread of "
                         "its gRPC server")
+    p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
+                   help="delay before a group whose stage died is recreated, doubled per restart (as the operator)")
+    p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")
     p.set_defaults(handler=_run_up)
 
 
@@ -71,36 +76,43 @@ def ensure_model(model: str | None) -> str:
 def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
     """Start everything, print the endpoints, supervise until interrupted; the exit code."""
     served = args.served_model_name or Path(config_for.model).name
-    children: list[Child] = []
+    supervisor = GroupSupervisor(config_for, served, args.engine_core,
+                                 Backoff(base_s=args.restart_backoff_seconds, max_s=args.max_restart_backoff_seconds,
+                                         reset_after_s=args.max_restart_backoff_seconds))
+    router: Child | None = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        addresses = []
-        for r in range(args.replicas):
-            group, stage0 = start_group(r, config_for, served, args.engine_core)
-            children += group
-            addresses.append((r, stage0))
-        replicas = []
-        for r, stage0 in addresses:
-            grpc_addr = re.search(r"grpc=(\S+)", wait_ready(stage0, children, READY_TIMEOUT_S))
-            assert grpc_addr is not None
-            replicas.append(f"g{r}={grpc_addr.group(1)}")
+        groups = supervisor.start(args.replicas)
+        for group in groups:
+            wait_ready(group.stage0, supervisor.children(), READY_TIMEOUT_S)
+        replicas = [f"g{g.index}={g.address}" for g in groups]
         cmd = router_command(config_for.model, served, replicas, host=args.host, http_port=args.http_port,
                              grpc_port=args.grpc_port, redis_url=args.redis_url, tbt_slo_ms=args.tbt_slo_ms,
                              ttft_slo_ms=args.ttft_slo_ms)
         if args.max_queue_per_replica is not None:
             cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
         router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
-        children.append(router)
-        line = wait_ready(router, children, READY_TIMEOUT_S)
+        line = wait_ready(router, [router, *supervisor.children()], READY_TIMEOUT_S)
         print_endpoints(line, served, replicas, config_for)
-        return supervise(children, stop)
+        return supervise_up(router, supervisor, stop)
     except RuntimeError as exc:
         print(f"chariot up: {exc}", file=sys.stderr)
         return 1
     finally:
-        shutdown(children)
+        shutdown(([router] if router is not None else []) + supervisor.children())
+
+
+def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Event) -> int:
+    """Until interrupted: a dead stage fails (and later recreates) its own group only; the router
+    exiting ends everything (nothing would serve)."""
+    while not stop.wait(0.2):
+        if router.proc.poll() is not None:
+            print(f"chariot up: the router exited with code {router.proc.returncode}; shutting down", file=sys.stderr)
+            return 1
+        supervisor.check()
+    return 0
 
 
 def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig) -> None:

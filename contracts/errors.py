@@ -82,6 +82,7 @@ class UnknownModelError(InvalidRequestError):
 # The one error → status mapping (DESIGN.md §4), used by every gRPC and HTTP front.
 # Order matters: the first matching class wins.
 _STATUS_TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
+    (UnknownModelError, "NOT_FOUND", 404),  # as OpenAI answers an unknown model
     (InvalidRequestError, "INVALID_ARGUMENT", 400),
     (AdmissionRejected, "RESOURCE_EXHAUSTED", 429),
     (NoReplicaAvailable, "UNAVAILABLE", 503),

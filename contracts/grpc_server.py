@@ -10,26 +10,115 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chariot.contracts.errors import AdmissionRejected, ConfigError, error_status
-from chariot.proto.chariot.v1 import generation_pb2, generation_pb2_grpc
+from chariot.proto.chariot.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+UNDECODABLE_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A request whose bytes are no valid message (say, invalid UTF-8 in a string field)."""
+
+    reason: str
+
+
+class OncePerInterval:
+    """At most one log line per interval, saying how many were held back since the last one."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.clock = interval_s, clock
+        self._last = -math.inf
+        self.suppressed = 0
+
+    def warn(self, message: str) -> bool:
+        now = self.clock()
+        if now - self._last < self.interval_s:
+            self.suppressed += 1
+            return False
+        held, self.suppressed, self._last = self.suppressed, 0, now
+        log.warning("%s%s", message, f" ({held} more like it in the last {self.interval_s:g}s)" if held else "")
+        return True
+
+
+_undecodable_log = OncePerInterval(UNDECODABLE_LOG_INTERVAL_S)
+
+
+def tolerant_decoder(message_cls: Any) -> Callable[[bytes], Any]:
+    """`message_cls.FromString` that turns junk into an `Undecodable` instead of raising (grpc would
+    answer UNKNOWN and log a traceback per call)."""
+
+    def decode(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+            return Undecodable(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
+
+    return decode
+
+
+async def _reject_undecodable(context: grpc.aio.ServicerContext, method: str, request: Undecodable) -> NoReturn:
+    _undecodable_log.warn(f"{method}: undecodable request from {context.peer()}: {request.reason}")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: cannot be decoded as a {method} request "
+                                                          f"({request.reason})")
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def _guard_stream(method: str, call: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable[[Any, Any], Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, method, request)
+        async for item in call(request, context):
+            yield item
+
+    return handler
+
+
+def _guard_unary(method: str, call: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await _reject_undecodable(context, method, request)
+        return await call(request, context)
+
+    return handler
+
+
+def add_generation_servicer(servicer: Any, server: grpc.aio.Server) -> None:
+    """Register `servicer` as chariot.v1.Generation (as the generated helper does), decoding requests
+    so that undecodable bytes get INVALID_ARGUMENT and one rate-limited log line."""
+    pb = generation_pb2
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            _guard_stream("Generate", servicer.Generate), request_deserializer=tolerant_decoder(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            _guard_unary("Stats", servicer.Stats), request_deserializer=tolerant_decoder(pb.StatsRequest),
+            response_serializer=pb.StatsResponse.SerializeToString),
+    }  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def generation_server(servicer: Any) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with `servicer` as Generation, plus health and reflection; not yet bound."""
     # so_reuseport=0: a second server on the same port must fail to bind, not silently share it.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    add_generation_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -119,16 +119,6 @@ def wait_ready(child: Child, others: list[Child], timeout: float) -> str:
     return child.ready_line
 
 
-def supervise(children: list[Child], stop: threading.Event) -> int:
-    while not stop.wait(0.2):
-        for child in children:
-            code = child.proc.poll()
-            if code is not None:
-                print(f"chariot up: {child.name} exited with code {code}; shutting down", file=sys.stderr)
-                return 1
-    return 0
-
-
 def shutdown(children: list[Child], grace_s: float = 10.0) -> None:
     """SIGTERM the router and every stage 0 (which tell their downstream stages to exit), then the
     rest; SIGKILL whatever is still alive after the grace period."""

@@ -20,10 +20,13 @@ gen_ai.server.time_per_output_token    histogram  s             gen_ai_server_ti
 gen_ai.server.request.duration         histogram  s             gen_ai_server_request_duration_seconds
 gen_ai.client.token.usage              histogram  {token}       gen_ai_client_token_usage
 chariot.admission.decisions            counter    {decision}    chariot_admission_decisions_total
+chariot.router.retries                 counter    {request}     chariot_router_retries_total
 chariot.queue.delay                    histogram  s             chariot_queue_delay_seconds
 chariot.requests.running               gauge      {request}     chariot_requests_running
 chariot.requests.waiting               gauge      {request}     chariot_requests_waiting
 chariot.kv_cache.usage                 gauge      1             chariot_kv_cache_usage
+chariot.kv_cache.blocks_used           gauge      {block}       chariot_kv_cache_blocks_used
+chariot.kv_cache.blocks                gauge      {block}       chariot_kv_cache_blocks
 chariot.batch.tokens                   histogram  {token}       chariot_batch_tokens
 chariot.stage.busy_time                counter    s             chariot_stage_busy_time_seconds_total
 chariot.stage.idle_time                counter    s             chariot_stage_idle_time_seconds_total
@@ -115,7 +118,7 @@ AdmissionOutcome = Literal["admitted", "shed_slo", "shed_queue", "rate_limited",
 ADMISSION_OUTCOMES: tuple[str, ...] = get_args(AdmissionOutcome)
 BATCH_KINDS: tuple[str, ...] = ("prefill", "decode", "total")
 REQUEST_STAGES: tuple[str, ...] = ("admission", "queue", "prefill", "decode")
-ENGINE_GAUGE_KEYS: tuple[str, ...] = ("running", "waiting", "kv_cache_usage")
+ENGINE_GAUGE_KEYS: tuple[str, ...] = ("running", "waiting", "kv_cache_usage", "kv_blocks_used", "kv_blocks_total")
 
 # What `generate_latest` writes: the classic text format (newer prometheus_client labels it 1.0.0, same bytes).
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -165,6 +168,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.admission.decisions", "counter", "{decision}",
                    "Admission decisions by outcome.",
                    "chariot_admission_decisions_total"),
+        MetricSpec("chariot.router.retries", "counter", "{request}",
+                   "Requests sent again to another replica because theirs failed before the first token.",
+                   "chariot_router_retries_total"),
         MetricSpec("chariot.queue.delay", "histogram", "s",
                    "Time from request arrival to its first scheduling.",
                    "chariot_queue_delay_seconds", LATENCY_BUCKETS_S),
@@ -177,6 +183,12 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.kv_cache.usage", "gauge", "1",
                    "Fraction of KV-cache blocks in use (0..1).",
                    "chariot_kv_cache_usage"),
+        MetricSpec("chariot.kv_cache.blocks_used", "gauge", "{block}",
+                   "KV-cache blocks in use (absolute: a leak shows however large the cache).",
+                   "chariot_kv_cache_blocks_used"),
+        MetricSpec("chariot.kv_cache.blocks", "gauge", "{block}",
+                   "KV-cache blocks allocated in total.",
+                   "chariot_kv_cache_blocks"),
         MetricSpec("chariot.batch.tokens", "histogram", "{token}",
                    "Tokens per engine iteration, by kind (prefill | decode | total).",
                    "chariot_batch_tokens", TOKEN_BUCKETS),
@@ -443,12 +455,15 @@ class Telemetry:
         self._queue_delay = hist("chariot.queue.delay")
         self._batch_tokens = hist("chariot.batch.tokens")
         self._admissions = counter("chariot.admission.decisions")
+        self._retries = counter("chariot.router.retries")
         self._busy = counter("chariot.stage.busy_time")
         self._idle = counter("chariot.stage.idle_time")
         for name, key in (
             ("chariot.requests.running", "running"),
             ("chariot.requests.waiting", "waiting"),
             ("chariot.kv_cache.usage", "kv_cache_usage"),
+            ("chariot.kv_cache.blocks_used", "kv_blocks_used"),
+            ("chariot.kv_cache.blocks", "kv_blocks_total"),
         ):
             spec = METRICS[name]
             meter.create_observable_gauge(
@@ -509,6 +524,10 @@ class Telemetry:
             raise ValueError(f"unknown admission outcome {outcome!r}; expected one of {ADMISSION_OUTCOMES}")
         self._admissions.add(1, self._attrs(attributes, outcome=outcome))
 
+    def record_retry(self, failed_replica: str) -> None:
+        """A request re-sent elsewhere after `failed_replica` failed it before its first token."""
+        self._retries.add(1, self._attrs(None, replica=failed_replica))
+
     def record_queue_delay(self, seconds: float, attributes: Attributes | None = None) -> None:
         self._queue_delay.record(seconds, self._attrs(attributes))
 
@@ -541,12 +560,16 @@ class Telemetry:
         running: float | None = None,
         waiting: float | None = None,
         kv_cache_usage: float | None = None,
+        kv_blocks_used: int | None = None,
+        kv_blocks_total: int | None = None,
         attributes: Attributes | None = None,
     ) -> None:
-        """Push the latest running/waiting/KV-usage values; reported until overwritten."""
+        """Push the latest running/waiting/KV values; reported until overwritten."""
         key = _key(self._attrs(attributes))
+        values = (("running", running), ("waiting", waiting), ("kv_cache_usage", kv_cache_usage),
+                  ("kv_blocks_used", kv_blocks_used), ("kv_blocks_total", kv_blocks_total))
         with self._lock:
-            for name, value in (("running", running), ("waiting", waiting), ("kv_cache_usage", kv_cache_usage)):
+            for name, value in values:
                 if value is not None:
                     self._engine_values[name][key] = float(value)
 

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
@@ -137,8 +137,10 @@ class AdmissionController:
         *,
         max_tokens: int = 0,
         request_id: str | None = None,
+        exclude: Collection[str] = (),
     ) -> Decision:
-        """Admit the request to a replica, or raise AdmissionRejected / NoReplicaAvailable.
+        """Admit the request to a replica (none of `exclude`), or raise AdmissionRejected /
+        NoReplicaAvailable.
 
         `now` is on the monotonic clock of the load reports (default: now). Every Decision must
         be followed by `on_finish` (and `on_first_token` when the first token arrives).
@@ -149,12 +151,16 @@ class AdmissionController:
         request_id = self._new_id(request_id)
         self._deciding.add(request_id)
         try:
-            return await self._decide(request_id, prompt_tokens, tenant, t, max_tokens)
+            return await self._decide(request_id, prompt_tokens, tenant, t, max_tokens, exclude)
         finally:
             self._deciding.discard(request_id)
 
-    async def _decide(self, request_id: str, prompt_tokens: int, tenant: str, t: float, max_tokens: int) -> Decision:
-        ranked = await self.predictions(prompt_tokens, t, max_tokens=max_tokens)
+    async def _decide(self, request_id: str, prompt_tokens: int, tenant: str, t: float, max_tokens: int,
+                      exclude: Collection[str] = ()) -> Decision:
+        predictions = await self.predictions(prompt_tokens, t, max_tokens=max_tokens)
+        ranked = [p for p in predictions if p.replica not in exclude]
+        if not ranked:
+            raise NoReplicaAvailable(f"no ready replica besides {', '.join(sorted(exclude))}")
         candidates = self._admissible(ranked)
         charge = await self._limiter.acquire(tenant or DEFAULT_TENANT, prompt_tokens, max_tokens)
         for prediction in candidates:

@@ -47,7 +47,10 @@ class RouterConfig:
       "requests" = 1.
     - `redis_url`: shared state for several routers (None = in-memory, one router).
     - `redis_timeout_s`: socket timeout of every Redis call; past it the router decides locally.
-    - `redis_retry_s`: how often a degraded router tries Redis again.
+    - `redis_retry_s`: how often a degraded router tries Redis again; it counts as back after
+      `redis_recover_after` probes in a row succeed (no flapping on a half-up Redis).
+    - `redis_max_connections`: the connection pool's size; calls beyond it wait (within the
+      timeout) for a free connection instead of opening more.
     - `lease_s`: TTL of a router's contributions in Redis (renewed by heartbeats), so a crashed
       router's load expires.
     - `degraded_limit_share`: the share of each tenant limit one router enforces on its own while
@@ -67,6 +70,8 @@ class RouterConfig:
     redis_url: str | None = None
     redis_timeout_s: float = 0.2
     redis_retry_s: float = 2.0
+    redis_recover_after: int = 2
+    redis_max_connections: int = 64
     redis_key_prefix: str = "chariot"
     lease_s: float = 30.0
     degraded_limit_share: float = 1.0
@@ -108,6 +113,8 @@ class RouterConfig:
             raise ConfigError("redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
         _positive("redis_timeout_s", self.redis_timeout_s)
         _positive("redis_retry_s", self.redis_retry_s)
+        _positive("redis_recover_after", self.redis_recover_after)
+        _positive("redis_max_connections", self.redis_max_connections)
         if not self.redis_key_prefix or any(c in self.redis_key_prefix for c in "{} "):
             raise ConfigError(
                 "redis_key_prefix", f"must be non-empty without braces or spaces: {self.redis_key_prefix!r}"

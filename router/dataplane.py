@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN_ESTIMATE = 4
 # Texts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# Replicas a request may be re-sent to when its replica fails it before the first token.
+MAX_RETRIES = 2
 
 _SHED_OUTCOMES = {"slo": "shed_slo", "queue": "shed_queue", "rate_limit": "rate_limited"}
 
@@ -170,6 +172,7 @@ class _Flight:
     completion_tokens: int = 0
     first_token: asyncio.Task[None] | None = None
     error: BaseException | str | None = None
+    released: bool = False  # its admission slot was given back (once per decision)
 
 
 class DataPlane:
@@ -248,18 +251,49 @@ class DataPlane:
         return max(1, min(estimate, limit - max_tokens)) if limit > 0 else estimate
 
     async def generate(self, req: GenerateInput) -> AsyncGenerator[Chunk, None]:
-        """Admit `req`, stream its chunks from a replica; see the module docstring for the guarantees."""
+        """Admit `req`, stream its chunks from a replica; see the module docstring for the guarantees.
+
+        A replica that fails the request before its first token (unreachable, its stage died) is
+        dropped from rotation until its next load report, and the request goes to another replica
+        (at most `MAX_RETRIES` times; `chariot.router.retries` counts them). After the first token
+        it is never re-sent: the client would see tokens twice."""
         flight = await self._admit(req)
+        tried: list[str] = []
         try:
-            # aclosing: when the caller closes this generator, the worker call is cancelled right away.
-            async with contextlib.aclosing(self._relay(req, flight)) as chunks:
-                async for chunk in chunks:
-                    yield chunk
+            while True:
+                try:
+                    # aclosing: when the caller closes this generator, the worker call is cancelled at once.
+                    async with contextlib.aclosing(self._relay(req, flight)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                except ReplicaUnavailable as exc:
+                    if flight.first_token is not None or len(tried) >= MAX_RETRIES:
+                        raise
+                    tried.append(flight.decision.replica_name)
+                    await self._resend(req, flight, tried, exc)
         except BaseException as exc:
             flight.error = exc
             raise
         finally:
             await self._finish(flight)
+
+    async def _resend(self, req: GenerateInput, flight: _Flight, tried: list[str], failure: Exception) -> None:
+        """Move `flight` from its failed replica to another one, or raise `failure` if none admits it."""
+        failed = flight.decision.replica_name
+        self.registry.clear_load(failed)  # out of rotation until it reports again
+        await self._release(flight)
+        try:
+            flight.decision = await self.admission.decide(
+                flight.prompt_tokens, req.tenant or DEFAULT_TENANT, max_tokens=req.params.max_tokens,
+                request_id=flight.decision.request_id, exclude=tried)
+        except Exception as exc:
+            raise failure from exc
+        flight.released = False  # the new decision's slot is to be given back
+        log.warning("replica %s failed request %s before its first token (%s); retrying on %s", failed,
+                    flight.decision.request_id, failure, flight.decision.replica_name)
+        self.telemetry.record_retry(failed)
+        flight.trace.event("retry", {"chariot.failed_replica": failed, "chariot.replica": flight.decision.replica_name})
 
     async def _admit(self, req: GenerateInput) -> _Flight:
         timer = self.telemetry.request_timer()
@@ -298,6 +332,9 @@ class DataPlane:
         try:
             async for resp in call:
                 chunk = _chunk(resp, decision)
+                if chunk.finish_reason == FinishReason.ERROR and flight.first_token is None and not chunk.token_ids:
+                    # failed before any token (e.g. a stage of its group died): another replica may serve it
+                    raise ReplicaUnavailable(f"replica {decision.replica_name} failed the request: {chunk.error}")
                 self._on_chunk(flight, chunk)
                 finished = chunk.finished
                 yield chunk
@@ -330,6 +367,9 @@ class DataPlane:
             await asyncio.shield(release)
 
     async def _release(self, flight: _Flight) -> None:
+        if flight.released:
+            return
+        flight.released = True
         if flight.first_token is not None:
             with contextlib.suppress(Exception):
                 await flight.first_token
@@ -354,7 +394,8 @@ class DataPlane:
         stats = self.poller.latest().get(name)
         if stats is None:
             return {}
-        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage}
+        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage,
+                "kv_blocks_used": stats.num_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_blocks}
 
 
 def _chunk(resp: Any, decision: Decision) -> Chunk:

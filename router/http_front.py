@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from chariot.contracts.errors import InvalidRequestError
+from chariot.contracts.errors import InvalidRequestError, UnknownModelError
 from chariot.contracts.requests import FinishReason
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
 from chariot.router.openai_api import (
@@ -211,12 +211,12 @@ class OpenAIFront:
         last = first
         async with contextlib.aclosing(stream):
             try:
-                yield sse({**head, "choices": [choice(parsed, first.text, first.finish_reason, first.token_ids,
-                                                      delta=True, first=True)]})  # fmt: skip
+                if (event := _chunk_event(parsed, head, first, first=True)) is not None:
+                    yield event
                 async for chunk in stream:
                     last = chunk
-                    yield sse({**head, "choices": [choice(parsed, chunk.text, chunk.finish_reason, chunk.token_ids,
-                                                          delta=True)]})  # fmt: skip
+                    if (event := _chunk_event(parsed, head, chunk)) is not None:
+                        yield event
             except Exception as exc:
                 yield sse(error_payload(exc)[1])
                 yield DONE_EVENT
@@ -237,6 +237,15 @@ class OpenAIFront:
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{id}`: the served model, or 404 naming `model`."""
+        wanted = request.path_params["model_id"]
+        for m in self._dp.models():
+            if m.id == wanted:
+                return JSONResponse({"id": m.id, "object": "model", "created": self._created, "owned_by": "chariot",
+                                     "max_model_len": m.max_model_len, "ready_replicas": m.ready_replicas})
+        return error_response(UnknownModelError(wanted, self._dp.served_model))
+
     async def health(self, request: Request) -> Response:
         h = self._dp.health()
         body = {
@@ -251,6 +260,16 @@ class OpenAIFront:
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._dp.telemetry.prometheus_response(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
+
+
+def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, *, first: bool = False) -> bytes | None:
+    """One SSE chunk event. A chunk that ends the request with an error carries no OpenAI finish
+    reason: its text (if any) goes out unfinished and the stream ends with an error event instead."""
+    failed = chunk.finish_reason == FinishReason.ERROR
+    if failed and not chunk.text and not chunk.token_ids:
+        return None
+    reason = None if failed else chunk.finish_reason
+    return sse({**head, "choices": [choice(parsed, chunk.text, reason, chunk.token_ids, delta=True, first=first)]})
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -271,6 +290,7 @@ def build_http_app(dataplane: DataPlane) -> Starlette:
         Route("/v1/completions", front.completions, methods=["POST"]),
         Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/models", front.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", front.model, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]

@@ -11,8 +11,12 @@ ones): `model`, `prompt` (string or list of token ids; a one-element batch of ei
 `messages` (chat), `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
 `top_k`, `seed`, `stop` (string or list of strings), `ignore_eos`, `stream`, `stream_options
 {include_usage}`, `user` (the rate-limit tenant), and the vLLM extension `return_token_ids` (adds
-`token_ids` to each choice). `null` means "not given". Refused with a 400 naming the field: `n` or
-`best_of` other than 1, `echo: true` and `logprobs` (not implemented, so not silently dropped).
+`token_ids` to each choice). `null` means "not given". Ranges as OpenAI documents them (temperature
+0–2, top_p in (0, 1]). Refused with a 400 naming the field rather than silently dropped: `n` or
+`best_of` other than 1, `echo: true`, `logprobs`/`top_logprobs`, non-zero `presence_penalty` /
+`frequency_penalty`, a non-empty `logit_bias`, `min_tokens` > 0 (not implemented yet), `tools` /
+`tool_choice` / `functions`, and a `response_format` other than text. Text that cannot be encoded
+(JSON escapes of lone UTF-16 surrogates, e.g. `"\\ud800"`) is a 400 naming the field where it stands.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ Kind = Literal["completion", "chat"]
 MAX_BODY_BYTES = 4 << 20
 MAX_TENANT_CHARS = 256
 MAX_TOKEN_ID = (1 << 63) - 1
+MAX_TEMPERATURE = 2.0
+PENALTY_RANGE = (-2.0, 2.0)
+NOT_IMPLEMENTED = "is not supported yet: leave it out (a request that relies on it would get other tokens)"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _JSON_TYPES: tuple[tuple[type, str], ...] = (
@@ -85,7 +92,27 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequestError("body", f"is not valid JSON ({_short(exc)})") from None
     if not isinstance(value, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {json_type(value)}")
+    check_encodable(value, "")
     return value
+
+
+def check_encodable(value: object, path: str) -> None:
+    """Every string (keys included) must be valid Unicode: JSON may escape a lone UTF-16 surrogate
+    (`"\\ud800"`), which no tokenizer or UTF-8 encoder accepts. Raises naming where it stands."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = path or "body"
+            raise InvalidRequestError(where, f"contains an unpaired UTF-16 surrogate (\\u{ord(value[exc.start]):04x}) "
+                                             f"at character {exc.start}; send valid Unicode text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_encodable(key, path or "body")
+            check_encodable(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_encodable(item, f"{path}[{i}]")
 
 
 def parse_completion(body: bytes) -> OpenAIRequest:
@@ -135,6 +162,9 @@ def sampling_params(obj: dict[str, Any], limit_field: str = "max_tokens") -> Sam
         "ignore_eos": _bool(obj, "ignore_eos"),
     }
     kwargs.update({name: value for name, value in given.items() if value is not None})
+    temperature = kwargs.get("temperature")
+    if temperature is not None and not temperature <= MAX_TEMPERATURE:  # NaN fails too
+        raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     try:
         return SamplingParams(stop=_stop(obj), **kwargs)
     except InvalidRequestError as exc:
@@ -199,15 +229,39 @@ def _content(name: str, content: object) -> str:
 
 
 def _unsupported(obj: dict[str, Any]) -> None:
+    """Fields a client may rely on that this server does not honour: a 400 naming each, never a
+    silent drop. Their neutral values (0, {}, false, text) pass."""
     for name in ("n", "best_of"):
         value = _int(obj, name)
         if value is not None and value != 1:
             raise InvalidRequestError(name, f"only 1 is supported, got {value}")
     if _bool(obj, "echo"):
-        raise InvalidRequestError("echo", "is not supported")
+        raise InvalidRequestError("echo", NOT_IMPLEMENTED)
     logprobs = obj.get("logprobs")
     if logprobs is not None and logprobs is not False:
-        raise InvalidRequestError("logprobs", "are not supported")
+        raise InvalidRequestError("logprobs", NOT_IMPLEMENTED)
+    if _int(obj, "top_logprobs"):
+        raise InvalidRequestError("top_logprobs", NOT_IMPLEMENTED)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(obj, name)
+        if value is not None and not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+            raise InvalidRequestError(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
+        if value:
+            raise InvalidRequestError(name, NOT_IMPLEMENTED)
+    if _object(obj, "logit_bias"):
+        raise InvalidRequestError("logit_bias", NOT_IMPLEMENTED)
+    min_tokens = _int(obj, "min_tokens")
+    if min_tokens is not None and min_tokens < 0:
+        raise InvalidRequestError("min_tokens", f"must be >= 0, got {min_tokens}")
+    if min_tokens:
+        raise InvalidRequestError("min_tokens", NOT_IMPLEMENTED)
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if obj.get(name) not in (None, [], "none"):
+            raise InvalidRequestError(name, "tool calling is not supported by this server")
+    fmt = _object(obj, "response_format")
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise InvalidRequestError("response_format", f"only {{\"type\": \"text\"}} is supported, got "
+                                                     f"{str(fmt.get('type'))[:40]!r}")
 
 
 def _tenant(obj: dict[str, Any]) -> str:
@@ -338,7 +392,8 @@ def envelope(req: OpenAIRequest, request_id: str, created: int, model: str, *, c
     return {"id": response_id(req.kind, request_id), "object": obj, "created": created, "model": model}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error"}
 
 
 def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:

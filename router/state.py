@@ -317,21 +317,29 @@ class RedisState(SharedState):
         self._heartbeat = client.register_script(HEARTBEAT_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, *, timeout_s: float = 0.2, **kwargs: Any) -> RedisState:
-        """A client with short socket timeouts and no retries: a slow Redis must fail fast."""
+    def from_url(cls, url: str, *, timeout_s: float = 0.2, max_connections: int = 64, **kwargs: Any) -> RedisState:
+        """A client with short socket timeouts and no retries (a slow Redis must fail fast) over a
+        bounded pool: under a burst, calls wait for a free connection rather than open one each
+        (Redis' "Too many connections" would otherwise flip the router to local state)."""
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
 
-        client = aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
             decode_responses=True,
         )
-        return cls(client, **kwargs)
+        return cls(aioredis.Redis(connection_pool=pool), **kwargs)
+
+    async def drop_connections(self) -> None:
+        """Close every pooled connection: after an outage they are dead, and each would fail once."""
+        await self._client.connection_pool.disconnect()
 
     def key(self, kind: str, name: str) -> str:
         return f"{self._prefix}:{kind}:{name}"
@@ -432,6 +440,7 @@ class ResilientState(SharedState):
         timeout_s: float = 0.2,
         retry_s: float = 2.0,
         degraded_limit_share: float = 1.0,
+        recover_after: int = 2,
         clock: Clock = time.monotonic,
     ) -> None:
         self._redis = primary
@@ -444,6 +453,8 @@ class ResilientState(SharedState):
         self._reason: str | None = None
         self._since: float | None = None
         self._retry_at = 0.0
+        self._recover_after = recover_after
+        self._good_probes = 0
         self._task: asyncio.Task[None] | None = None
 
     # the breaker ---------------------------------------------------------------------------------
@@ -468,17 +479,25 @@ class ResilientState(SharedState):
         try:
             result = await asyncio.wait_for(call(), self._timeout_s)
         except self._errors as exc:
+            first = not self.degraded
             self._degrade(exc)
+            if first:
+                with contextlib.suppress(*self._errors):
+                    await asyncio.wait_for(self._redis.drop_connections(), self._timeout_s)
             raise _Unavailable from exc
         if self.degraded:
-            log.warning("Redis is back after %.1fs; shared router state restored", self._clock() - (self._since or 0.0))
-            self._reason = self._since = None
+            self._good_probes += 1
+            if self._good_probes >= self._recover_after:  # hysteresis: one lucky call is not recovery
+                log.warning("Redis is back after %.1fs; shared router state restored",
+                            self._clock() - (self._since or 0.0))
+                self._reason = self._since = None
         return result
 
     def _degrade(self, exc: BaseException) -> None:
         now = self._clock()
         self._retry_at = now + self._retry_s
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self._good_probes = 0
         if not self.degraded:
             log.error("Redis unusable (%s); deciding locally, retrying every %.1fs", reason, self._retry_s)
             self._since = now
@@ -568,6 +587,7 @@ def make_state(config: RouterConfig, clock: Clock = time.monotonic) -> SharedSta
     redis_state = RedisState.from_url(
         config.redis_url,
         timeout_s=config.redis_timeout_s,
+        max_connections=config.redis_max_connections,
         prefix=config.redis_key_prefix,
         lease_s=config.lease_s,
         retention_s=config.stats_staleness_s,
@@ -578,6 +598,7 @@ def make_state(config: RouterConfig, clock: Clock = time.monotonic) -> SharedSta
         timeout_s=config.redis_timeout_s,
         retry_s=config.redis_retry_s,
         degraded_limit_share=config.degraded_limit_share,
+        recover_after=config.redis_recover_after,
         clock=clock,
     )
 

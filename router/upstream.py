@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 
-from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
+from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.registry import RegistryChange, ReplicaLoad, ReplicaRegistry
@@ -57,6 +58,9 @@ def upstream_error(replica: str, err: grpc.aio.AioRpcError, retry_after_s: float
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         field, sep, message = details.partition(": ")
         return InvalidRequestError(field, message) if sep and field else InvalidRequestError("request", details)
+    if code == grpc.StatusCode.NOT_FOUND:  # the worker's UnknownModelError
+        named = re.search(r"unknown model '(.*)'; this server serves '(.*)'", details)
+        return UnknownModelError(*named.groups()) if named else InvalidRequestError("model", details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return AdmissionRejected(f"replica {replica} is full", retry_after_s)
     return ReplicaUnavailable(f"replica {replica} failed the request ({code.name}: {details})")

@@ -178,7 +178,8 @@ class EngineConfig:
     `token_budget=None` picks the policy's default: 512 for `sarathi`; `max_model_len` for the
     non-chunking policies, which must fit a whole prompt in one iteration.
     KV capacity comes from `kv_cache_tokens` if set, else from `kv_cache_memory_fraction` of the
-    device's free memory. `attention_aware_chunks` shrinks late chunks of long prompts by their
+    device's free memory (on the CPU, capped at what `max_batch_size` sequences of `max_model_len`
+    tokens can use). `attention_aware_chunks` shrinks late chunks of long prompts by their
     attention work (`scheduler.base.chunk_tokens`); off, chunks are sized by tokens alone.
     """
 

@@ -128,6 +128,10 @@ class Engine:
                 raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad_stop = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad_stop is not None:
+            raise InvalidRequestError("stop_token_ids", f"token id {bad_stop} is out of the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",

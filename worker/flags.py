@@ -28,7 +28,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens")
     g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV capacity in tokens")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.3,
-                   help="KV capacity as a fraction of free device memory (when --kv-cache-tokens is unset)")
+                   help="KV capacity as a fraction of free device memory (when --kv-cache-tokens is unset; on the CPU "
+                        "capped at what --max-batch-size sequences of --max-model-len tokens can use)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--stages", type=int, default=1, help="pipeline stages in this group")
     g.add_argument("--layer-split", default=None, help="layers per stage, comma separated (e.g. 5,3)")

@@ -54,6 +54,11 @@ class KVCache:
             field = "kv_cache_memory_fraction"
         blocks = tokens // config.block_size
         needed = -(-resolved.max_model_len // config.block_size)
+        if config.kv_cache_tokens is None and resolved.device.type == "cpu":
+            # On the CPU the share of RAM is no device reserved for the cache: hold no more than the
+            # batch can ever use (every sequence at max_model_len, plus the watermark's share).
+            usable = config.max_batch_size * needed
+            blocks = min(blocks, usable + int(config.watermark * usable) + 1)
         if blocks - int(config.watermark * blocks) < needed:
             raise ConfigError(
                 field,

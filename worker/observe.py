@@ -28,7 +28,8 @@ class EngineMetrics:
         if batch is not None:
             tel.record_batch(batch.num_prefill_tokens, batch.num_tokens - batch.num_prefill_tokens)
         load = result.stats
-        tel.set_engine_state(running=load.num_running, waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage)
+        tel.set_engine_state(running=load.num_running, waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
+                             kv_blocks_used=load.num_blocks - load.num_free_blocks, kv_blocks_total=load.num_blocks)
         stage = result.stage_time
         if stage is not None and (stage.busy_s > 0 or stage.idle_s > 0):
             tel.add_stage_time(stage.stage, stage.busy_s, stage.idle_s)

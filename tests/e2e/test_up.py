@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -120,3 +121,88 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _stage_pids(up_pid: int) -> dict[tuple[str, int], int]:
+    """(rendezvous port, rank) → pid of every `chariot worker` stage under `chariot up`."""
+    found = {}
+    for pid in descendants(up_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in cmdline and b"chariot.worker" in cmdline:
+            env = _environ(pid)
+            if "RANK" in env:
+                found[env["MASTER_PORT"], int(env["RANK"])] = pid
+    return found
+
+
+def _health(http: str) -> dict:
+    try:
+        with urllib.request.urlopen(f"http://{http}/health", timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read())
+
+
+def _complete(http: str, model: str) -> int:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(f"http://{http}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_dead_stage_costs_only_its_group_which_comes_back(tiny_model_dir, tmp_path):
+    """`--replicas 2`, `kill -9` of one group's stage 1: the router and the other group serve on
+    (≥ 90 % of the requests started 5 s later succeed), and the dead group is recreated after its
+    backoff and reports ready again."""
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "chariot.cli", "up", "--model", str(tiny_model_dir), "--stages", "2",
+           "--replicas", "2", "--http-port", "0", "--grpc-port", "0", "--restart-backoff-seconds", "2",
+           *ENGINE_FLAGS]
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = next((line for line in proc.stdout if line.startswith("chariot up ready")), "")
+        assert ready, log.read_text()[-3000:]
+        http = re.search(r"http=(\S+)", ready).group(1)
+        model = Path(tiny_model_dir).name
+        stages = _stage_pids(proc.pid)
+        assert len(stages) == 4, stages
+        victim_port = sorted({port for port, _ in stages})[0]
+        os.kill(stages[victim_port, 1], signal.SIGKILL)
+
+        time.sleep(5.0)
+        codes = [_complete(http, model) for _ in range(20)]
+        assert sum(c == 200 for c in codes) >= 18, codes
+        assert proc.poll() is None, "chariot up must keep running"
+
+        deadline = time.monotonic() + 180
+        while _health(http).get("ready_replicas") != 2:
+            assert time.monotonic() < deadline, f"the dead group did not come back:\n{log.read_text()[-3000:]}"
+            time.sleep(1.0)
+        text = log.read_text()
+        assert "fails alone" in text and "recreated" in text, text[-3000:]
+        assert all(_complete(http, model) == 200 for _ in range(4))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

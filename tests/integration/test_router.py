@@ -360,6 +360,11 @@ def test_models_health_stats_reflection(router: Router, workers: list[Worker]) -
     models = router.client.get("/v1/models").json()
     assert models["object"] == "list"
     assert models["data"][0]["id"] == SERVED and models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    one = router.client.get(f"/v1/models/{SERVED}")
+    assert one.status_code == 200 and one.json() == models["data"][0]
+    missing = router.client.get("/v1/models/llama-9000")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found" and missing.json()["error"]["param"] == "model"
     assert router.health() == {
         "status": "ok",
         "ready_replicas": 2,
@@ -511,6 +516,13 @@ def bad_http(vocab: int) -> list[tuple[str, str, Any, str]]:
         ("stream string", comp, {"prompt": "hi", "stream": "yes"}, "stream"),
         ("stop number", comp, {"prompt": "hi", "stop": 1}, "stop"),
         ("malformed JSON", comp, b'{"prompt": "hi",', "body"),
+        ("lone surrogate in prompt", comp, b'{"prompt": "\\ud800abc"}', "prompt"),
+        ("lone surrogate in stop", comp, b'{"prompt": "hi", "stop": ["\\udc00"]}', "stop[0]"),
+        ("lone surrogate in chat", chat, b'{"messages": [{"role": "user", "content": "x\\ud800"}]}',
+         "messages[0].content"),
+        ("temperature > 2", comp, {"prompt": "hi", "temperature": 2.5}, "temperature"),
+        ("frequency_penalty string", comp, {"prompt": "hi", "frequency_penalty": "x"}, "frequency_penalty"),
+        ("tools", chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
         ("not an object", comp, b"[1, 2, 3]", "body"),
         ("no messages", chat, {"model": SERVED}, "messages"),
         ("message without content", chat, {"messages": [{"role": "user"}]}, "messages[0].content"),
@@ -563,19 +575,25 @@ def test_bad_input_is_rejected_naming_the_field_while_a_good_request_completes(
     assert started.wait(TIMEOUT)
     for name, path, payload, field in bad_http(vocab):
         resp = router.client.post(path, content=payload) if isinstance(payload, bytes) else router.post(path, payload)
-        assert resp.status_code == 400, (name, resp.status_code, resp.text)
+        assert resp.status_code == (404 if name == "unknown model" else 400), (name, resp.status_code, resp.text)
         error = resp.json()["error"]
         assert error["param"] == field and error["message"].startswith(f"{field}:"), (name, error)
         assert error["type"] == "invalid_request_error"
         streamed = (
             router.post(path, {**payload, "stream": True}) if isinstance(payload, dict) and field != "stream" else None
         )
-        assert streamed is None or streamed.status_code == 400, (name, streamed)
+        assert streamed is None or streamed.status_code == resp.status_code, (name, streamed)
     for name, req, field in bad_grpc(vocab):
         with pytest.raises(grpc.RpcError) as err:
             list(router.stub.Generate(req, timeout=TIMEOUT))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        expected = grpc.StatusCode.NOT_FOUND if name == "unknown model" else grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == expected, name
         assert err.value.details().startswith(f"{field}:"), (name, err.value.details())
+    junk = pb.GenerateRequest(text="hé").SerializeToString().replace("é".encode(), b"\xff\xfe")  # bad UTF-8
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.channel.unary_stream("/chariot.v1.Generation/Generate")(junk, timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("request: cannot be decoded")
     assert thread.is_alive(), "the good request should still be streaming while the bad ones are rejected"
     thread.join(TIMEOUT)
     assert good == ref.token_ids

@@ -208,13 +208,37 @@ def test_killing_redis_degrades_to_local_decisions_and_restarting_recovers(redis
             await router.controller.on_first_token(cast(Decision, during[0][0]))
 
             redis_server.start()  # same port, empty
-            await asyncio.sleep(router.config.redis_retry_s)
-            await router.state.heartbeat()  # the probe; also re-registers this router's live leases
+            for _ in range(router.config.redis_recover_after):  # back after that many good probes in a row
+                assert router.controller.health().degraded
+                await asyncio.sleep(router.config.redis_retry_s)
+                await router.state.heartbeat()  # the probe; also re-registers this router's live leases
             assert not router.controller.health().degraded
             assert isinstance(await router.try_decide(), Decision)
             loads = await router.state.loads({n: 5.0 for n in REPLICAS})
             # 2 Redis-admitted before the outage (re-registered) + 20 local leftovers + 1 new.
             assert sum(load.in_flight for load in loads.values()) == 23
+        finally:
+            await router.state.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_shares_a_bounded_pool_and_never_degrades(redis_server: RedisServer) -> None:
+    """500 admissions at once over a pool of 8: calls wait for a connection instead of opening 500
+    (Redis' "Too many connections" used to flip the router to local state)."""
+    import redis
+
+    async def scenario() -> None:
+        router = Router(redis_server.url, redis_max_connections=8, max_queue_per_replica=10_000)
+        try:
+            outcomes = await asyncio.gather(*(router.try_decide() for _ in range(500)))
+            assert len(admitted(list(outcomes))) == 500
+            assert not router.controller.health().degraded
+            observer = redis.Redis.from_url(redis_server.url)
+            try:
+                assert int(observer.info("clients")["connected_clients"]) <= 8 + 1  # the pool + this observer
+            finally:
+                observer.close()
         finally:
             await router.state.aclose()
 
@@ -233,8 +257,9 @@ def test_a_hung_redis_costs_one_timeout_then_local_decisions(redis_server: Redis
             assert max(elapsed for _, elapsed in outcomes[1:]) < 0.15  # then no call waits until the retry
             assert "Timeout" in (router.controller.health().reason or "")
             redis_server.resume()
-            await asyncio.sleep(0.5)
-            assert isinstance(await router.try_decide(), Decision)
+            for _ in range(router.config.redis_recover_after):
+                await asyncio.sleep(0.5)
+                assert isinstance(await router.try_decide(), Decision)
             assert not router.controller.health().degraded
         finally:
             redis_server.resume()

@@ -144,8 +144,10 @@ def test_gauges_push_pull_unregister_and_faulty_callback(telemetry: Telemetry) -
     state = {"running": 4.0, "waiting": 1.0}
     unregister = telemetry.observe_engine(lambda: state, {"replica": "a"})
     telemetry.observe_engine(lambda: 1 / 0)  # type: ignore[arg-type,return-value]  # must not break scrapes
-    telemetry.set_engine_state(kv_cache_usage=0.75)
+    telemetry.set_engine_state(kv_cache_usage=0.75, kv_blocks_used=3, kv_blocks_total=4)
     text = telemetry.prometheus_text().decode()
+    assert 'chariot_kv_cache_blocks_used{component="worker",gen_ai_request_model="tiny"} 3.0' in text
+    assert 'chariot_kv_cache_blocks{component="worker",gen_ai_request_model="tiny"} 4.0' in text
     assert 'chariot_requests_running{component="worker",gen_ai_request_model="tiny",replica="a"} 4.0' in text
     assert 'chariot_kv_cache_usage{component="worker",gen_ai_request_model="tiny"} 0.75' in text
     state["running"] = 9.0

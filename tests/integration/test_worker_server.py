@@ -334,9 +334,16 @@ def bad_requests(vocab: int) -> list[tuple[str, Any, str]]:
         ("seed < 0", _req(sampling={"seed": -1}), "seed"),
         ("empty stop string", _req(sampling={"stop": ["ok", ""]}), "stop"),
         ("negative stop token", _req(sampling={"stop_token_ids": [-2]}), "stop_token_ids"),
+        ("stop token out of vocabulary", _req(sampling={"stop_token_ids": [vocab]}), "stop_token_ids"),
         ("unknown model", _req(model="llama-9000"), "model"),
         ("request id too long", _req(request_id="x" * 1000), "request_id"),
     ]
+
+
+def undecodable_requests() -> list[bytes]:
+    """Bytes that are no GenerateRequest: invalid UTF-8 in a string field, a truncated field."""
+    valid = pb.GenerateRequest(text="hé").SerializeToString()
+    return [valid.replace("é".encode(), b"\xff\xfe"), valid[:-1], b"\xff" * 7]
 
 
 def test_bad_input_is_invalid_argument_and_good_request_completes(
@@ -361,8 +368,14 @@ def test_bad_input_is_invalid_argument_and_good_request_completes(
     for name, req, field in cases:
         with pytest.raises(grpc.RpcError) as err:
             collect(server.stub, req)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        expected = grpc.StatusCode.NOT_FOUND if field == "model" else grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == expected, name
         assert err.value.details().startswith(f"{field}:"), (name, err.value.details())
+    for junk in undecodable_requests():
+        with pytest.raises(grpc.RpcError) as err:
+            list(server.channel.unary_stream("/chariot.v1.Generation/Generate")(junk, timeout=TIMEOUT))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, junk
+        assert err.value.details().startswith("request: cannot be decoded"), err.value.details()
     assert thread.is_alive(), "the good request should still be streaming while the bad ones are rejected"
     thread.join(TIMEOUT)
     assert joined(good) == (ref.token_ids, ref.text)

@@ -336,6 +336,10 @@ class FlakyRedis:
         self.down = False
         self.inner = LocalState()
         self.forgotten: list[str] = []
+        self.dropped = 0
+
+    async def drop_connections(self) -> None:
+        self.dropped += 1
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.inner, name)
@@ -365,9 +369,20 @@ def test_resilient_state_degrades_and_recovers() -> None:
         assert await state.admit("r2", "a", 100, 10)  # local
         await state.release("r1", "a")  # admitted in Redis, which is down: forgotten, its lease expires
         assert primary.forgotten == ["r1"]
+        assert primary.dropped == 1  # the pooled connections went with the first failure, once
         clock.advance(1.0)
         primary.down = False
-        await state.heartbeat()  # the probe
+        await state.heartbeat()  # a probe succeeds: one is not enough (hysteresis)
+        assert state.health().degraded
+        clock.advance(1.0)
+        primary.down = True
+        await state.heartbeat()  # fails again: the count of good probes starts over
+        clock.advance(1.0)
+        primary.down = False
+        await state.heartbeat()
+        assert state.health().degraded
+        clock.advance(1.0)
+        await state.heartbeat()  # the second good probe in a row
         assert not state.health().degraded
         loads = await state.loads({"a": 5.0})  # local leftovers still count after recovery
         assert loads["a"].in_flight == 2  # r1 in the stand-in (never released there) + r2 locally
@@ -393,6 +408,8 @@ def test_resilient_state_degrades_and_recovers() -> None:
         (dict(rate_limit_unit="bytes"), "rate_limit_unit"),
         (dict(redis_url="localhost:6379"), "redis_url"),
         (dict(redis_timeout_s=0), "redis_timeout_s"),
+        (dict(redis_max_connections=0), "redis_max_connections"),
+        (dict(redis_recover_after=0), "redis_recover_after"),
         (dict(degraded_limit_share=1.5), "degraded_limit_share"),
         (dict(stats_staleness_s=-1), "stats_staleness_s"),
         (dict(redis_key_prefix="a{b}"), "redis_key_prefix"),

@@ -135,7 +135,37 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("echo", {"echo": True}, "echo"),
     ("logprobs", {"logprobs": 5}, "logprobs"),
     ("return_token_ids string", {"return_token_ids": "yes"}, "return_token_ids"),
+    ("lone surrogate prompt", {"prompt": "\ud800abc"}, "prompt"),
+    ("lone surrogate stop", {"stop": ["ok", "\udc00"]}, "stop[1]"),
+    ("lone surrogate user", {"user": "\udfff"}, "user"),
+    ("lone surrogate key", {"\ud800": 1}, "body"),
+    ("temperature > 2", {"temperature": 2.01}, "temperature"),
+    ("top_logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("presence_penalty set", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("presence_penalty range", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("frequency_penalty string", {"frequency_penalty": "x"}, "frequency_penalty"),
+    ("frequency_penalty set", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("logit_bias", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("logit_bias list", {"logit_bias": [1]}, "logit_bias"),
+    ("min_tokens", {"min_tokens": 3}, "min_tokens"),
+    ("min_tokens < 0", {"min_tokens": -1}, "min_tokens"),
+    ("tools", {"tools": [{"type": "function"}]}, "tools"),
+    ("tool_choice", {"tool_choice": "auto"}, "tool_choice"),
+    ("response_format json", {"response_format": {"type": "json_object"}}, "response_format"),
 ]
+
+
+def test_neutral_values_of_unsupported_fields_pass() -> None:
+    req = parse_completion(body(prompt="hi", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, min_tokens=0,
+                                response_format={"type": "text"}, tools=[], top_logprobs=0, temperature=2))
+    assert req.params.temperature == 2
+
+
+def test_lone_surrogates_in_chat_name_the_message(tokenizer: Tokenizer) -> None:
+    raw = b'{"messages": [{"role": "user", "content": "fine"}, {"role": "user", "content": "x\\ud800"}]}'
+    assert field_of(parse_chat, raw, tokenizer) == "messages[1].content"
+    parts = b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}'
+    assert field_of(parse_chat, parts, tokenizer) == "messages[0].content[0].text"
 
 
 @pytest.mark.parametrize(("name", "fields", "field"), BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
@@ -243,7 +273,7 @@ def test_completion_and_chat_shapes() -> None:
     ("exc", "status", "kind", "code", "param"),
     [
         (InvalidRequestError("top_p", "bad"), 400, "invalid_request_error", "invalid_argument", "top_p"),
-        (UnknownModelError("x", "tiny"), 400, "invalid_request_error", "model_not_found", "model"),
+        (UnknownModelError("x", "tiny"), 404, "invalid_request_error", "model_not_found", "model"),
         (AdmissionRejected("slo", 2.2), 429, "rate_limit_error", "resource_exhausted", None),
         (NoReplicaAvailable("none"), 503, "service_unavailable_error", "unavailable", None),
         (ReplicaUnavailable("died"), 503, "service_unavailable_error", "unavailable", None),
@@ -270,6 +300,7 @@ JSON = st.recursive(
 FIELDS = [
     "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
     "ignore_eos", "stream", "stream_options", "model", "user", "n", "best_of", "echo", "logprobs", "return_token_ids",
+    "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "tools", "response_format",
 ]  # fmt: skip
 
 

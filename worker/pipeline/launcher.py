@@ -22,12 +22,13 @@ def worker_command(config: EngineConfig) -> list[str]:
     return [sys.executable, "-m", "chariot.worker", "worker", *config_to_argv(config)]
 
 
-def start_group(index: int, config: EngineConfig, served: str, engine_core: str = "process",
+def start_group(index: int, config: EngineConfig, served: str, engine_core: str = "process", port: int = 0,
                 ) -> tuple[list[Child], Child]:
-    """Every stage of pipeline group `index` as supervised local processes (gRPC and metrics on free
-    ports, rendezvous on loopback); returns (all its children, its stage 0)."""
+    """Every stage of pipeline group `index` as supervised local processes (stage 0's gRPC on `port`,
+    0 = a free one; metrics on free ports; rendezvous on loopback); returns (all its children, its
+    stage 0)."""
     topo = Topology(0, config.pipeline_stages, "127.0.0.1", free_port())
-    cmd = [*worker_command(config), "--port", "0", "--metrics-port", "0", "--served-model-name", served,
+    cmd = [*worker_command(config), "--port", str(port), "--metrics-port", "0", "--served-model-name", served,
            "--engine-core", engine_core]
     children = [spawn(f"replica {index} stage {rank}", cmd, stage_env(topo, rank), WORKER_READY_PREFIX)
                 for rank in range(config.pipeline_stages)]

@@ -165,10 +165,16 @@ class StageLink:
 
     def _broken(self, peer: int, what: str, exc: BaseException, limit: datetime.timedelta | None = None,
                 ) -> PipelineError:
+        """A send/receive that failed, said as what happened: a peer that went silent past the
+        deadline ("no answer from stage N within Ts") or one whose connection broke ("stage N
+        connection lost"), with the transport's own first line."""
         who = f"stage {peer}" if peer >= 0 else "a peer stage"
-        within = f" within {limit.total_seconds():.0f}s" if limit is not None else ""
-        return PipelineError(f"pipeline stage {self.topo.rank} could not {what} {who}{within}: "
-                             f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+        detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        me = f"pipeline stage {self.topo.rank}"
+        if limit is not None and _is_timeout(exc):
+            return PipelineError(f"{me}: no answer from {who} within {limit.total_seconds():.0f}s "
+                                 f"(waiting to {what} it): {detail}")
+        return PipelineError(f"{me}: {who} connection lost (could not {what} it): {detail}")
 
     def _wait(self, work: dist.Work, peer: int, what: str, timeout: datetime.timedelta | None = None) -> None:
         limit = timeout or self.timeout
@@ -177,3 +183,9 @@ class StageLink:
                 raise RuntimeError("timed out")
         except RuntimeError as exc:
             raise self._broken(peer, what, exc, limit) from exc
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """gloo and NCCL report an expired wait as a RuntimeError whose text says so."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text

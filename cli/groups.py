@@ -1,0 +1,93 @@
+"""Supervision of `chariot up`'s pipeline groups with the operator's semantics.
+
+A stage that exits fails its own group only, as a dead pod does on Kubernetes: the rest of that
+group is stopped, and the group is recreated after the operator's gang-restart backoff
+(`chariot.operator.reconcile.Backoff`: base × 2^(restarts-1), capped, reset after a long healthy
+run) on the same stage-0 gRPC address. The router drops the group from rotation as soon as its
+load reports stop (and re-sends requests that had not got a token yet), and takes it back once it
+reports again. Other groups and the router keep serving throughout.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chariot.contracts.processes import Child, free_port, shutdown
+from chariot.operator.reconcile import Backoff
+from chariot.worker.config import EngineConfig
+from chariot.worker.pipeline.launcher import start_group
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class LocalGroup:
+    """One pipeline group's processes and its restart bookkeeping."""
+
+    index: int
+    port: int  # stage 0's gRPC port: the router's address for this group, kept across restarts
+    children: list[Child]
+    started_at: float
+    restarts: int = 0
+    restart_at: float | None = None  # set while the group is down, waiting out its backoff
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def stage0(self) -> Child:
+        return self.children[0]
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+
+class GroupSupervisor:
+    """Starts R local groups and keeps them up; `check()` is called from the supervising loop."""
+
+    def __init__(self, config: EngineConfig, served: str, engine_core: str = "process",
+                 backoff: Backoff | None = None, clock: Clock = time.monotonic) -> None:
+        self.config, self.served, self.engine_core = config, served, engine_core
+        self.backoff = backoff or Backoff()
+        self.clock = clock
+        self.groups: list[LocalGroup] = []
+
+    def start(self, replicas: int) -> list[LocalGroup]:
+        for index in range(replicas):
+            port = free_port()
+            children, _ = start_group(index, self.config, self.served, self.engine_core, port)
+            self.groups.append(LocalGroup(index, port, children, self.clock()))
+        return self.groups
+
+    def children(self) -> list[Child]:
+        return [c for g in self.groups for c in g.children]
+
+    def check(self) -> None:
+        """Fail groups with a dead stage; recreate those whose backoff has passed."""
+        now = self.clock()
+        for group in self.groups:
+            if group.restart_at is None:
+                dead = group.dead_child()
+                if dead is not None:
+                    self._fail(group, dead, now)
+            elif now >= group.restart_at:
+                group.children, _ = start_group(group.index, self.config, self.served, self.engine_core, group.port)
+                group.started_at, group.restart_at = now, None
+                print(f"chariot up: replica {group.index} recreated on {group.address} (restart {group.restarts})",
+                      file=sys.stderr, flush=True)
+
+    def _fail(self, group: LocalGroup, dead: Child, now: float) -> None:
+        code = dead.proc.returncode
+        shutdown(group.children, grace_s=5.0)
+        if now - group.started_at >= self.backoff.reset_after_s:
+            group.restarts = 0  # it ran long enough: this failure starts a fresh backoff series
+        group.restarts += 1
+        delay = self.backoff.delay(group.restarts)
+        group.restart_at = now + delay
+        print(f"chariot up: {dead.name} exited with code {code}; replica {group.index} fails alone and is "
+              f"recreated in {delay:g}s (restart {group.restarts}); the other replicas keep serving",
+              file=sys.stderr, flush=True)
