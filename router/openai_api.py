@@ -243,10 +243,10 @@ def _unsupported(obj: dict[str, Any]) -> None:
     if _int(obj, "top_logprobs"):
         raise InvalidRequestError("top_logprobs", NOT_IMPLEMENTED)
     for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(obj, name)
-        if value is not None and not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
-            raise InvalidRequestError(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
-        if value:
+        penalty = _number(obj, name)
+        if penalty is not None and not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
+            raise InvalidRequestError(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {penalty}")
+        if penalty:
             raise InvalidRequestError(name, NOT_IMPLEMENTED)
     if _object(obj, "logit_bias"):
         raise InvalidRequestError("logit_bias", NOT_IMPLEMENTED)

@@ -172,9 +172,10 @@ def test_dead_or_silent_stage_fails_requests_and_exits(small_model_dir, how):
     assert len(finished) == 4
     for req in finished:
         assert req["reason"] == "error" and "pipeline stage" in req["error"]
-    # the error says what happened: a lost connection for a killed stage, silence for a frozen one
-    said = "connection lost" if how == "killed" else f"within {timeout_s:.0f}s"
-    assert all(said in req["error"] for req in finished), [req["error"] for req in finished]
+    # the error says what happened: a killed stage's connection is lost; a frozen one is either
+    # silent past the deadline or, if the stage after it gave up first, that stage's connection is lost
+    said = ("connection lost",) if how == "killed" else (f"within {timeout_s:.0f}s", "connection lost")
+    assert all(any(s in req["error"] for s in said) for req in finished), [req["error"] for req in finished]
     # detection is bounded by the stage timeout (plus the time stage 0 spends on its own work)
     assert elapsed < 4 * timeout_s + 10
     # stage 2 noticed on its own (broken connection or silent upstream) and exited non-zero

@@ -58,7 +58,8 @@ def record_everything(t: Telemetry) -> None:
     t.record_queue_delay(0.004)
     t.record_batch(512, 7)
     t.add_stage_time("0", 0.8, 0.2)
-    t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5)
+    t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5, kv_blocks_used=4, kv_blocks_total=8)
+    t.record_retry("g0")
 
 
 def type_lines(text: str) -> dict[str, str]:
@@ -313,7 +314,8 @@ def test_real_prometheus_scrape(prometheus) -> None:
     with setup_telemetry("worker", "worker", model="tiny") as worker, setup_telemetry("router", "router") as router:
         targets = [f"127.0.0.1:{worker.start_metrics_server('127.0.0.1', 0)}",
                    f"127.0.0.1:{router.start_metrics_server('127.0.0.1', 0)}"]  # fmt: skip
-        state = {"running": 3.0, "waiting": 5.0, "kv_cache_usage": 0.42}
+        state = {"running": 3.0, "waiting": 5.0, "kv_cache_usage": 0.42, "kv_blocks_used": 42.0,
+                 "kv_blocks_total": 100.0}
         worker.observe_engine(lambda: state)
         # One warm-up point so the histogram series exist before the measured data: rate() only counts
         # increases between samples, so the real values must arrive after Prometheus's first scrape.
@@ -344,6 +346,7 @@ def test_real_prometheus_scrape(prometheus) -> None:
         worker.record_request(1.0, 20, 10)
         worker.add_stage_time(0, busy_s=0.9, idle_s=0.1)
         worker.add_stage_time(1, busy_s=0.6, idle_s=0.4)
+        router.record_retry("g1")
 
         prom.wait_for_scrape()  # both targets scraped after the last point was recorded
         assert prom.value(f"{TBT}_count") == 1 + len(tbts)
@@ -385,6 +388,7 @@ def test_real_prometheus_scrape(prometheus) -> None:
         assert prom.value('chariot_requests_running{component="worker"}') == 3
         assert prom.value('chariot_requests_waiting{component="worker"}') == 5
         assert prom.value("chariot_kv_cache_usage") == pytest.approx(0.42)
+        assert prom.value("chariot_kv_cache_blocks_used") == 42.0 and prom.value("chariot_kv_cache_blocks") == 100.0
         state["running"] = 7.0
         prom.wait_for_scrape()
         assert prom.value('chariot_requests_running{component="worker"}') == 7

@@ -79,7 +79,8 @@ def test_invalid_requests_name_the_field(req: Any, field: str) -> None:
         request_from_proto(req, MODEL)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}:")
-    assert error_status(err.value) == ("INVALID_ARGUMENT", 400)
+    expected = ("NOT_FOUND", 404) if field == "model" else ("INVALID_ARGUMENT", 400)  # an unknown model, as OpenAI
+    assert error_status(err.value) == expected
 
 
 def test_unknown_model_is_its_own_error() -> None:
