@@ -115,6 +115,7 @@ class PeerConfig:
     out: Path
     max_len: int = 2048
     kv_cache_gib: int = 1
+    vllm_reserved_cpus: int | None = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU; None: vLLM's own default (one core per rank)
     seed: int = 0
     drain_s: float = DEFAULT_DRAIN_S
     single_output: int = SINGLE_OUTPUT_TOKENS
@@ -159,6 +160,7 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         systems=parse_choices(args.systems, "systems", SYSTEMS), variants=parse_choices(args.variants, "variants",
                                                                                          VARIANTS),
         quick=args.quick, out=Path(args.out), max_len=args.max_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+        vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
         drain_s=args.drain_s, single_output=d.single_output)
     validate(cfg)
     return cfg
@@ -178,6 +180,9 @@ def validate(cfg: PeerConfig) -> None:
         (cfg.max_probes >= 1, "max_probes", f"must be >= 1, got {cfg.max_probes}"),
         (cfg.kv_cache_gib >= 1, "kv_cache_gib", f"must be >= 1 (vLLM-CPU takes whole GiB), got {cfg.kv_cache_gib}"),
         (cfg.drain_s > 0, "drain_s", f"must be > 0, got {cfg.drain_s}"),
+        (cfg.vllm_reserved_cpus is None or cfg.vllm_reserved_cpus < (os.cpu_count() or 1), "vllm_reserved_cpus",
+         f"must be < the {os.cpu_count()} CPUs of this machine (or < 0 for vLLM's default), "
+         f"got {cfg.vllm_reserved_cpus}"),
         (cfg.max_len > SHARED_PREFIX_TOKENS + SINGLE_PROMPT_TOKENS + cfg.single_output, "max_len",
          f"must be > {SHARED_PREFIX_TOKENS + SINGLE_PROMPT_TOKENS + cfg.single_output} (shared prefix + "
          f"single-request prompt and output), got {cfg.max_len}"),
@@ -548,10 +553,15 @@ def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str
 
 
 def vllm_env(cfg: PeerConfig) -> dict[str, str]:
-    """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline."""
+    """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline, and the
+    cores its model workers may use. vLLM-CPU reserves one core per rank for its scheduler by default, which
+    on a 2-core machine halves the cores its model runs on while Chariot's uses both; the benchmark gives
+    vLLM every core unless told otherwise (`--vllm-reserved-cpus`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
+    if cfg.vllm_reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.vllm_reserved_cpus)
     return env
 
 
@@ -877,6 +887,7 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "ttft_slo_ms": cfg.ttft_slo_ms, "qps_low": cfg.qps_low, "qps_high": cfg.qps_high,
             "tolerance": cfg.tolerance, "max_probes": cfg.max_probes, "systems": list(cfg.systems),
             "variants": list(cfg.variants), "quick": cfg.quick, "seed": cfg.seed, "kv_cache_gib": cfg.kv_cache_gib,
+            "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
             "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "versions": versions(), "cpu_model": cpu.model,
             "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus, "os_cpu_count": os.cpu_count(),
@@ -1001,6 +1012,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=int, default=1,
                    help="KV cache of both systems in GiB (vLLM-CPU VLLM_CPU_KVCACHE_SPACE; Chariot gets as many "
                         "tokens as fit; default 1)")
+    p.add_argument("--vllm-reserved-cpus", type=int, default=0,
+                   help="cores vLLM-CPU keeps off its model workers (VLLM_CPU_NUM_OF_RESERVED_CPU); default 0, "
+                        "every core, as Chariot; < 0 leaves vLLM's own default (one per rank)")
     p.add_argument("--seed", type=int, default=0, help="trace and prompt seed (default 0)")
     p.add_argument("--drain-s", type=float, default=DEFAULT_DRAIN_S,
                    help=f"a probe is cut off this long after its last arrival (default {DEFAULT_DRAIN_S:g})")

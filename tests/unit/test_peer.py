@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,7 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     (["--kv-cache-gib", "0"], "kv_cache_gib"),
     (["--max-len", "300"], "max_len"),
     (["--scale", "0"], "scale"),
+    (["--vllm-reserved-cpus", "4096"], "vllm_reserved_cpus"),
 ])
 def test_bad_flags_raise_config_error_naming_the_field(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -142,6 +144,10 @@ def test_both_servers_get_the_same_model_dtype_budget_and_kv_bytes(tiny_model_di
     # tiny preset: 2 layers × K and V × 2 KV heads × 16 dims × 4 bytes = 512 B per token → 1 GiB
     assert int(flag(ours, "--kv-cache-tokens")) == (1 << 30) // 512
     assert vllm_env(cfg)["VLLM_CPU_KVCACHE_SPACE"] == "1" and "PYTHONPATH" not in vllm_env(cfg)
+    # vLLM's model workers get every core, as Chariot's engine does; < 0 on the command line keeps vLLM's default
+    assert vllm_env(cfg)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in vllm_env(replace(cfg, vllm_reserved_cpus=None))
+    assert resolve_config(args("--vllm-reserved-cpus", "-1")).vllm_reserved_cpus is None
     assert float(flag(ours, "--ttft-slo-ms")) >= 3_600_000 and int(flag(ours, "--max-queue-per-replica")) >= 10**6
     assert flag(theirs, "--port") == "12345" and flag(ours, "--http-port") == "0"
 
