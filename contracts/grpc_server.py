@@ -173,10 +173,11 @@ def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
     return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(math.ceil(seconds * 1000))))
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with the status `error_status()` gives `exc` (plus the retry hint when shed)."""
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> NoReturn:
+    """End the call with the status `error_status()` gives `exc` (plus the retry hint when shed); an
+    INTERNAL one logs its traceback with the request id, since the client only sees the message."""
     code, _ = error_status(exc)
     if code == "INTERNAL":
-        log.error("internal error serving a call", exc_info=exc)
+        log.error("request %s: internal error", request_id or "-", exc_info=exc)
     await context.abort(grpc.StatusCode[code], str(exc), trailing_metadata=retry_metadata(exc))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises

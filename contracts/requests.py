@@ -5,11 +5,18 @@ each of its events happened. Torch-free, so the router, the worker and the bench
 from __future__ import annotations
 
 import enum
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 Prompt = str | Sequence[int]
 """A prompt as text, or as token ids that bypass the tokenizer."""
+
+
+def new_request_id() -> str:
+    """A fresh request id for a request whose client chose none (assigned at the front, so that every
+    log line and response about the request carries the same id)."""
+    return uuid.uuid4().hex
 
 
 class FinishReason(str, enum.Enum):

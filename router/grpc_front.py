@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2
 
 from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health
 from chariot.contracts.proto_codec import finish_reason_to_proto, request_from_proto
+from chariot.contracts.requests import new_request_id
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
@@ -73,6 +74,7 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
         except Exception as exc:
             self._dp.reject(exc)
             await abort_with(context, exc)
+        request_id = request_id or new_request_id()
         req = GenerateInput(
             prompt, params, request_id, request.tenant, request.model, trace_parent(context.invocation_metadata())
         )
@@ -81,7 +83,7 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
                 async for chunk in stream:
                     yield chunk_to_proto(chunk)
         except Exception as exc:
-            await abort_with(context, exc)
+            await abort_with(context, exc, request_id)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The deployment's load: the ready replicas' latest reports, aggregated."""

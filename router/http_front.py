@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -35,8 +36,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from chariot.contracts.errors import InvalidRequestError, UnknownModelError
-from chariot.contracts.requests import FinishReason
+from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.requests import FinishReason, new_request_id
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
@@ -57,13 +58,21 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
 
+log = logging.getLogger(__name__)
+
 
 class ClientGone(Exception):
     """The client closed the connection before the response was complete."""
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, request_id: str = "") -> JSONResponse:
+    """The OpenAI-style error response for `exc`; a 500 logs its traceback with the request id (the
+    client only learns the exception's type) and echoes the id in `X-Request-Id`."""
     status, body, headers = error_payload(exc)
+    if status >= 500 and error_status(exc)[0] == "INTERNAL":
+        log.error("request %s: internal error", request_id or "-", exc_info=exc)
+    if request_id:
+        headers = {**headers, "X-Request-Id": request_id}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -161,7 +170,7 @@ class OpenAIFront:
     async def _generate(self, request: Request, parse: Callable[[bytes], OpenAIRequest]) -> Response:
         try:
             parsed = parse(await read_body(request))
-            request_id = check_request_id(request.headers.get("x-request-id", ""))
+            request_id = check_request_id(request.headers.get("x-request-id", "")) or new_request_id()
             tenant = check_tenant(request.headers.get("x-tenant", "")) or parsed.user
         except InvalidRequestError as exc:
             self._dp.reject(exc)
@@ -172,16 +181,17 @@ class OpenAIFront:
         req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None)
         stream = self._dp.generate(req)
         if parsed.stream:
-            return await self._stream(request, parsed, stream)
-        return await self._complete(request, parsed, stream)
+            return await self._stream(request, parsed, stream, request_id)
+        return await self._complete(request, parsed, stream, request_id)
 
-    async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None]) -> Response:
+    async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
+                        request_id: str) -> Response:
         try:
             chunks = await until_disconnect(request, _collect(stream))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:
-            return error_response(exc)
+            return error_response(exc, request_id)
         last = chunks[-1]
         if last.finish_reason == FinishReason.ERROR:
             return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"))
@@ -192,14 +202,15 @@ class OpenAIFront:
         body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
         return JSONResponse(body, headers=response_headers(last))
 
-    async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None]) -> Response:
+    async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
+                      request_id: str) -> Response:
         """Wait for the first chunk (so admission errors get their own status), then stream SSE."""
         try:
             first = await until_disconnect(request, _next_chunk(stream))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:  # (never StopAsyncIteration: the data plane ends with a finished chunk or raises)
-            return error_response(exc)
+            return error_response(exc, request_id)
         events = self._events(parsed, first, stream)
         return EventStreamResponse(events, response_headers(first))
 
@@ -218,6 +229,8 @@ class OpenAIFront:
                     if (event := _chunk_event(parsed, head, chunk)) is not None:
                         yield event
             except Exception as exc:
+                if error_status(exc)[0] == "INTERNAL":
+                    log.error("request %s: internal error while streaming", first.request_id, exc_info=exc)
                 yield sse(error_payload(exc)[1])
                 yield DONE_EVENT
                 return
@@ -273,8 +286,11 @@ def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, *, f
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """404/405 and friends as OpenAI-style JSON errors."""
+    """404/405 and friends as OpenAI-style JSON errors; anything else is a 500 whose traceback is logged."""
     status = exc.status_code if isinstance(exc, HTTPException) else 500
+    if status >= 500:
+        log.error("request %s: %s %s failed", request.headers.get("x-request-id", "-"), request.method,
+                  request.url.path, exc_info=exc)
     detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": f"{request.method} {request.url.path}: {detail}", "type": kind, "param": None,

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from chariot.contracts.grpc_server import OncePerInterval
 from chariot.router.config import RouterConfig, TenantLimit
 from chariot.router.ratelimit import TAKE_SCRIPT, BucketLevel, TakeResult, bucket_ttl_s, take_from_bucket
 
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 T = TypeVar("T")
+LAG_LOG_INTERVAL_S = 30.0  # at most one "event loop lagged" warning per this many seconds
 
 
 class DuplicateRequestError(ValueError):
@@ -415,6 +417,11 @@ class _Unavailable(Exception):
     """Redis is not to be used for this call (it just failed, or is in its retry back-off)."""
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    """asyncio's timeout, or redis-py's (its TimeoutError is not the builtin one)."""
+    return isinstance(exc, TimeoutError) or type(exc).__name__ == "TimeoutError"
+
+
 def _redis_errors() -> tuple[type[BaseException], ...]:
     try:
         from redis.exceptions import RedisError
@@ -441,9 +448,14 @@ class ResilientState(SharedState):
         retry_s: float = 2.0,
         degraded_limit_share: float = 1.0,
         recover_after: int = 2,
+        max_connections: int = 64,
         clock: Clock = time.monotonic,
     ) -> None:
         self._redis = primary
+        # Calls queue here for one of the pool's connections, outside the Redis timeout: waiting in a
+        # burst is the router's own back-pressure, not Redis failing (it must not degrade the state).
+        self._slots = asyncio.Semaphore(max_connections)
+        self._lag_log = OncePerInterval(LAG_LOG_INTERVAL_S)
         self._local = fallback if fallback is not None else LocalState(clock)
         self._timeout_s = timeout_s
         self._retry_s = retry_s
@@ -470,15 +482,38 @@ class ResilientState(SharedState):
         """Run `call` on Redis within the timeout, or raise _Unavailable (and degrade).
 
         While degraded, one call per `retry_s` probes Redis; concurrent calls stay local meanwhile.
+        At most `max_connections` calls run at once; the others wait for a slot before their timeout
+        starts, and see a degradation that happened while they waited.
         """
-        if self.degraded:
-            now = self._clock()
-            if now < self._retry_at:
-                raise _Unavailable
-            self._retry_at = now + self._retry_s  # this call is the probe
+        if self.degraded and self._clock() < self._retry_at:
+            raise _Unavailable  # fast path: no slot needed to decide locally
+        async with self._slots:
+            self._check_probe()
+            return await self._timed(call)
+
+    def _check_probe(self) -> None:
+        """Raise _Unavailable while degraded, except for one probe per `retry_s`."""
+        if not self.degraded:
+            return
+        now = self._clock()
+        if now < self._retry_at:
+            raise _Unavailable
+        self._retry_at = now + self._retry_s  # this call is the probe
+
+    async def _timed(self, call: Callable[[], Awaitable[T]]) -> T:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         try:
             result = await asyncio.wait_for(call(), self._timeout_s)
         except self._errors as exc:
+            late = loop.time() - start - self._timeout_s
+            if _is_timeout(exc) and not self.degraded and late > self._timeout_s:
+                # The timeout itself fired more than a timeout late: the router's own event loop was
+                # too busy (a burst on a small machine) to read an answer in time. This call decides
+                # locally, but that is no evidence that Redis is unusable.
+                self._lag_log.warn(f"a Redis call timed out {late * 1e3:.0f} ms late: this router's event loop "
+                                   "is overloaded; decided locally, shared state kept")
+                raise _Unavailable from exc
             first = not self.degraded
             self._degrade(exc)
             if first:
@@ -599,6 +634,7 @@ def make_state(config: RouterConfig, clock: Clock = time.monotonic) -> SharedSta
         retry_s=config.redis_retry_s,
         degraded_limit_share=config.degraded_limit_share,
         recover_after=config.redis_recover_after,
+        max_connections=config.redis_max_connections,
         clock=clock,
     )
 

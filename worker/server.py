@@ -45,6 +45,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Stream the request's outputs; a cancelled call aborts the request (its KV blocks are freed)."""
+        request_id = ""
         try:
             prompt, params, request_id = request_from_proto(request, self._model)
             stream = self._engine.generate(prompt, params, request_id or None)
@@ -52,7 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async for out in stream:
                     yield response_from_output(out)
         except Exception as exc:
-            await abort_with(context, exc)
+            await abort_with(context, exc, request_id)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """This replica's load report."""

@@ -10,10 +10,12 @@ that "mid-stream" is a real window and cancellation is observable before a reque
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -42,6 +44,7 @@ from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
 from chariot.router.app import run_router
 from chariot.router.config import RouterConfig, TenantLimit
+from chariot.router.dataplane import DataPlane
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
@@ -661,6 +664,72 @@ def test_fuzz_http_bodies_never_500(router: Router, workers: list[Worker]) -> No
     all_idle(workers, router)
 
 
+FUZZ_DIR = Path(__file__).parent.parent / "fuzz"
+
+
+def corpus(name: str) -> list[dict[str, Any]]:
+    """The committed fuzz corpus (`tests/fuzz/make_corpus.py` wrote it)."""
+    return [json.loads(line) for line in (FUZZ_DIR / name).read_text().splitlines()]
+
+
+def test_the_committed_fuzz_corpus_gets_no_5xx_and_leaves_every_engine_idle(
+    router: Router, workers: list[Worker]
+) -> None:
+    http = corpus("http_corpus.jsonl")
+    statuses: Counter[int] = Counter()
+    for case in http:
+        body = base64.b64decode(case["body_b64"]) if "body_b64" in case else case["body"].encode()
+        with router.client.stream("POST", case["path"], content=body) as resp:
+            content = resp.read()
+        statuses[resp.status_code] += 1
+        assert resp.status_code < 500, (case["name"], resp.status_code, content[:300])
+        if resp.status_code >= 400:
+            error = json.loads(content)["error"]
+            assert error["message"] and error["type"], case["name"]
+    assert statuses[200] >= 10 and statuses[400] >= 100, statuses  # both kinds really occur
+    codes: Counter[str] = Counter()
+    for target in (router.channel, workers[0].channel):
+        for case in corpus("grpc_corpus.jsonl"):
+            call = target.unary_stream(case["method"])
+            try:
+                list(call(base64.b64decode(case["body_b64"]), timeout=TIMEOUT))
+                codes["OK"] += 1
+            except grpc.RpcError as err:
+                codes[err.code().name] += 1
+                assert err.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (case["name"], err)
+    assert codes["INVALID_ARGUMENT"] >= 10 and codes["OK"] >= 2, codes
+    assert router.post("/v1/completions", {"prompt": "still serving", "max_tokens": 3}).status_code == 200
+    all_idle(workers, router)
+
+
+def test_an_internal_error_is_a_500_whose_traceback_is_logged_with_the_request_id(
+    router: Router, workers: list[Worker], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Fault injection, not a mock: a bug in the data plane (no real input reaches one) is simulated by
+    # making the real router's prompt counting raise; everything else is the real router and workers.
+    async def broken(self: DataPlane, prompt: Any, max_tokens: int) -> int:
+        raise RuntimeError("injected bug 7f3a")
+
+    monkeypatch.setattr(DataPlane, "count_prompt_tokens", broken)
+    caplog.set_level(logging.ERROR)
+    for stream in (False, True):
+        rid = f"trace-me-{stream}"
+        resp = router.post("/v1/completions", {"prompt": "hi", "stream": stream}, headers={"X-Request-Id": rid})
+        assert resp.status_code == 500 and resp.headers["x-request-id"] == rid
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+        assert "7f3a" not in error["message"]  # internals stay in the log
+        logged = [r for r in caplog.records if rid in r.getMessage()]
+        assert logged and logged[0].exc_info and "injected bug 7f3a" in str(logged[0].exc_info[1])
+    with pytest.raises(grpc.RpcError) as err:
+        list(router.stub.Generate(request_to_proto("hi", GREEDY, request_id="grpc-trace"), timeout=TIMEOUT))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert any("grpc-trace" in r.getMessage() and r.exc_info for r in caplog.records)
+    monkeypatch.undo()
+    assert router.post("/v1/completions", {"prompt": "still serving", "max_tokens": 3}).status_code == 200
+    all_idle(workers, router)
+
+
 # ---- replicas coming and going ----------------------------------------------------------------------
 
 
@@ -730,6 +799,51 @@ def test_replica_file_is_watched(workers: list[Worker], tmp_path: Path) -> None:
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"  # no --model, no template
     finally:
         r.stop()
+
+
+THOUSAND = 1000
+
+
+async def _thousand_streams(url: str) -> list[tuple[int, list[Any]]]:
+    """1,000 concurrent streaming completions; (status, SSE events) of each."""
+    limits = httpx.Limits(max_connections=THOUSAND, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT * 5, limits=limits) as client:
+
+        async def one(i: int) -> tuple[int, list[Any]]:
+            payload = {"prompt": f"stream {i}", "max_tokens": 4, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True}
+            async with client.stream("POST", "/v1/completions", json=payload) as resp:
+                if resp.status_code != 200:
+                    return resp.status_code, [json.loads(await resp.aread())]
+                lines = [line async for line in resp.aiter_lines() if line.startswith("data: ")]
+                return 200, [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+        return await asyncio.gather(*(one(i) for i in range(THOUSAND)))
+
+
+@pytest.mark.slow
+def test_a_thousand_concurrent_streams_get_200_or_429_and_leave_the_router_idle(
+    workers: list[Worker], redis_binary: str
+) -> None:
+    with RedisServer(redis_binary) as redis:
+        config = RouterConfig(ttft_slo_ms=60_000, max_queue_per_replica=64, redis_url=redis.url)
+        r = Router([w.flag for w in workers], config)
+        try:
+            r.wait_ready(2)
+            results = asyncio.run(_thousand_streams(r.url))
+            statuses = Counter(status for status, _ in results)
+            assert set(statuses) <= {200, 429} and statuses[200] >= 2 * 64 and statuses[429] > 0, statuses
+            for status, events in results:
+                if status == 429:
+                    assert events[0]["error"]["type"] == "rate_limit_error"
+                else:
+                    assert events[-1] == "[DONE]" and all("error" not in e for e in events[:-1]), events[-3:]
+                    assert sum(len(e["choices"][0]["token_ids"]) for e in events[:-1] if e["choices"]) == 4
+            health = r.health()
+            assert health["state"]["degraded"] is False, health  # the Redis pool held 1,000 callers
+            all_idle(workers, r)
+        finally:
+            r.stop()
 
 
 # ---- shared state across routers --------------------------------------------------------------------

@@ -245,6 +245,38 @@ def test_a_burst_shares_a_bounded_pool_and_never_degrades(redis_server: RedisSer
     asyncio.run(scenario())
 
 
+def test_a_router_whose_event_loop_lags_decides_locally_without_degrading(redis_server: RedisServer) -> None:
+    """A router too busy to read Redis' answer within the timeout (a burst on a small machine) is not
+    evidence that Redis is down: those calls decide locally, the shared state stays in use."""
+
+    async def busy(until: float) -> None:
+        while time.monotonic() < until:
+            spin_end = time.monotonic() + 0.002
+            while time.monotonic() < spin_end:  # hold the loop 2 ms, then let the next task run
+                pass
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        router = Router(redis_server.url, redis_timeout_s=0.02)
+        try:
+            assert isinstance(await router.try_decide(), Decision)
+            until = time.monotonic() + 1.5
+            crowd = [asyncio.create_task(busy(until)) for _ in range(100)]  # ~200 ms per loop turn
+            await asyncio.sleep(0.1)
+            outcomes = await asyncio.gather(*(router.try_decide() for _ in range(20)))  # new connections
+            await asyncio.gather(*crowd)
+            assert all(isinstance(o, Decision) for o in outcomes), outcomes
+            assert not router.controller.health().degraded
+            redis_server.pause()  # a truly hung Redis on an idle loop still degrades
+            assert isinstance(await router.try_decide(), Decision)
+            assert "Timeout" in (router.controller.health().reason or "")
+        finally:
+            redis_server.resume()
+            await router.state.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_hung_redis_costs_one_timeout_then_local_decisions(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         router = Router(redis_server.url, redis_retry_s=0.5)
