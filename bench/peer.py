@@ -460,9 +460,10 @@ def capacity_bounds(probes: Sequence[tuple[float, bool]]) -> Bounds:
 
 
 def format_capacity(b: Bounds) -> str:
+    """The capacity as what the probes show: the bracket [passed, failed), or a bound at a search edge."""
     if b.low == 0.0:
         return f"< {b.high:.3g}" if b.high is not None else "?"
-    return f"{b.low:.3g}" if b.high is not None else f"≥ {b.low:.3g}"
+    return f"[{b.low:.3g}, {b.high:.3g})" if b.high is not None else f"≥ {b.low:.3g}"
 
 
 def ratio_range(a: Bounds, b: Bounds) -> tuple[float, float]:
@@ -473,10 +474,11 @@ def ratio_range(a: Bounds, b: Bounds) -> tuple[float, float]:
 
 
 def format_ratio(a: Bounds, b: Bounds) -> str:
-    """capacity(a) / capacity(b): a point when both were bracketed, else the range the bounds allow."""
-    if a.low > 0 and b.low > 0 and a.high is not None and b.high is not None:
-        return f"{a.low / b.low:.2f}×"
+    """capacity(a) / capacity(b): the range both brackets allow (a capacity is only known to lie in
+    [highest passed, lowest failed)), with the ratio of the highest passing probes when both exist."""
     lo, hi = ratio_range(a, b)
+    if a.low > 0 and b.low > 0 and a.high is not None and b.high is not None:
+        return f"{lo:.2f}–{hi:.2f}× ({a.low / b.low:.2f}× at the highest passing probes)"
     if lo > 0 and math.isfinite(hi):
         return f"{lo:.2f}–{hi:.2f}×"
     if lo > 0:

@@ -36,6 +36,8 @@ from chariot.operator.render import (
     endpoint,
     group_pods,
     group_selector,
+    network_policies,
+    network_policy_selector,
     router_name,
     scale_selector,
     shared_object_names,
@@ -100,6 +102,8 @@ class Controller:
                     self.kube.delete(Ref("Pod", namespace, pod["metadata"]["name"]))
             for kind, object_name in shared_object_names(owner):
                 self.kube.delete(Ref(kind, namespace, object_name))
+            for policy in self.kube.list(Ref("NetworkPolicy", namespace), network_policy_selector(owner)):
+                self.kube.delete(Ref("NetworkPolicy", namespace, policy["metadata"]["name"]))
             remaining = len(self.kube.list(Ref("Pod", namespace), group_selector(owner)))
             log.info("cleanup of %s/%s: %d stage pod(s) still terminating", namespace, name, remaining)
             return remaining
@@ -121,6 +125,7 @@ class Controller:
         listed = self.kube.list(Ref("Pod", owner.namespace), group_selector(owner))
         pods = [p for p in (PodState.from_manifest(m) for m in listed) if p is not None]
         plan = self._plan(spec, hash_, pods, old_status)
+        self._apply_network_policies(owner, spec)  # before any pod of a new group starts
         self._execute(owner, spec, image, hash_, plan, pods)
         for manifest in shared_objects(owner, spec, image, hash_, plan.ready_groups):
             self._apply(manifest)
@@ -151,6 +156,16 @@ class Controller:
                      spec.pipeline, hash_)
             for manifest in group_pods(owner, spec, image, g, hash_):
                 self.kube.create(Ref("Pod", owner.namespace), manifest)
+
+    def _apply_network_policies(self, owner: Owner, spec: Spec) -> None:
+        """Each group's stage NetworkPolicy; those of groups scaled away are deleted."""
+        wanted = network_policies(owner, spec)
+        for manifest in wanted:
+            self._apply(manifest)
+        names = {m["metadata"]["name"] for m in wanted}
+        for live in self.kube.list(Ref("NetworkPolicy", owner.namespace), network_policy_selector(owner)):
+            if live["metadata"]["name"] not in names:
+                self.kube.delete(Ref("NetworkPolicy", owner.namespace, live["metadata"]["name"]))
 
     def _apply(self, manifest: Manifest) -> None:
         """Create, or merge-patch when what we rendered last time differs; a no-op when nothing changed."""

@@ -24,6 +24,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     crd.KIND: (f"/apis/{crd.API_VERSION}", crd.PLURAL),
 }
 MERGE_PATCH = "application/merge-patch+json"

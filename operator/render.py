@@ -333,15 +333,16 @@ def router_args(owner: Owner, spec: Spec, source: ModelSource) -> list[str]:
 
 def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
     source = model_source(spec)
-    probe = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT}}
+    ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT}}  # follows the backends
+    alive = {"httpGet": {"path": "/health/live", "port": ROUTER_HTTP_PORT}}  # the process serves
     container = {
         "name": "router", "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["chariot", "router"], "args": router_args(owner, spec, source), "env": base_env(),
         "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"},
                   {"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"}],
         "resources": ROUTER_RESOURCES,
-        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6, "initialDelaySeconds": 30},
+        "readinessProbe": {**ready, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**alive, "periodSeconds": 10, "failureThreshold": 6, "initialDelaySeconds": 30},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *source.mounts,
                          *scratch_mounts()],
@@ -398,6 +399,37 @@ def shared_objects(owner: Owner, spec: Spec, image: str, hash_: str, ready_group
     """Everything but the stage pods, in the order they are applied."""
     return [config_map(owner, spec, image, hash_, ready_groups), stages_service(owner),
             router_deployment(owner, spec, image), router_service(owner)]
+
+
+def network_policy_name(owner: Owner, group: int) -> str:
+    return f"{owner.name}-g{group}-stages"
+
+
+def network_policy_selector(owner: Owner) -> str:
+    """Label selector of every stage NetworkPolicy of the deployment (to prune and clean up)."""
+    return f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_COMPONENT}=worker-network"
+
+
+def group_network_policy(owner: Owner, group: int) -> Manifest:
+    """Ingress to one group's stage pods: any port from the group's own pods (the rendezvous store and
+    the ephemeral NCCL/gloo ports between stages), stage 0's gRPC port from this deployment's routers,
+    and the metrics port from anywhere (Prometheus). Nothing else reaches them; egress stays open
+    (weights may be downloaded)."""
+    group_pods = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker", LABEL_GROUP: str(group)}
+    routers = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(owner, network_policy_name(owner, group), "worker-network",
+                                 **{LABEL_GROUP: str(group)}),
+            "spec": {"podSelector": {"matchLabels": group_pods}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": group_pods}}]},
+                                 {"from": [{"podSelector": {"matchLabels": routers}}],
+                                  "ports": [{"protocol": "TCP", "port": GRPC_PORT}]},
+                                 {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]}]}}
+
+
+def network_policies(owner: Owner, spec: Spec) -> list[Manifest]:
+    """One stage NetworkPolicy per group the spec asks for."""
+    return [group_network_policy(owner, g) for g in range(spec.replicas)]
 
 
 def shared_object_names(owner: Owner) -> list[tuple[str, str]]:

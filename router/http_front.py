@@ -8,7 +8,8 @@ routes and streams. Generation goes through the shared `DataPlane`, errors throu
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events —
 one `data: {json}` event per chunk the replica streams, the last one with `finish_reason`, an optional
 usage chunk, then `data: [DONE]` — or one JSON response), `GET /v1/models`, `GET /health` (200 when
-at least one replica is ready, else 503), `GET /metrics` (Prometheus exposition).
+at least one replica is ready, else 503: readiness), `GET /health/live` (200 while the process
+serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition).
 
 Headers: `X-Tenant` (overrides the body's `user` as the rate-limit tenant), `X-Request-Id`
 (client-chosen request id, echoed back), `traceparent` (continues the caller's trace). Responses
@@ -259,6 +260,11 @@ class OpenAIFront:
                                      "max_model_len": m.max_model_len, "ready_replicas": m.ready_replicas})
         return error_response(UnknownModelError(wanted, self._dp.served_model))
 
+    async def live(self, request: Request) -> Response:
+        """Liveness: the process serves HTTP. No ready replica is not a reason to restart the router
+        (clients then get the designed 503, not connection refused)."""
+        return JSONResponse({"status": "alive"})
+
     async def health(self, request: Request) -> Response:
         h = self._dp.health()
         body = {
@@ -308,6 +314,7 @@ def build_http_app(dataplane: DataPlane) -> Starlette:
         Route("/v1/models", front.models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", front.model, methods=["GET"]),
         Route("/health", front.health, methods=["GET"]),
+        Route("/health/live", front.live, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _http_error})

@@ -31,6 +31,7 @@ admissions are already in the replica's own report (see `loads`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -413,6 +414,45 @@ class RedisState(SharedState):
 # --- Redis with a local fallback ---------------------------------------------------------------------
 
 
+class LoopLagMonitor:
+    """When the event loop has been late lately: a task sleeps `interval_s` over and over and records
+    each overshoot as the span [when it was due, when it woke]. A Redis call that timed out while the
+    loop was late could not have read a timely answer, so its timeout says nothing about Redis."""
+
+    def __init__(self, interval_s: float = 0.05, window_s: float = 5.0) -> None:
+        self.interval_s, self.window_s = interval_s, window_s
+        self._spans: collections.deque[tuple[float, float]] = collections.deque()
+        self._due: float | None = None  # when the sleeping monitor should wake
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="chariot-loop-lag")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            now = loop.time()
+            self._spans.append((self._due, now))
+            while self._spans and self._spans[0][1] < now - self.window_s:
+                self._spans.popleft()
+
+    def late_s(self, start: float, now: float) -> float:
+        """The longest time within [start, now] that the loop was overdue (0: on time throughout)."""
+        spans = list(self._spans)
+        if self._due is not None:
+            spans.append((self._due, now))  # the monitor's current sleep, overdue if due < now
+        return max((min(woke, now) - max(due, start) for due, woke in spans), default=0.0)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
 class _Unavailable(Exception):
     """Redis is not to be used for this call (it just failed, or is in its retry back-off)."""
 
@@ -456,6 +496,7 @@ class ResilientState(SharedState):
         # burst is the router's own back-pressure, not Redis failing (it must not degrade the state).
         self._slots = asyncio.Semaphore(max_connections)
         self._lag_log = OncePerInterval(LAG_LOG_INTERVAL_S)
+        self._lag = LoopLagMonitor()
         self._local = fallback if fallback is not None else LocalState(clock)
         self._timeout_s = timeout_s
         self._retry_s = retry_s
@@ -502,17 +543,18 @@ class ResilientState(SharedState):
 
     async def _timed(self, call: Callable[[], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
+        self._lag.start()
         start = loop.time()
         try:
             result = await asyncio.wait_for(call(), self._timeout_s)
         except self._errors as exc:
-            late = loop.time() - start - self._timeout_s
-            if _is_timeout(exc) and not self.degraded and late > self._timeout_s:
-                # The timeout itself fired more than a timeout late: the router's own event loop was
-                # too busy (a burst on a small machine) to read an answer in time. This call decides
-                # locally, but that is no evidence that Redis is unusable.
-                self._lag_log.warn(f"a Redis call timed out {late * 1e3:.0f} ms late: this router's event loop "
-                                   "is overloaded; decided locally, shared state kept")
+            now = loop.time()  # late: the timeout fired late, or the loop was overdue during the call
+            late = max(now - start - self._timeout_s, self._lag.late_s(start, now))
+            if _is_timeout(exc) and not self.degraded and late > self._timeout_s / 2:
+                # The router's own event loop was too busy (a burst on a small machine) to read an
+                # answer in time: this call decides locally, but that is no evidence against Redis.
+                self._lag_log.warn(f"a Redis call timed out while this router's event loop lagged {late * 1e3:.0f} "
+                                   "ms; decided locally, shared state kept")
                 raise _Unavailable from exc
             first = not self.degraded
             self._degrade(exc)
@@ -596,7 +638,9 @@ class ResilientState(SharedState):
     # background upkeep ---------------------------------------------------------------------------
 
     def start(self, interval_s: float) -> asyncio.Task[None]:
-        """Run `heartbeat` every `interval_s` (use min(lease_s / 3, retry_s)) until `aclose`."""
+        """Run `heartbeat` every `interval_s` (use min(lease_s / 3, retry_s)) until `aclose`, and watch
+        the event loop's lateness from now on."""
+        self._lag.start()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._upkeep(interval_s), name="router-state-upkeep")
         return self._task
@@ -607,6 +651,7 @@ class ResilientState(SharedState):
             await self.heartbeat()
 
     async def aclose(self) -> None:
+        await self._lag.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -41,6 +41,13 @@ def owned_objects(cluster: Cluster, name: str) -> dict[str, dict[str, Any] | Non
             "config map": cluster.get("ConfigMap", f"{name}-config")}
 
 
+def network_policies(cluster: Cluster, name: str) -> list[str]:
+    """The deployment's stage NetworkPolicies, read back through the real kubectl."""
+    out = cluster.kubectl("get", "networkpolicies", "-n", cluster.namespace, "-o", "name",
+                          "-l", f"chariot.dev/deployment={name}").stdout
+    return sorted(line.split("/", 1)[1] for line in out.split())
+
+
 def test_applying_the_example_creates_owned_objects_and_becomes_ready(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-n", cluster.namespace, "-f", str(EXAMPLE))
     mdep = cluster.wait_ready("tiny")
@@ -123,10 +130,12 @@ def test_patching_replicas_scales_by_group(cluster: Cluster) -> None:
     assert sorted(pods(cluster, "scale")) == [f"scale-g{g}-s{s}" for g in range(3) for s in range(2)]
     data = cluster.get("ConfigMap", "scale-config")["data"]  # type: ignore[index]
     assert [r["name"] for r in json.loads(data["replicas.json"])["replicas"]] == ["g0", "g1", "g2"]
+    assert network_policies(cluster, "scale") == ["scale-g0-stages", "scale-g1-stages", "scale-g2-stages"]
     cluster.kubectl("scale", "mdep", "scale", "-n", cluster.namespace, "--replicas=1")  # the scale subresource
     cluster.wait_for("groups 1 and 2 removed", lambda: sorted(pods(cluster, "scale")) == ["scale-g0-s0", "scale-g0-s1"])
     status = cluster.wait_ready("scale")["status"]
     assert (status["replicas"], status["readyReplicas"], len(status["groups"])) == (1, 1, 1)
+    assert network_policies(cluster, "scale") == ["scale-g0-stages"]  # the removed groups' policies are gone
 
 
 def test_changing_the_token_budget_rolls_one_group_at_a_time(cluster: Cluster) -> None:
@@ -187,11 +196,12 @@ def test_kubectl_delete_runs_cleanup_and_removes_the_finalizer(cluster: Cluster)
     cluster.apply(example("bye"))
     mdep = cluster.wait_ready("bye")
     assert f"{crd.GROUP}/cleanup" in mdep["metadata"]["finalizers"]
+    assert network_policies(cluster, "bye") == ["bye-g0-stages"]
     result = cluster.kubectl("delete", "mdep", "bye", "-n", cluster.namespace, "--wait=false")  # polled below
     assert "deleted" in result.stdout
     cluster.wait_for("the ModelDeployment gone", lambda: cluster.get(crd.KIND, "bye") is None)
     # The emulator has no garbage collector: everything gone means the operator's cleanup deleted it.
-    assert not any(owned_objects(cluster, "bye").values())
+    assert not any(owned_objects(cluster, "bye").values()) and network_policies(cluster, "bye") == []
     assert pods(cluster, "bye") == {}
 
 

@@ -230,6 +230,8 @@ def test_a_burst_shares_a_bounded_pool_and_never_degrades(redis_server: RedisSer
 
     async def scenario() -> None:
         router = Router(redis_server.url, redis_max_connections=8, max_queue_per_replica=10_000)
+        cast(ResilientState, router.state).start(60.0)  # as the router app does at start-up
+        await asyncio.sleep(0.1)
         try:
             outcomes = await asyncio.gather(*(router.try_decide() for _ in range(500)))
             assert len(admitted(list(outcomes))) == 500

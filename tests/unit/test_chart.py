@@ -122,6 +122,7 @@ REQUIRED = {  # what the operator (and kopf) call, per (apiGroup, resource)
     ("", "services"): {"get", "create", "patch", "delete"},
     ("", "configmaps"): {"get", "create", "patch", "delete"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
     ("", "events"): {"create", "patch"},
 }
 

@@ -213,14 +213,15 @@ def test_capacity_bounds_from_probes() -> None:
     assert capacity_bounds([(0.5, True), (1.0, False), (0.75, True)]) == Bounds(0.75, 1.0)
     assert capacity_bounds([(0.5, True), (1.0, True)]) == Bounds(1.0, None)
     assert capacity_bounds([(0.5, False)]) == Bounds(0.0, 0.5)
-    assert format_capacity(Bounds(0.75, 1.0)) == "0.75"
+    assert format_capacity(Bounds(0.75, 1.0)) == "[0.75, 1)"
     assert format_capacity(Bounds(1.0, None)) == "≥ 1"
     assert format_capacity(Bounds(0.0, 0.5)) == "< 0.5"
 
 
 def test_capacity_ratio_at_a_search_bound_renders_as_a_range() -> None:
     bracketed = Bounds(0.5, 0.75)
-    assert format_ratio(Bounds(1.0, 1.5), bracketed) == "2.00×"  # both bracketed: a point
+    # both bracketed: still a range, 1 / 0.75 to 1.5 / 0.5, with the passing probes' ratio beside it
+    assert format_ratio(Bounds(1.0, 1.5), bracketed) == "1.33–3.00× (2.00× at the highest passing probes)"
     assert format_ratio(Bounds(2.0, None), bracketed) == "≥ 2.67×"  # ours at the ceiling: 2 / 0.75
     assert format_ratio(Bounds(1.0, 1.5), Bounds(0.0, 0.25)) == "≥ 4.00×"  # theirs under the floor
     assert format_ratio(Bounds(0.0, 0.25), Bounds(1.0, 1.5)) == "< 0.25×"  # ours under the floor

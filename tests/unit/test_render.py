@@ -157,8 +157,36 @@ def test_shared_objects() -> None:
     assert pairs["--replica-file"] == "/etc/chariot/replicas.json" and pairs["--host"] == "0.0.0.0"
     assert (pairs["--ttft-slo-ms"], pairs["--tbt-slo-ms"], pairs["--redis-url"]) == ("800", "100", "redis://r:6379")
     assert router_svc["spec"]["ports"][0] == {"name": "http", "port": 8000, "targetPort": "http"}
+    # readiness follows the backends; liveness only asks whether the process serves, so a router with
+    # no ready replica is taken out of the Service but never restarted
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     for obj in (cm, stages, router, router_svc):
         assert obj["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+
+
+def test_each_group_gets_a_network_policy_admitting_only_its_own_pods_and_the_routers() -> None:
+    spec = spec_of(2, 3)
+    policies = render.network_policies(OWNER, spec)
+    assert [p["metadata"]["name"] for p in policies] == ["llama-g0-stages", "llama-g1-stages", "llama-g2-stages"]
+    g1 = policies[1]["spec"]
+    own = {"chariot.dev/deployment": "llama", "app.kubernetes.io/component": "worker", "chariot.dev/group": "1"}
+    assert g1["podSelector"] == {"matchLabels": own} and g1["policyTypes"] == ["Ingress"]
+    rules = g1["ingress"]
+    # any port from the group's own pods: the rendezvous store and NCCL/gloo's ephemeral ports
+    assert {"from": [{"podSelector": {"matchLabels": own}}]} in rules
+    # the routers of this deployment reach stage 0's gRPC port only
+    routers = {"chariot.dev/deployment": "llama", "app.kubernetes.io/component": "router"}
+    assert {"from": [{"podSelector": {"matchLabels": routers}}], "ports": [{"protocol": "TCP", "port": 50061}]} in rules
+    # metrics from anywhere (Prometheus), and nothing else: every rule names a source or a port
+    assert {"ports": [{"protocol": "TCP", "port": 9400}]} in rules and len(rules) == 3
+    rendezvous = render.RENDEZVOUS_PORT
+    assert all("from" in r or rendezvous not in [p["port"] for p in r["ports"]] for r in rules)
+    # the stage pods carry the labels the policy selects
+    for pod in render.group_pods(OWNER, spec, "img", 1, "h"):
+        assert own.items() <= pod["metadata"]["labels"].items()
+    assert render.network_policy_selector(OWNER).split(",") == [
+        "chariot.dev/deployment=llama", "app.kubernetes.io/component=worker-network"]
 
 
 def test_rendering_is_deterministic_and_the_hash_tracks_pod_changes_only() -> None:

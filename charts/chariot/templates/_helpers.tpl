@@ -53,6 +53,9 @@ app.kubernetes.io/component: operator
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]  # each group's stage pods: ingress from the group and its routers only
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
