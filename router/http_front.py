@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
@@ -46,6 +47,7 @@ from chariot.router.openai_api import (
     check_request_id,
     check_tenant,
     choice,
+    echo_text,
     envelope,
     error_payload,
     parse_chat,
@@ -171,6 +173,7 @@ class OpenAIFront:
     async def _generate(self, request: Request, parse: Callable[[bytes], OpenAIRequest]) -> Response:
         try:
             parsed = parse(await read_body(request))
+            echo = echo_text(parsed, self._dp.tokenizer)
             request_id = check_request_id(request.headers.get("x-request-id", "")) or new_request_id()
             tenant = check_tenant(request.headers.get("x-tenant", "")) or parsed.user
         except InvalidRequestError as exc:
@@ -182,11 +185,11 @@ class OpenAIFront:
         req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None)
         stream = self._dp.generate(req)
         if parsed.stream:
-            return await self._stream(request, parsed, stream, request_id)
-        return await self._complete(request, parsed, stream, request_id)
+            return await self._stream(request, parsed, stream, request_id, echo)
+        return await self._complete(request, parsed, stream, request_id, echo)
 
     async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
-                        request_id: str) -> Response:
+                        request_id: str, echo: str) -> Response:
         try:
             chunks = await until_disconnect(request, _collect(stream))
         except ClientGone:
@@ -196,7 +199,7 @@ class OpenAIFront:
         last = chunks[-1]
         if last.finish_reason == FinishReason.ERROR:
             return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"))
-        text = "".join(c.text for c in chunks)
+        text = echo + "".join(c.text for c in chunks)
         token_ids = [t for c in chunks for t in c.token_ids]
         body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
         body["choices"] = [choice(parsed, text, last.finish_reason, token_ids)]
@@ -204,7 +207,7 @@ class OpenAIFront:
         return JSONResponse(body, headers=response_headers(last))
 
     async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
-                      request_id: str) -> Response:
+                      request_id: str, echo: str) -> Response:
         """Wait for the first chunk (so admission errors get their own status), then stream SSE."""
         try:
             first = await until_disconnect(request, _next_chunk(stream))
@@ -212,7 +215,7 @@ class OpenAIFront:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:  # (never StopAsyncIteration: the data plane ends with a finished chunk or raises)
             return error_response(exc, request_id)
-        events = self._events(parsed, first, stream)
+        events = self._events(parsed, replace(first, text=echo + first.text) if echo else first, stream)
         return EventStreamResponse(events, response_headers(first))
 
     async def _events(

@@ -12,9 +12,11 @@ ones): `model`, `prompt` (string or list of token ids; a one-element batch of ei
 `top_k`, `seed`, `stop` (string or list of strings), `ignore_eos`, `stream`, `stream_options
 {include_usage}`, `user` (the rate-limit tenant), and the vLLM extension `return_token_ids` (adds
 `token_ids` to each choice). `null` means "not given". Ranges as OpenAI documents them (temperature
-0–2, top_p in (0, 1]). Refused with a 400 naming the field rather than silently dropped: `n` or
-`best_of` other than 1, `echo: true`, `logprobs`/`top_logprobs`, non-zero `presence_penalty` /
-`frequency_penalty`, a non-empty `logit_bias`, `min_tokens` > 0 (not implemented yet), `tools` /
+0–2, top_p in (0, 1]); `echo` (completions: the prompt's text, decoded with the router's tokenizer
+when it was given as token ids, precedes the completion). Refused with a 400 naming the field rather
+than silently dropped: `n` or `best_of` other than 1, `echo` on chat, `logprobs`/`top_logprobs`,
+non-zero `presence_penalty` / `frequency_penalty`, a non-empty `logit_bias`, `min_tokens` > 0 (not
+implemented yet), `tools` /
 `tool_choice` / `functions`, and a `response_format` other than text. Text that cannot be encoded
 (JSON escapes of lone UTF-16 surrogates, e.g. `"\\ud800"`) is a 400 naming the field where it stands.
 """
@@ -65,6 +67,7 @@ class OpenAIRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     user: str = ""
+    echo: bool = False  # completions: the prompt's text comes first in the returned text
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -135,6 +138,9 @@ def parse_chat(body: bytes, tokenizer: Tokenizer | None) -> OpenAIRequest:
 
 def _request(obj: dict[str, Any], kind: Kind, prompt: Prompt, limit_field: str) -> OpenAIRequest:
     _unsupported(obj)
+    echo = _bool(obj, "echo") or False
+    if echo and kind == "chat":
+        raise InvalidRequestError("echo", "is a /v1/completions field; chat completions do not echo")
     stream = _bool(obj, "stream") or False
     options = _object(obj, "stream_options") or {}
     include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
@@ -147,6 +153,7 @@ def _request(obj: dict[str, Any], kind: Kind, prompt: Prompt, limit_field: str) 
         include_usage=include_usage,
         return_token_ids=_bool(obj, "return_token_ids") or False,
         user=_tenant(obj),
+        echo=echo,
     )
 
 
@@ -235,8 +242,6 @@ def _unsupported(obj: dict[str, Any]) -> None:
         value = _int(obj, name)
         if value is not None and value != 1:
             raise InvalidRequestError(name, f"only 1 is supported, got {value}")
-    if _bool(obj, "echo"):
-        raise InvalidRequestError("echo", NOT_IMPLEMENTED)
     logprobs = obj.get("logprobs")
     if logprobs is not None and logprobs is not False:
         raise InvalidRequestError("logprobs", NOT_IMPLEMENTED)
@@ -359,6 +364,18 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 def response_id(kind: Kind, request_id: str) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}"
+
+
+def echo_text(req: OpenAIRequest, tokenizer: Tokenizer | None) -> str:
+    """What `echo` puts before the completion: the prompt's text ("" without echo)."""
+    if not req.echo:
+        return ""
+    if isinstance(req.prompt, str):
+        return req.prompt
+    if tokenizer is None:
+        raise InvalidRequestError("echo", "echoing a token-id prompt needs the model's tokenizer: start the "
+                                          "router with --model DIR, or send the prompt as text")
+    return tokenizer.decode(list(req.prompt))
 
 
 def choice(

@@ -359,6 +359,20 @@ def test_http_non_streaming_completion_and_chat(router: Router, offline: LLM, to
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == chat_ref.text
 
 
+def test_echo_puts_the_prompt_before_the_completion(router: Router, tokenizer: Tokenizer) -> None:
+    base = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = router.post("/v1/completions", base).json()["choices"][0]["text"]
+    echoed = router.post("/v1/completions", {**base, "echo": True}).json()["choices"][0]
+    assert echoed["text"] == "Once upon a time" + plain
+    events = stream_completion(router, {**base, "echo": True, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == "Once upon a time" + plain
+    ids = tokenizer.encode("Once upon a time")
+    by_ids = router.post("/v1/completions", {**base, "prompt": ids, "echo": True}).json()["choices"][0]["text"]
+    assert by_ids.startswith(tokenizer.decode(ids)) and len(by_ids) > len(tokenizer.decode(ids))
+    chat = router.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
 def test_models_health_stats_reflection(router: Router, workers: list[Worker]) -> None:
     models = router.client.get("/v1/models").json()
     assert models["object"] == "list"

@@ -26,6 +26,7 @@ from chariot.router.openai_api import (
     check_request_id,
     check_tenant,
     choice,
+    echo_text,
     envelope,
     error_payload,
     parse_chat,
@@ -132,7 +133,7 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("user too long", {"user": "u" * 300}, "user"),
     ("n 2", {"n": 2}, "n"),
     ("best_of 3", {"best_of": 3}, "best_of"),
-    ("echo", {"echo": True}, "echo"),
+    ("echo string", {"echo": "yes"}, "echo"),
     ("logprobs", {"logprobs": 5}, "logprobs"),
     ("return_token_ids string", {"return_token_ids": "yes"}, "return_token_ids"),
     ("lone surrogate prompt", {"prompt": "\ud800abc"}, "prompt"),
@@ -153,6 +154,18 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("tool_choice", {"tool_choice": "auto"}, "tool_choice"),
     ("response_format json", {"response_format": {"type": "json_object"}}, "response_format"),
 ]
+
+
+def test_echo_puts_the_prompt_text_first(tokenizer: Tokenizer) -> None:
+    text = parse_completion(body(prompt="Once upon", echo=True))
+    assert text.echo and echo_text(text, None) == "Once upon"
+    ids = tokenizer.encode("Once upon a time")
+    by_ids = parse_completion(body(prompt=ids, echo=True))
+    assert echo_text(by_ids, tokenizer) == tokenizer.decode(ids)
+    with pytest.raises(InvalidRequestError) as err:
+        echo_text(by_ids, None)  # a router without the model's tokenizer cannot echo token ids
+    assert err.value.field == "echo" and "--model" in err.value.message
+    assert echo_text(parse_completion(body(prompt="x")), None) == ""
 
 
 def test_neutral_values_of_unsupported_fields_pass() -> None:
@@ -228,6 +241,7 @@ BAD_CHATS: list[tuple[str, Any, str]] = [
     ("content number", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ("max_completion_tokens 0", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("echo on chat", {"echo": True}, "echo"),
     ("max_tokens too big", {"max_tokens": 2**40}, "max_tokens"),
 ]
 
