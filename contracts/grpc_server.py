@@ -41,8 +41,9 @@ class Undecodable:
 class OncePerInterval:
     """At most one log line per interval, saying how many were held back since the last one."""
 
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s, self.clock = interval_s, clock
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 logger: logging.Logger = log) -> None:
+        self.interval_s, self.clock, self.logger = interval_s, clock, logger
         self._last = -math.inf
         self.suppressed = 0
 
@@ -52,7 +53,7 @@ class OncePerInterval:
             self.suppressed += 1
             return False
         held, self.suppressed, self._last = self.suppressed, 0, now
-        log.warning("%s%s", message, f" ({held} more like it in the last {self.interval_s:g}s)" if held else "")
+        self.logger.warning("%s%s", message, f" ({held} more like it in the last {self.interval_s:g}s)" if held else "")
         return True
 
 

@@ -72,11 +72,17 @@ def error_response(exc: BaseException, request_id: str = "") -> JSONResponse:
     """The OpenAI-style error response for `exc`; a 500 logs its traceback with the request id (the
     client only learns the exception's type) and echoes the id in `X-Request-Id`."""
     status, body, headers = error_payload(exc)
-    if status >= 500 and error_status(exc)[0] == "INTERNAL":
-        log.error("request %s: internal error", request_id or "-", exc_info=exc)
+    log_if_internal(exc, request_id)
     if request_id:
         headers = {**headers, "X-Request-Id": request_id}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def log_if_internal(exc: BaseException, request_id: str) -> None:
+    """Log the traceback of an error that becomes a 500 / INTERNAL, with the request id: the client
+    only learns the exception's type."""
+    if error_status(exc)[0] == "INTERNAL":
+        log.error("request %s: internal error", request_id or "-", exc_info=exc)
 
 
 def response_headers(chunk: Chunk) -> dict[str, str]:
@@ -198,7 +204,8 @@ class OpenAIFront:
             return error_response(exc, request_id)
         last = chunks[-1]
         if last.finish_reason == FinishReason.ERROR:
-            return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"))
+            return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"),
+                                  request_id)
         text = echo + "".join(c.text for c in chunks)
         token_ids = [t for c in chunks for t in c.token_ids]
         body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
@@ -233,8 +240,7 @@ class OpenAIFront:
                     if (event := _chunk_event(parsed, head, chunk)) is not None:
                         yield event
             except Exception as exc:
-                if error_status(exc)[0] == "INTERNAL":
-                    log.error("request %s: internal error while streaming", first.request_id, exc_info=exc)
+                log_if_internal(exc, first.request_id)
                 yield sse(error_payload(exc)[1])
                 yield DONE_EVENT
                 return

@@ -495,7 +495,7 @@ class ResilientState(SharedState):
         # Calls queue here for one of the pool's connections, outside the Redis timeout: waiting in a
         # burst is the router's own back-pressure, not Redis failing (it must not degrade the state).
         self._slots = asyncio.Semaphore(max_connections)
-        self._lag_log = OncePerInterval(LAG_LOG_INTERVAL_S)
+        self._lag_log = OncePerInterval(LAG_LOG_INTERVAL_S, logger=log)
         self._lag = LoopLagMonitor()
         self._local = fallback if fallback is not None else LocalState(clock)
         self._timeout_s = timeout_s
