@@ -341,8 +341,10 @@ class RedisState(SharedState):
         return cls(aioredis.Redis(connection_pool=pool), **kwargs)
 
     async def drop_connections(self) -> None:
-        """Close every pooled connection: after an outage they are dead, and each would fail once."""
-        await self._client.connection_pool.disconnect()
+        """Close every idle pooled connection: after an outage they are dead, and each would fail once.
+        Connections in use stay: closing one under a call that is still connecting crashes redis-py
+        (AttributeError on its cleared writer); those calls fail or finish on their own."""
+        await self._client.connection_pool.disconnect(inuse_connections=False)
 
     def key(self, kind: str, name: str) -> str:
         return f"{self._prefix}:{kind}:{name}"
