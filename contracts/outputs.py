@@ -8,6 +8,17 @@ from dataclasses import dataclass, field
 from chariot.contracts.requests import FinishReason, RequestTimes
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (its raw logits, before penalties, bias,
+    temperature or top-k/top-p) and the `SamplingParams.logprobs` most likely tokens with theirs,
+    most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One request's delta after one engine step: what a streaming front sends, O(1) per token.
@@ -30,6 +41,7 @@ class RequestOutput:
     times: RequestTimes
     num_preemptions: int = 0
     error: str | None = None
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when asked
 
 
 @dataclass
@@ -49,6 +61,7 @@ class CompletionOutput:
     times: RequestTimes
     num_preemptions: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
     def from_deltas(cls, deltas: Sequence[RequestOutput]) -> CompletionOutput:
@@ -66,6 +79,7 @@ class CompletionOutput:
             times=last.times,
             num_preemptions=last.num_preemptions,
             error=last.error,
+            logprobs=[lp for d in deltas for lp in d.new_logprobs],
         )
 
 

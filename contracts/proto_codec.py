@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from chariot.contracts.errors import InvalidRequestError, UnknownModelError
-from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from chariot.contracts.requests import FinishReason, Prompt, RequestTimes
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2 as pb
@@ -78,13 +78,19 @@ def params_from_proto(msg: Any | None) -> SamplingParams:
     if msg is None:
         return SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
     kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if any(t < 0 for t in msg.logit_bias):
+        raise InvalidRequestError("logit_bias", "keys must be token ids (non-negative integers)")
     return SamplingParams(
         stop=tuple(msg.stop),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
         ignore_eos=bool(msg.ignore_eos),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(msg.logit_bias.items()),
+        min_tokens=int(msg.min_tokens),
         **kwargs,
     )
 
@@ -99,9 +105,15 @@ def params_to_proto(params: SamplingParams) -> Any:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
 
 
@@ -134,7 +146,18 @@ def response_from_output(out: RequestOutput) -> Any:
         prompt_tokens=len(out.prompt_token_ids),
         completion_tokens=out.num_output_tokens,
         error=out.error or "",
+        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
     )
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> Any:
+    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_proto(msg: Any) -> TokenLogprobs:
+    return TokenLogprobs(int(msg.token_id), float(msg.logprob),
+                         tuple(zip((int(t) for t in msg.top_token_ids), msg.top_logprobs, strict=True)))
 
 
 def timing_to_proto(times: RequestTimes) -> Any:

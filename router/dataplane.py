@@ -40,7 +40,8 @@ from typing import Any
 import grpc
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
-from chariot.contracts.proto_codec import finish_reason_from_proto, request_to_proto
+from chariot.contracts.outputs import TokenLogprobs
+from chariot.contracts.proto_codec import finish_reason_from_proto, logprobs_from_proto, request_to_proto
 from chariot.contracts.requests import FinishReason, Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.telemetry import RequestSpans, RequestTimer, Telemetry
@@ -120,6 +121,7 @@ class Chunk:
     completion_tokens: int
     error: str = ""  # set with FinishReason.ERROR: the replica failed the request
     timing: WorkerTiming = field(default_factory=WorkerTiming)
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -410,6 +412,7 @@ def _chunk(resp: Any, decision: Decision) -> Chunk:
         completion_tokens=int(resp.completion_tokens),
         error=resp.error,
         timing=WorkerTiming(t.arrival, t.first_scheduled, t.first_token, t.last_token),
+        logprobs=tuple(logprobs_from_proto(m) for m in resp.logprobs),
     )
 
 

@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health
-from chariot.contracts.proto_codec import finish_reason_to_proto, request_from_proto
+from chariot.contracts.proto_codec import finish_reason_to_proto, logprobs_to_proto, request_from_proto
 from chariot.contracts.requests import new_request_id
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
@@ -52,6 +52,7 @@ def chunk_to_proto(chunk: Chunk) -> Any:
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,
         error=chunk.error,
+        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs],
     )
 
 

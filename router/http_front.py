@@ -15,6 +15,14 @@ Headers: `X-Tenant` (overrides the body's `user` as the rate-limit tenant), `X-R
 (client-chosen request id, echoed back), `traceparent` (continues the caller's trace). Responses
 carry `X-Request-Id` and `X-Chariot-Replica` (the replica that served the request).
 
+`n` > 1 choices fan out here, not in the data plane: choice i is an independent request `{id}-{i}`
+(with a `seed`, sampled with `seed + i`), so admission, rate limits, load balancing, retries and
+cancellation treat each choice like any other request, and choice i is exactly what an `n` = 1
+request with that seed returns. All n run concurrently; streamed chunks interleave as they arrive,
+each with its `index`. A choice that fails before anything was sent fails the whole request with
+its own status (the others are cancelled); once streaming, it ends the stream with an error event.
+`X-Chariot-Replica` then lists the replicas known when the headers went out (comma-separated).
+
 A client that disconnects — while its request is queued, while a non-streaming response is being
 generated, or mid-stream — cancels the upstream worker call at once (the worker aborts the request
 and frees its KV blocks): every wait on the data plane races a watch on the connection.
@@ -39,7 +47,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.proto_codec import MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, new_request_id
+from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
@@ -50,6 +60,8 @@ from chariot.router.openai_api import (
     echo_text,
     envelope,
     error_payload,
+    logprobs_payload,
+    logprobs_text_len,
     parse_chat,
     parse_completion,
     usage,
@@ -57,6 +69,8 @@ from chariot.router.openai_api import (
 from chariot.router.upstream import ReplicaUnavailable
 
 T = TypeVar("T")
+ChoiceChunk = tuple[int, Chunk]  # (choice index, one of its chunks) when `n` > 1
+MAX_SEED = (1 << 63) - 1  # SamplingParams' seed range: choice i's `seed + i` must stay inside it
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by the client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -153,7 +167,7 @@ async def read_body(request: Request) -> bytes:
     return b"".join(parts)
 
 
-async def _next_chunk(stream: AsyncGenerator[Chunk, None]) -> Chunk:
+async def _next_chunk(stream: AsyncGenerator[T, None]) -> T:
     return await stream.__anext__()
 
 
@@ -189,6 +203,8 @@ class OpenAIFront:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         trace = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
         req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None)
+        if parsed.n > 1:
+            return await self._generate_choices(request, parsed, req, echo)
         stream = self._dp.generate(req)
         if parsed.stream:
             return await self._stream(request, parsed, stream, request_id, echo)
@@ -206,10 +222,8 @@ class OpenAIFront:
         if last.finish_reason == FinishReason.ERROR:
             return error_response(ReplicaUnavailable(f"replica {last.replica} failed the request: {last.error}"),
                                   request_id)
-        text = echo + "".join(c.text for c in chunks)
-        token_ids = [t for c in chunks for t in c.token_ids]
         body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
-        body["choices"] = [choice(parsed, text, last.finish_reason, token_ids)]
+        body["choices"] = [_whole_choice(parsed, chunks, echo, tokenizer=self._dp.tokenizer)]
         body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
         return JSONResponse(body, headers=response_headers(last))
 
@@ -230,15 +244,17 @@ class OpenAIFront:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = envelope(parsed, first.request_id, created, self._dp.served_model, chunk=True)
-        last = first
+        last, tokenizer, offset = first, self._dp.tokenizer, 0
         async with contextlib.aclosing(stream):
             try:
-                if (event := _chunk_event(parsed, head, first, first=True)) is not None:
+                if (event := _chunk_event(parsed, head, first, first=True, tokenizer=tokenizer)) is not None:
                     yield event
+                offset += logprobs_text_len(first.logprobs, tokenizer)
                 async for chunk in stream:
                     last = chunk
-                    if (event := _chunk_event(parsed, head, chunk)) is not None:
+                    if (event := _chunk_event(parsed, head, chunk, tokenizer=tokenizer, offset=offset)) is not None:
                         yield event
+                    offset += logprobs_text_len(chunk.logprobs, tokenizer)
             except Exception as exc:
                 log_if_internal(exc, first.request_id)
                 yield sse(error_payload(exc)[1])
@@ -248,6 +264,81 @@ class OpenAIFront:
             yield sse(error_payload(ReplicaUnavailable(f"replica {last.replica} failed: {last.error}"))[1])
         elif parsed.include_usage:
             yield sse({**head, "choices": [], "usage": usage(last.prompt_tokens, last.completion_tokens)})
+        yield DONE_EVENT
+
+    # n > 1 choices: one sub-request per choice (see the module docstring) -------------------------
+
+    async def _generate_choices(self, request: Request, parsed: OpenAIRequest, req: GenerateInput,
+                                echo: str) -> Response:
+        try:
+            inputs = choice_inputs(req, parsed.n)
+        except InvalidRequestError as exc:
+            self._dp.reject(exc)
+            return error_response(exc)
+        chunks = fan_out(self._dp, inputs)
+        if parsed.stream:
+            return await self._stream_choices(request, parsed, chunks, req.request_id, echo)
+        return await self._complete_choices(request, parsed, chunks, req.request_id, echo)
+
+    async def _complete_choices(self, request: Request, parsed: OpenAIRequest,
+                                chunks: AsyncGenerator[ChoiceChunk, None], request_id: str, echo: str) -> Response:
+        try:
+            per_choice = await until_disconnect(request, _collect_choices(chunks, parsed.n))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:
+            return error_response(exc, request_id)
+        lasts = [c[-1] for c in per_choice]
+        body = envelope(parsed, request_id, int(time.time()), self._dp.served_model, chunk=False)
+        body["choices"] = [_whole_choice(parsed, c, echo, i, self._dp.tokenizer) for i, c in enumerate(per_choice)]
+        body["usage"] = total_usage(lasts)
+        return JSONResponse(body, headers=choices_headers(request_id, lasts))
+
+    async def _stream_choices(self, request: Request, parsed: OpenAIRequest,
+                              chunks: AsyncGenerator[ChoiceChunk, None], request_id: str, echo: str) -> Response:
+        """Like `_stream`: the status is decided by the first chunk of any choice (or the first failure)."""
+        try:
+            first = await until_disconnect(request, _next_chunk(chunks))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception as exc:  # the fan-out has already cancelled every other choice
+            return error_response(exc, request_id)
+        events = self._choice_events(parsed, first, chunks, request_id, echo)
+        return EventStreamResponse(events, choices_headers(request_id, [first[1]]))
+
+    async def _choice_events(self, parsed: OpenAIRequest, first: ChoiceChunk,
+                             chunks: AsyncGenerator[ChoiceChunk, None], request_id: str,
+                             echo: str) -> AsyncIterator[bytes]:
+        """Each choice's chunks as they come (its first one with the echo and, on chat, the role);
+        a failing choice ends the stream with an error event and closes the others."""
+        head = envelope(parsed, request_id, int(time.time()), self._dp.served_model, chunk=True)
+        lasts: dict[int, Chunk] = {}
+        offsets: dict[int, int] = {}  # each choice's text length so far
+        async with contextlib.aclosing(chunks):
+            try:
+                item: ChoiceChunk | None = first
+                while item is not None:
+                    index, chunk = item
+                    fresh = index not in lasts
+                    lasts[index] = chunk
+                    if fresh and echo:
+                        chunk = replace(chunk, text=echo + chunk.text)
+                    offset = offsets.get(index, 0)
+                    offsets[index] = offset + logprobs_text_len(chunk.logprobs, self._dp.tokenizer)
+                    event = _chunk_event(parsed, head, chunk, first=fresh, index=index, tokenizer=self._dp.tokenizer,
+                                         offset=offset)
+                    if event is not None:
+                        yield event
+                    if chunk.finish_reason == FinishReason.ERROR:
+                        raise replica_failed(chunk)
+                    item = await anext(chunks, None)
+            except Exception as exc:
+                log_if_internal(exc, request_id)
+                yield sse(error_payload(exc)[1])
+                yield DONE_EVENT
+                return
+        if parsed.include_usage:
+            yield sse({**head, "choices": [], "usage": total_usage(list(lasts.values()))})
         yield DONE_EVENT
 
     # introspection -------------------------------------------------------------------------------
@@ -290,14 +381,114 @@ class OpenAIFront:
         return Response(body, headers={"Content-Type": content_type})
 
 
-def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, *, first: bool = False) -> bytes | None:
-    """One SSE chunk event. A chunk that ends the request with an error carries no OpenAI finish
-    reason: its text (if any) goes out unfinished and the stream ends with an error event instead."""
+def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, *, first: bool = False,
+                 index: int = 0, tokenizer: Tokenizer | None = None, offset: int = 0) -> bytes | None:
+    """One SSE chunk event (of choice `index`, whose token texts so far are `offset` characters). A
+    chunk that ends the request with an error carries no OpenAI finish reason: its text (if any) goes
+    out unfinished and the stream ends with an error event."""
     failed = chunk.finish_reason == FinishReason.ERROR
     if failed and not chunk.text and not chunk.token_ids:
         return None
     reason = None if failed else chunk.finish_reason
-    return sse({**head, "choices": [choice(parsed, chunk.text, reason, chunk.token_ids, delta=True, first=first)]})
+    logprobs = logprobs_payload(parsed, chunk.logprobs, tokenizer, offset)
+    part = choice(parsed, chunk.text, reason, chunk.token_ids, delta=True, first=first, index=index,
+                  logprobs=logprobs)
+    return sse({**head, "choices": [part]})
+
+
+def _whole_choice(parsed: OpenAIRequest, chunks: list[Chunk], echo: str, index: int = 0,
+                  tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """A non-streamed choice: all of one generation's chunks joined."""
+    text = echo + "".join(c.text for c in chunks)
+    token_ids = [t for c in chunks for t in c.token_ids]
+    logprobs = logprobs_payload(parsed, [lp for c in chunks for lp in c.logprobs], tokenizer, len(echo))
+    return choice(parsed, text, chunks[-1].finish_reason, token_ids, index=index, logprobs=logprobs)
+
+
+def choice_inputs(req: GenerateInput, n: int) -> list[GenerateInput]:
+    """The n sub-requests of an `n` > 1 request: ids `{id}-{i}` and, with a seed, seeds `seed + i`
+    (the choices differ, yet the response is reproducible, and choice i is what an `n` = 1 request
+    with seed `seed + i` returns). A 400 names `request_id` or `seed` if a suffix leaves its range."""
+    suffix = len(f"-{n - 1}")
+    if len(req.request_id) + suffix > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            "request_id", f"must be at most {MAX_REQUEST_ID_CHARS - suffix} characters with n={n} (each choice's "
+                          f"id gets a -<index> suffix), got {len(req.request_id)}")  # fmt: skip
+    seed = req.params.seed
+    if seed is not None and seed > MAX_SEED - (n - 1):
+        raise InvalidRequestError(
+            "seed", f"must be at most {MAX_SEED - (n - 1)} with n={n} (choice i samples with seed + i), got {seed}"
+        )
+    return [
+        replace(req, request_id=f"{req.request_id}-{i}",
+                params=req.params if seed is None else replace(req.params, seed=seed + i))
+        for i in range(n)
+    ]  # fmt: skip
+
+
+async def _pump(dp: DataPlane, index: int, req: GenerateInput, queue: asyncio.Queue[tuple[int, Any]]) -> None:
+    """Relay one choice's chunks into the shared queue, then None (its end) or the exception that
+    ended it. Cancelling this task closes the generation, so its worker aborts it at once."""
+    try:
+        async with contextlib.aclosing(dp.generate(req)) as stream:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+    except Exception as exc:
+        queue.put_nowait((index, exc))
+    else:
+        queue.put_nowait((index, None))
+
+
+async def fan_out(dp: DataPlane, inputs: list[GenerateInput]) -> AsyncGenerator[ChoiceChunk, None]:
+    """(index, chunk) of all `inputs`' generations, run concurrently, as the chunks arrive.
+
+    The first failure is raised. However this generator ends — drained, failed, closed or cancelled
+    (a client that went away) — every generation still running is cancelled and awaited, so no
+    worker keeps decoding (or holding KV blocks for) a choice nobody will read."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_pump(dp, i, req, queue)) for i, req in enumerate(inputs)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect_choices(chunks: AsyncGenerator[ChoiceChunk, None], n: int) -> list[list[Chunk]]:
+    """Every choice's chunks, by index; a choice its replica failed fails them all at once."""
+    out: list[list[Chunk]] = [[] for _ in range(n)]
+    async with contextlib.aclosing(chunks):
+        async for index, chunk in chunks:
+            if chunk.finish_reason == FinishReason.ERROR:
+                raise replica_failed(chunk)
+            out[index].append(chunk)
+    if not all(out):  # the data plane ends each generation with a finished chunk or raises
+        raise ReplicaUnavailable("a replica ended a choice's stream without output")
+    return out
+
+
+def replica_failed(chunk: Chunk) -> ReplicaUnavailable:
+    """The error for a chunk whose replica failed its request (FinishReason.ERROR)."""
+    return ReplicaUnavailable(f"replica {chunk.replica} failed the request: {chunk.error}")
+
+
+def total_usage(lasts: list[Chunk]) -> dict[str, int]:
+    """`usage` of an `n` > 1 response: the prompt once, the completion tokens of every choice."""
+    return usage(max(c.prompt_tokens for c in lasts), sum(c.completion_tokens for c in lasts))
+
+
+def choices_headers(request_id: str, chunks: list[Chunk]) -> dict[str, str]:
+    """`response_headers` for `n` > 1: the request's own id and every replica seen, in choice order."""
+    return {"X-Request-Id": request_id, "X-Chariot-Replica": ",".join(dict.fromkeys(c.replica for c in chunks))}
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

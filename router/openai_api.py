@@ -8,21 +8,26 @@ server, and keeps the HTTP front a thin adapter.
 
 Honoured request fields (others are accepted and ignored, like OpenAI's own server ignores unknown
 ones): `model`, `prompt` (string or list of token ids; a one-element batch of either is unwrapped) or
-`messages` (chat), `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
-`top_k`, `seed`, `stop` (string or list of strings), `ignore_eos`, `stream`, `stream_options
-{include_usage}`, `user` (the rate-limit tenant), and the vLLM extension `return_token_ids` (adds
-`token_ids` to each choice). `null` means "not given". Ranges as OpenAI documents them (temperature
-0–2, top_p in (0, 1]); `echo` (completions: the prompt's text, decoded with the router's tokenizer
-when it was given as token ids, precedes the completion). Refused with a 400 naming the field rather
-than silently dropped: `n` or `best_of` other than 1, `echo` on chat, `logprobs`/`top_logprobs`,
-non-zero `presence_penalty` / `frequency_penalty`, a non-empty `logit_bias`, `min_tokens` > 0 (not
-implemented yet), `tools` /
-`tool_choice` / `functions`, and a `response_format` other than text. Text that cannot be encoded
-(JSON escapes of lone UTF-16 surrogates, e.g. `"\\ud800"`) is a 400 naming the field where it stands.
+`messages` (chat), `max_tokens` (chat also `max_completion_tokens`), `temperature` (0–2), `top_p`
+((0, 1]), `top_k`, `seed`, `stop` (string or list of strings), `ignore_eos`, `stream`,
+`stream_options {include_usage}`, `user` (the rate-limit tenant), `n` (1–`MAX_CHOICES` choices,
+each sampled as its own request; with a `seed`, choice i uses `seed + i`), `echo` (completions: the
+prompt's text, decoded with the router's tokenizer when it was given as token ids, precedes the
+completion), `presence_penalty` / `frequency_penalty` (−2–2), `logit_bias` (token id → −100–100,
+ids checked against the vocabulary by the worker), `min_tokens` (vLLM's: EOS, stop ids and stop
+strings cannot end the request earlier), logprobs (completions: `logprobs` = 0–20 alternatives;
+chat: `logprobs: true` plus `top_logprobs` 0–20; the model's raw log-probabilities, rendered in
+each endpoint's OpenAI shape; token texts are `token_id:N` when the router has no tokenizer), and
+the vLLM extension `return_token_ids` (adds `token_ids` to each choice). `null` means "not given".
+Refused with a 400 naming the field rather than silently dropped: `best_of` other than 1, `echo` on
+chat, `echo` with `logprobs` (that would need prompt logprobs), `tools` / `tool_choice` /
+`functions`, and a `response_format` other than text. Text that cannot be encoded (JSON escapes of
+lone UTF-16 surrogates, e.g. `"\\ud800"`) is a 400 naming the field where it stands.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -30,9 +35,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.outputs import TokenLogprobs
 from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, Prompt
-from chariot.contracts.sampling_params import SamplingParams
+from chariot.contracts.sampling_params import MAX_LOGPROBS, SamplingParams
 from chariot.contracts.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
@@ -40,9 +46,8 @@ Kind = Literal["completion", "chat"]
 MAX_BODY_BYTES = 4 << 20
 MAX_TENANT_CHARS = 256
 MAX_TOKEN_ID = (1 << 63) - 1
+MAX_CHOICES = 128  # `n`: each choice is a request of its own on the replicas, so it is bounded like a batch
 MAX_TEMPERATURE = 2.0
-PENALTY_RANGE = (-2.0, 2.0)
-NOT_IMPLEMENTED = "is not supported yet: leave it out (a request that relies on it would get other tokens)"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _JSON_TYPES: tuple[tuple[type, str], ...] = (
@@ -68,6 +73,7 @@ class OpenAIRequest:
     return_token_ids: bool = False
     user: str = ""
     echo: bool = False  # completions: the prompt's text comes first in the returned text
+    n: int = 1  # choices to generate, each as its own request (1..MAX_CHOICES)
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -141,23 +147,37 @@ def _request(obj: dict[str, Any], kind: Kind, prompt: Prompt, limit_field: str) 
     echo = _bool(obj, "echo") or False
     if echo and kind == "chat":
         raise InvalidRequestError("echo", "is a /v1/completions field; chat completions do not echo")
+    if echo and obj.get("logprobs") is not None:
+        raise InvalidRequestError("logprobs", "with echo would need the prompt's logprobs, which this server does not "
+                                              "compute; leave out one of them")
     stream = _bool(obj, "stream") or False
     options = _object(obj, "stream_options") or {}
     include_usage = _bool(options, "include_usage", "stream_options.include_usage") or False
     return OpenAIRequest(
         kind=kind,
         prompt=prompt,
-        params=sampling_params(obj, limit_field),
+        params=sampling_params(obj, limit_field, kind),
         model=_str(obj, "model") or "",
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(obj, "return_token_ids") or False,
         user=_tenant(obj),
         echo=echo,
+        n=_choices(obj),
     )
 
 
-def sampling_params(obj: dict[str, Any], limit_field: str = "max_tokens") -> SamplingParams:
+def _choices(obj: dict[str, Any]) -> int:
+    """`n`: how many choices to generate (null means 1)."""
+    n = _int(obj, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def sampling_params(obj: dict[str, Any], limit_field: str = "max_tokens", kind: Kind = "completion") -> SamplingParams:
     """SamplingParams from the body's fields; `SamplingParams` itself checks the ranges."""
     kwargs: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
     given = {
@@ -167,6 +187,11 @@ def sampling_params(obj: dict[str, Any], limit_field: str = "max_tokens") -> Sam
         "top_k": _int(obj, "top_k"),
         "seed": _int(obj, "seed"),
         "ignore_eos": _bool(obj, "ignore_eos"),
+        "presence_penalty": _number(obj, "presence_penalty"),
+        "frequency_penalty": _number(obj, "frequency_penalty"),
+        "logit_bias": _object(obj, "logit_bias"),
+        "min_tokens": _int(obj, "min_tokens"),
+        "logprobs": _logprobs(obj, kind),
     }
     kwargs.update({name: value for name, value in given.items() if value is not None})
     temperature = kwargs.get("temperature")
@@ -238,28 +263,9 @@ def _content(name: str, content: object) -> str:
 def _unsupported(obj: dict[str, Any]) -> None:
     """Fields a client may rely on that this server does not honour: a 400 naming each, never a
     silent drop. Their neutral values (0, {}, false, text) pass."""
-    for name in ("n", "best_of"):
-        value = _int(obj, name)
-        if value is not None and value != 1:
-            raise InvalidRequestError(name, f"only 1 is supported, got {value}")
-    logprobs = obj.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        raise InvalidRequestError("logprobs", NOT_IMPLEMENTED)
-    if _int(obj, "top_logprobs"):
-        raise InvalidRequestError("top_logprobs", NOT_IMPLEMENTED)
-    for name in ("presence_penalty", "frequency_penalty"):
-        penalty = _number(obj, name)
-        if penalty is not None and not PENALTY_RANGE[0] <= penalty <= PENALTY_RANGE[1]:
-            raise InvalidRequestError(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {penalty}")
-        if penalty:
-            raise InvalidRequestError(name, NOT_IMPLEMENTED)
-    if _object(obj, "logit_bias"):
-        raise InvalidRequestError("logit_bias", NOT_IMPLEMENTED)
-    min_tokens = _int(obj, "min_tokens")
-    if min_tokens is not None and min_tokens < 0:
-        raise InvalidRequestError("min_tokens", f"must be >= 0, got {min_tokens}")
-    if min_tokens:
-        raise InvalidRequestError("min_tokens", NOT_IMPLEMENTED)
+    best_of = _int(obj, "best_of")
+    if best_of is not None and best_of != 1:
+        raise InvalidRequestError("best_of", f"only 1 is supported (use `n` for several choices), got {best_of}")
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if obj.get(name) not in (None, [], "none"):
             raise InvalidRequestError(name, "tool calling is not supported by this server")
@@ -267,6 +273,27 @@ def _unsupported(obj: dict[str, Any]) -> None:
     if fmt is not None and fmt.get("type", "text") != "text":
         raise InvalidRequestError("response_format", f"only {{\"type\": \"text\"}} is supported, got "
                                                      f"{str(fmt.get('type'))[:40]!r}")
+
+
+def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
+    """How many alternatives per token (None: no logprobs). Completions: `logprobs` is that number;
+    chat: `logprobs` is a boolean and `top_logprobs` the number (which needs `logprobs: true`)."""
+    if kind == "completion":
+        if obj.get("top_logprobs") is not None:
+            raise InvalidRequestError("top_logprobs", "is a chat field; on /v1/completions `logprobs` is the number")
+        count = _int(obj, "logprobs")
+        _check_logprobs("logprobs", count)
+        return count
+    wanted, count = _bool(obj, "logprobs") or False, _int(obj, "top_logprobs")
+    _check_logprobs("top_logprobs", count)
+    if count is not None and not wanted:
+        raise InvalidRequestError("top_logprobs", "needs `logprobs: true`")
+    return (count or 0) if wanted else None
+
+
+def _check_logprobs(name: str, count: int | None) -> None:
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {count}")
 
 
 def _tenant(obj: dict[str, Any]) -> str:
@@ -378,6 +405,51 @@ def echo_text(req: OpenAIRequest, tokenizer: Tokenizer | None) -> str:
     return tokenizer.decode(list(req.prompt))
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens like this
+
+
+def token_text(token_id: int, tokenizer: Tokenizer | None) -> str:
+    """One token's text for logprobs (`token_id:N` without the router's tokenizer, as vLLM writes it)."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def logprobs_payload(req: OpenAIRequest, lps: Sequence[TokenLogprobs], tokenizer: Tokenizer | None,
+                     text_offset: int = 0) -> dict[str, Any] | None:
+    """A choice's `logprobs` for these tokens, in the endpoint's shape (None when not asked for).
+    Completions give parallel lists; `text_offset` is where the first token's text starts in the
+    choice's text (a stream passes the running length)."""
+    if req.params.logprobs is None:
+        return None
+    texts = [token_text(lp.token_id, tokenizer) for lp in lps]
+    if req.kind == "chat":
+        return {"content": [_chat_logprob(text, lp, tokenizer) for text, lp in zip(texts, lps, strict=True)]}
+    offsets = list(itertools.accumulate((len(t) for t in texts[:-1]), initial=text_offset)) if texts else []
+    return {
+        "tokens": texts,
+        "token_logprobs": [_finite(lp.logprob) for lp in lps],
+        "top_logprobs": [{token_text(t, tokenizer): _finite(v) for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def logprobs_text_len(lps: Sequence[TokenLogprobs], tokenizer: Tokenizer | None) -> int:
+    """How far these tokens move a stream's `text_offset` (the length of their token texts)."""
+    return sum(len(token_text(lp.token_id, tokenizer)) for lp in lps)
+
+
+def _chat_logprob(text: str, lp: TokenLogprobs, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    top = [_chat_entry(token_text(t, tokenizer), v) for t, v in lp.top]
+    return {**_chat_entry(text, lp.logprob), "top_logprobs": top}
+
+
+def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
 def choice(
     req: OpenAIRequest,
     text: str,
@@ -386,15 +458,21 @@ def choice(
     *,
     delta: bool = False,
     first: bool = False,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """choices[0] of a response (`delta=False`) or of a stream chunk (`delta=True`)."""
-    out: dict[str, Any] = {"index": 0}
+    """choices[i] of a response (`delta=False`) or of a stream chunk (`delta=True`); `index` is the
+    choice's place among the request's `n` (OpenAI clients reassemble interleaved chunks by it);
+    `logprobs` as `logprobs_payload` renders it."""
+    out: dict[str, Any] = {"index": index}
     if req.kind == "completion":
-        out.update(text=text, logprobs=None)
+        out.update(text=text, logprobs=logprobs)
     elif delta:
         out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        out["logprobs"] = logprobs
     else:
         out["message"] = {"role": "assistant", "content": text}
+        out["logprobs"] = logprobs
     if req.return_token_ids:
         out["token_ids"] = list(token_ids)
     out["finish_reason"] = finish_reason_name(finish_reason)

@@ -19,10 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-import torch
-
 from chariot.contracts.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
-from chariot.contracts.outputs import EngineStats, IterationTimes
+from chariot.contracts.outputs import EngineStats, IterationTimes, TokenLogprobs
 from chariot.contracts.requests import FinishReason, Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.tokenizer import Tokenizer
@@ -34,6 +32,7 @@ from chariot.worker.micro_batch import MicroBatch
 from chariot.worker.pipeline.driver import PipelineExecutor
 from chariot.worker.pipeline.transport import PeerCheck, Topology
 from chariot.worker.runtime import build_stage_runtime
+from chariot.worker.sampler import SamplerOutput
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
 from chariot.worker.sequence import Sequence
 
@@ -42,7 +41,8 @@ class Executor(Protocol):
     """Runs batches; up to `max_in_flight` may be submitted before the oldest result is awaited.
 
     `wait()` returns the sampled token id of every sampling chunk of the oldest submitted batch, in
-    chunk order. A broken pipeline raises `PipelineError` from submit/wait and sets `failed`.
+    chunk order (with logprobs for the rows that asked). A broken pipeline raises `PipelineError`
+    from submit/wait and sets `failed`.
     """
 
     max_in_flight: int
@@ -50,7 +50,7 @@ class Executor(Protocol):
 
     def submit(self, inp: MicroBatch) -> None: ...
 
-    def wait(self) -> torch.Tensor: ...
+    def wait(self) -> SamplerOutput: ...
 
     def bubble_fraction(self) -> float: ...
 
@@ -76,7 +76,7 @@ class Engine:
                             self.model_config.attention_cost if config.attention_aware_chunks else 0.0),
             self.blocks,
         )
-        self.inputs = InputBuilder(self.blocks)
+        self.inputs = InputBuilder(self.blocks, self.eos_token_ids)
         self.failed: str | None = None
         self._in_flight: deque[SchedulerOutput] = deque()
         self._seq_ids = itertools.count()
@@ -129,9 +129,10 @@ class Engine:
         if not token_ids:
             raise InvalidRequestError("prompt", "must contain at least one token")
         vocab = self.model_config.vocab_size
-        bad_stop = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad_stop is not None:
-            raise InvalidRequestError("stop_token_ids", f"token id {bad_stop} is out of the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(name, f"token id {bad} is out of the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt",
@@ -200,12 +201,12 @@ class Engine:
                 self._in_flight.append(batch)
             if not self._in_flight:
                 return self._result(())
-            tokens = self.executor.wait()
+            sampled = self.executor.wait()
         except PipelineError as exc:
             return self._result(self._fail_all(str(exc)))
         t2 = time.perf_counter()
         batch = self._in_flight.popleft()
-        outputs = self.process_output(batch, tokens.tolist())
+        outputs = self.process_output(batch, sampled)
         times = IterationTimes(sched, prep, t2 - t0 - sched - prep, time.perf_counter() - t2)
         self._last_iteration_s = times.total
         self.iterations += 1
@@ -243,23 +244,36 @@ class Engine:
         """Stop the executor (and, for a pipeline, every downstream stage)."""
         self.executor.shutdown()
 
-    def process_output(self, batch: SchedulerOutput, tokens: list[int]) -> list[EngineOutput]:
-        """Append sampled tokens, apply token stop conditions, free finished requests' blocks."""
+    def process_output(self, batch: SchedulerOutput, sampled: SamplerOutput | list[int]) -> list[EngineOutput]:
+        """Append sampled tokens, apply token stop conditions, free finished requests' blocks.
+        `sampled` is the executor's output (or plain token ids, one per sampling chunk)."""
         self.scheduler.complete(batch)
         now = time.time()
         outputs = []
-        sampled = iter(tokens)
+        if isinstance(sampled, SamplerOutput):
+            tokens, logprobs = sampled.token_ids.tolist(), self._row_logprobs(batch, sampled)
+        else:
+            tokens, logprobs = list(sampled), [None] * len(sampled)
+        rows = iter(zip(tokens, logprobs, strict=True))
         for chunk in batch.chunks:
             if not chunk.samples:
                 continue
-            token = next(sampled)
+            token, logprob = next(rows)
             seq = self.scheduler.seqs.get(chunk.seq_id)
             if seq is None:  # finished (aborted, stopped) while in flight
                 continue
-            outputs.append(self._append_token(seq, token, now))
+            outputs.append(self._append_token(seq, token, now, logprob))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> EngineOutput:
+    def _row_logprobs(self, batch: SchedulerOutput, sampled: SamplerOutput) -> list[TokenLogprobs | None]:
+        if sampled.logprobs is None:
+            return [None] * len(sampled.token_ids)
+        wanted = [self.scheduler.seqs[c.seq_id].params.logprobs if c.seq_id in self.scheduler.seqs else None
+                  for c in batch.chunks if c.samples]
+        return sampled.row_logprobs(wanted)
+
+    def _append_token(self, seq: Sequence, token: int, now: float, logprob: TokenLogprobs | None = None,
+                      ) -> EngineOutput:
         seq.output_token_ids.append(token)
         if seq.times.first_token is None:
             seq.times.first_token = now
@@ -267,7 +281,8 @@ class Engine:
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, (token,), stop_token_id=token if reason is FinishReason.STOP else None)
+        return self._output(seq, (token,), stop_token_id=token if reason is FinishReason.STOP else None,
+                            logprobs=() if logprob is None else (logprob,))
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """The engine's own stop conditions (token ids and lengths; stop strings are not its business)."""
@@ -285,7 +300,8 @@ class Engine:
         del self._by_request[seq.request_id]
 
     @staticmethod
-    def _output(seq: Sequence, new_tokens: tuple[int, ...], stop_token_id: int | None = None) -> EngineOutput:
+    def _output(seq: Sequence, new_tokens: tuple[int, ...], stop_token_id: int | None = None,
+                logprobs: tuple[TokenLogprobs, ...] = ()) -> EngineOutput:
         return EngineOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -296,6 +312,7 @@ class Engine:
             stop_token_id=stop_token_id,
             num_preemptions=seq.num_preemptions,
             error=seq.error,
+            new_logprobs=logprobs,
         )
 
     # ---- reporting ---------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from chariot.contracts.errors import EngineDeadError, InvalidRequestError
-from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from chariot.contracts.requests import FinishReason, Prompt, RequestTimes
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.async_engine import AsyncEngine, Channel, Sink, StepObserver
@@ -107,6 +107,7 @@ class Delta:
     num_preemptions: int = 0
     error: str | None = None
     prompt_token_ids: list[int] | None = None
+    new_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ class _PipeChannel(Channel):
             self._times_sent[out.request_id] = len(t.token_times)
         times = RequestTimes(t.arrival, t.first_scheduled, t.first_token, t.token_times[sent or 0:], t.finished)
         return Delta(out.request_id, out.new_token_ids, out.new_text, out.num_output_tokens, out.finish_reason,
-                     times, out.num_preemptions, out.error, out.prompt_token_ids if sent is None else None)
+                     times, out.num_preemptions, out.error, out.prompt_token_ids if sent is None else None,
+                     out.new_logprobs)
 
     def _forget(self, sink: Sink) -> None:
         if self.sinks.get(sink.request_id) is sink:  # dict ops are atomic; a reused id keeps its new sink
@@ -455,7 +457,7 @@ class EngineCoreClient:
             t.token_times.extend(new.token_times)
         out = RequestOutput(delta.request_id, stream.prompt_token_ids, delta.new_token_ids, delta.new_text,
                             delta.num_output_tokens, delta.finish_reason is not None, delta.finish_reason, t,
-                            delta.num_preemptions, delta.error)
+                            delta.num_preemptions, delta.error, delta.new_logprobs)
         _put_threadsafe(stream, out)
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chariot.contracts.outputs import EngineStats, IterationTimes
+from chariot.contracts.outputs import EngineStats, IterationTimes, TokenLogprobs
 from chariot.contracts.requests import FinishReason, RequestTimes
 from chariot.worker.scheduler import SchedulerOutput
 
@@ -33,6 +33,8 @@ class EngineOutput:
       the last of `new_token_ids`; it belongs to `token_ids` but never to the text.
     - The engine never looks at text: stop strings are the output processor's business.
     - `prompt_token_ids` and `times` are the engine's own objects, shared, never copied: read only.
+    - `new_logprobs` is empty unless the request asked for logprobs; then it has one entry per new
+      token.
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class EngineOutput:
     stop_token_id: int | None = None
     num_preemptions: int = 0
     error: str | None = None
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

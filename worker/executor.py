@@ -10,7 +10,7 @@ it; on the last stage it also computes logits for the sampled rows only and samp
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from chariot.worker.block_manager import BlockManager
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.micro_batch import Layout, MicroBatch, ModelInput, decode_batch, pack
 from chariot.worker.model.llama import LlamaStage
-from chariot.worker.sampler import Sampler, SamplingColumns
+from chariot.worker.sampler import LogitAdjustments, Sampler, SamplerOutput, SamplingColumns
 from chariot.worker.scheduler.output import SchedulerOutput
 from chariot.worker.sequence import Sequence
 
@@ -27,9 +27,10 @@ from chariot.worker.sequence import Sequence
 class InputBuilder:
     """Packs scheduler batches into host micro-batches (stage 0 only)."""
 
-    def __init__(self, block_manager: BlockManager) -> None:
+    def __init__(self, block_manager: BlockManager, eos_token_ids: Collection[int] = ()) -> None:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def build(self, batch: SchedulerOutput, seqs: Mapping[int, Sequence]) -> MicroBatch:
         chunks = batch.chunks
@@ -51,11 +52,19 @@ class InputBuilder:
         sampled = [i for i, c in enumerate(chunks) if c.samples]
         sampled_seqs = [seqs[chunks[i].seq_id] for i in sampled]
         sampling = SamplingColumns.from_params([s.params for s in sampled_seqs],
-                                               [len(s.output_token_ids) for s in sampled_seqs])
-        layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled))
+                                               [len(s.output_token_ids) for s in sampled_seqs],
+                                               self._adjustments(sampled_seqs))
+        layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled),
+                        len(sampling.adjustments))
         sections: list[np.ndarray | list[int]] = [input_ids, positions, slots, cu, seq_lens, tables,
                                                   cu[1:][sampled] - 1]
         return pack(layout, sections, sampling)
+
+    def _adjustments(self, seqs: list[Sequence]) -> LogitAdjustments | None:
+        """logit_bias, penalties and the min_tokens ban of the sampled rows (None when no row has any)."""
+        if not any(s.params.logit_bias or s.params.penalized or s.params.min_tokens for s in seqs):
+            return None
+        return LogitAdjustments.for_rows([(s.params, s.output_token_ids) for s in seqs], self.eos_token_ids)
 
     def _block_tables(self, batch: SchedulerOutput, seq_lens: np.ndarray) -> np.ndarray:
         width = max(1, -(-int(seq_lens.max()) // self.block_size))
@@ -92,15 +101,15 @@ class ModelRunner:
         return self.stage(inp.positions, self.kv_caches, inp.attn, input_ids=ids, hidden_states=hidden_states)
 
     @torch.inference_mode()
-    def sample(self, inp: ModelInput, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Last stage: logits for the sampled rows only, then token ids [N]."""
+    def sample(self, inp: ModelInput, hidden_states: torch.Tensor) -> SamplerOutput:
+        """Last stage: logits for the sampled rows only, then token ids [N] (and logprobs if asked)."""
         if inp.sampling is None or self.sampler is None:
-            return torch.empty(0, dtype=torch.long)
+            return SamplerOutput(torch.empty(0, dtype=torch.long))
         logits = self.stage.compute_logits(hidden_states[inp.sample_indices])
         return self.sampler(logits, inp.sampling)
 
-    def execute(self, mb: MicroBatch) -> torch.Tensor:
-        """Single-process path: all layers here; returns sampled token ids."""
+    def execute(self, mb: MicroBatch) -> SamplerOutput:
+        """Single-process path: all layers here; returns the sampled tokens."""
         inp = self.decode(mb)
         return self.sample(inp, self.forward(inp))
 
@@ -113,12 +122,12 @@ class LocalExecutor:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._results: deque[torch.Tensor] = deque()
+        self._results: deque[SamplerOutput] = deque()
 
     def submit(self, mb: MicroBatch) -> None:
         self._results.append(self.runner.execute(mb))
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> SamplerOutput:
         return self._results.popleft()
 
     def bubble_fraction(self) -> float:

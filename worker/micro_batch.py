@@ -9,9 +9,12 @@ Layout of the payload (int64; `Layout` holds the sizes, T tokens, S sequences, W
 N sampled rows):
 
     input_ids[T] positions[T] slot_mapping[T] query_start_loc[S+1] seq_lens[S] block_tables[S*W]
-    sample_indices[N] temperatures[N] top_ks[N] top_ps[N] seeds[N] steps[N]
+    sample_indices[N] temperatures[N] top_ks[N] top_ps[N] seeds[N] steps[N] logprobs[N]
+    adjust_rows[A] adjust_token_ids[A] adjust_deltas[A]
 
-Temperatures and top-p travel as float64 bit patterns; a seed of -1 means none (seeds are >= 0).
+Temperatures, top-p and adjustment deltas travel as float64 bit patterns; a seed or logprobs of -1
+means none (both are >= 0 when set). The A sparse logit adjustments (logit_bias, penalties,
+min_tokens) are worked out by stage 0's `InputBuilder`, which holds every request's output so far.
 The sampling columns are decoded only by a stage that samples.
 """
 
@@ -24,10 +27,12 @@ import numpy as np
 import torch
 
 from chariot.kernels import AttentionMetadata
-from chariot.worker.sampler import SamplingBatch, SamplingColumns
+from chariot.worker.sampler import LogitAdjustments, SamplingBatch, SamplingColumns
 
 NO_SEED = -1
-_SAMPLING_COLUMNS = 5
+NO_LOGPROBS = -1
+_SAMPLING_COLUMNS = 6
+_ADJUSTMENT_COLUMNS = 3
 
 
 @dataclass(frozen=True)
@@ -56,11 +61,13 @@ class Layout:
     table_width: int = 0
     num_decodes: int = 0
     num_sampled: int = 0
+    num_adjustments: int = 0
 
     def sizes(self) -> list[int]:
         """Length of each payload section, in payload order."""
         t, s, n = self.num_tokens, self.num_seqs, self.num_sampled
-        return [t, t, t, s + 1, s, s * self.table_width, n] + [n] * _SAMPLING_COLUMNS
+        sampling = [n] * _SAMPLING_COLUMNS + [self.num_adjustments] * _ADJUSTMENT_COLUMNS
+        return [t, t, t, s + 1, s, s * self.table_width, n, *sampling]
 
     @property
     def payload_len(self) -> int:
@@ -102,7 +109,8 @@ def encode_batch(inp: ModelInput) -> MicroBatch:
     """The inverse of `decode_batch` (for a `ModelInput` whose `sampling` is set when rows sample)."""
     a = inp.attn
     n = len(inp.sample_indices)
-    layout = Layout(inp.num_tokens, a.num_seqs, a.block_tables.shape[1], a.num_decodes, n)
+    num_adjust = len(inp.sampling.adjustments) if inp.sampling is not None else 0
+    layout = Layout(inp.num_tokens, a.num_seqs, a.block_tables.shape[1], a.num_decodes, n, num_adjust)
     sections = [inp.input_ids, inp.positions, a.slot_mapping, a.query_start_loc, a.seq_lens,
                 a.block_tables, inp.sample_indices]
     host = [t.to("cpu", torch.long).numpy() for t in sections]
@@ -132,17 +140,27 @@ def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> M
 
 def _sampling_sections(s: SamplingColumns) -> list[np.ndarray]:
     seeds = [NO_SEED if x is None else x for x in s.seeds]
-    return [np.asarray(s.temperatures, dtype=np.float64).view(np.int64), np.asarray(s.top_ks, dtype=np.int64),
-            np.asarray(s.top_ps, dtype=np.float64).view(np.int64), np.asarray(seeds, dtype=np.int64),
-            np.asarray(s.steps, dtype=np.int64)]
+    logprobs = [NO_LOGPROBS if x is None else x for x in s.logprobs]
+    a = s.adjustments
+    return [_bits(s.temperatures), np.asarray(s.top_ks, dtype=np.int64), _bits(s.top_ps),
+            np.asarray(seeds, dtype=np.int64), np.asarray(s.steps, dtype=np.int64),
+            np.asarray(logprobs, dtype=np.int64), np.asarray(a.rows, dtype=np.int64),
+            np.asarray(a.token_ids, dtype=np.int64), _bits(a.deltas)]
+
+
+def _bits(values: Sequence[float]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64).view(np.int64)
 
 
 def _sampling_columns(sections: Sequence[torch.Tensor]) -> SamplingColumns:
-    temps, top_ks, top_ps, seeds, steps = sections
+    temps, top_ks, top_ps, seeds, steps, logprobs, rows, token_ids, deltas = sections
     return SamplingColumns(
         temperatures=tuple(temps.view(torch.float64).tolist()),
         top_ks=tuple(top_ks.tolist()),
         top_ps=tuple(top_ps.view(torch.float64).tolist()),
         seeds=tuple(None if x == NO_SEED else x for x in seeds.tolist()),
         steps=tuple(steps.tolist()),
+        logprobs=tuple(None if x == NO_LOGPROBS else x for x in logprobs.tolist()),
+        adjustments=LogitAdjustments(tuple(rows.tolist()), tuple(token_ids.tolist()),
+                                     tuple(deltas.view(torch.float64).tolist())),
     )

@@ -45,6 +45,8 @@ class _RequestState:
     stop: tuple[str, ...]
     detok: IncrementalDetokenizer
     held: str = ""  # detokenized, not yet emitted: a stop string may still be forming in it
+    ready: str = ""  # detokenized before min_tokens, not yet emitted: no stop string can cut it
+    min_tokens: int = 0  # stop strings end the request only from this many output tokens on
 
 
 class OutputProcessor:
@@ -58,7 +60,8 @@ class OutputProcessor:
         """Start tracking a request the engine has just accepted."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already tracked")
-        self._requests[request_id] = _RequestState(params.stop, IncrementalDetokenizer(self._tokenizer))
+        self._requests[request_id] = _RequestState(params.stop, IncrementalDetokenizer(self._tokenizer),
+                                                   min_tokens=params.min_tokens)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -85,7 +88,8 @@ class OutputProcessor:
 
     def _process_one(self, state: _RequestState, out: EngineOutput) -> RequestOutput:
         tokens = list(out.new_token_ids)
-        stopped = self._detokenize(state, tokens, skip_last=out.stop_token_id is not None)
+        before = out.num_output_tokens - len(tokens)
+        stopped = self._detokenize(state, tokens, skip_last=out.stop_token_id is not None, before=before)
         reason = FinishReason.STOP if stopped else out.finish_reason
         if reason is FinishReason.LENGTH:  # stopped mid-character? emit what the detokenizer held back
             state.held += state.detok.flush()
@@ -103,14 +107,19 @@ class OutputProcessor:
             times=times,
             num_preemptions=out.num_preemptions,
             error=out.error,
+            new_logprobs=list(out.new_logprobs[: len(tokens)]),
         )
 
     @staticmethod
-    def _detokenize(state: _RequestState, tokens: list[int], skip_last: bool) -> bool:
-        """Add `tokens`' text to `state.held` one token at a time; on a stop string, cut the text
-        before it, drop the tokens after the one that completed it, and return True."""
+    def _detokenize(state: _RequestState, tokens: list[int], skip_last: bool, before: int = 0) -> bool:
+        """Add `tokens`' text to `state.held` one token at a time; on a stop string (once the request
+        has `min_tokens`; `before` tokens preceded these), cut the text before it, drop the tokens
+        after the one that completed it, and return True."""
         for i, token in enumerate(tokens[:-1] if skip_last else tokens):
             state.held += state.detok.step(token)
+            if before + i + 1 < state.min_tokens:  # stop strings do not count yet: all of it may go
+                state.ready, state.held = state.ready + state.held, ""
+                continue
             cut = find_stop(state.held, state.stop)
             if cut is not None:
                 state.held = state.held[:cut]
@@ -123,7 +132,7 @@ def _release(state: _RequestState, finished: bool) -> str:
     """The text that can be emitted now: all of it once finished, else all but a forming stop string."""
     keep = 0 if finished else forming_stop_len(state.held, state.stop)
     cut = len(state.held) - keep
-    text, state.held = state.held[:cut], state.held[cut:]
+    text, state.held, state.ready = state.ready + state.held[:cut], state.held[cut:], ""
     return text
 
 

@@ -14,15 +14,22 @@ greedy. Only rows that use top-k/top-p are ranked, and with top-k alone only `to
 The noise of a seeded row depends only on (seed, step), so its draw is a function of
 its own logits and (seed, step); unseeded rows share one draw from the sampler's own generator.
 Everything is batched tensor ops except generating the noise of seeded rows (one small generator each).
+
+Before any of that, a batch may carry sparse logit adjustments (`LogitAdjustments`: logit_bias,
+presence/frequency penalties and the min_tokens ban, worked out by stage 0, which holds each
+request's output so far); they apply to greedy and sampled rows alike. Rows that asked for logprobs
+get them from the raw logits, before adjustments, temperature or filtering (`SamplerOutput`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from chariot.contracts.outputs import TokenLogprobs
 from chariot.contracts.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow to inf/NaN.
@@ -47,12 +54,63 @@ def row_seed(seed: int, step: int) -> int:
 
 
 @dataclass(frozen=True)
+class LogitAdjustments:
+    """Sparse additions to one batch's logits: `deltas[j]` is added to logit `token_ids[j]` of row
+    `rows[j]` (repeats add up; -inf bans a token). Rows index the batch's sampled rows."""
+
+    rows: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    deltas: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not len(self.rows) == len(self.token_ids) == len(self.deltas):
+            raise ValueError("logit adjustment columns of unequal length")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @classmethod
+    def for_rows(cls, rows: Sequence[tuple[SamplingParams, Sequence[int]]],
+                 banned_until_min: Collection[int]) -> LogitAdjustments:
+        """The adjustments of rows given as (params, output token ids so far); `banned_until_min` are
+        the EOS ids (the request's stop token ids are added), unsampleable before `min_tokens`."""
+        out: tuple[list[int], list[int], list[float]] = ([], [], [])
+        for row, (params, output) in enumerate(rows):
+            for token, delta in _row_adjustments(params, output, banned_until_min):
+                out[0].append(row)
+                out[1].append(token)
+                out[2].append(delta)
+        return cls(tuple(out[0]), tuple(out[1]), tuple(out[2]))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (float32, [rows, V]) with the adjustments added, in place."""
+        if self.rows:
+            dev = logits.device
+            index = (torch.tensor(self.rows, device=dev), torch.tensor(self.token_ids, device=dev))
+            logits.index_put_(index, torch.tensor(self.deltas, dtype=logits.dtype, device=dev), accumulate=True)
+        return logits
+
+
+def _row_adjustments(params: SamplingParams, output: Sequence[int],
+                     banned_until_min: Collection[int]) -> list[tuple[int, float]]:
+    pairs = list(params.logit_bias)
+    if params.penalized and output:
+        fp, pp = params.frequency_penalty, params.presence_penalty
+        pairs += [(token, -(fp * count + pp)) for token, count in Counter(output).items()]
+    if len(output) < params.min_tokens:
+        eos = () if params.ignore_eos else banned_until_min
+        pairs += [(token, float("-inf")) for token in {*eos, *params.stop_token_ids}]
+    return pairs
+
+
+@dataclass(frozen=True)
 class SamplingColumns:
     """Per-row sampling parameters as plain host values, one column per field: what a packed
     micro-batch carries (`chariot.worker.micro_batch`) and what a `SamplingBatch` is built from.
 
     `steps[i]` is how many tokens row i's request has generated so far (the index of the token
-    being sampled).
+    being sampled); `logprobs[i]` how many alternatives row i wants with its logprob (None: no
+    logprobs).
     """
 
     temperatures: tuple[float, ...]
@@ -60,16 +118,22 @@ class SamplingColumns:
     top_ps: tuple[float, ...]
     seeds: tuple[int | None, ...]
     steps: tuple[int, ...]
+    logprobs: tuple[int | None, ...] = ()  # () means None for every row
+    adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)
 
     def __post_init__(self) -> None:
         n = len(self.steps)
-        if any(len(col) != n for col in (self.temperatures, self.top_ks, self.top_ps, self.seeds)):
+        if not self.logprobs:
+            object.__setattr__(self, "logprobs", (None,) * n)
+        columns = (self.temperatures, self.top_ks, self.top_ps, self.seeds, self.logprobs)
+        if any(len(col) != n for col in columns):
             raise ValueError(f"sampling columns of unequal length for {n} steps")
         if any(s < 0 for s in self.steps):
             raise ValueError(f"steps must be >= 0, got {list(self.steps)}")
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], steps: Sequence[int]) -> SamplingColumns:
+    def from_params(cls, params: Sequence[SamplingParams], steps: Sequence[int],
+                    adjustments: LogitAdjustments | None = None) -> SamplingColumns:
         """Rows `params[i]` at generation step `steps[i]`."""
         if len(params) != len(steps):
             raise ValueError(f"got {len(params)} sampling params but {len(steps)} steps")
@@ -79,7 +143,14 @@ class SamplingColumns:
             top_ps=tuple(float(p.top_p) for p in params),
             seeds=tuple(p.seed for p in params),
             steps=tuple(int(s) for s in steps),
+            logprobs=tuple(p.logprobs for p in params),
+            adjustments=adjustments or LogitAdjustments(),
         )
+
+    @property
+    def logprob_width(self) -> int | None:
+        """The most alternatives any row asked for (None: no row wants logprobs)."""
+        return max((k for k in self.logprobs if k is not None), default=None)
 
 
 @dataclass(frozen=True)
@@ -135,6 +206,10 @@ class SamplingBatch:
         return self.columns.seeds
 
     @property
+    def adjustments(self) -> LogitAdjustments:
+        return self.columns.adjustments
+
+    @property
     def steps(self) -> tuple[int, ...]:
         return self.columns.steps
 
@@ -156,8 +231,39 @@ def _row_temperature(temperature: float) -> float:
     return 0.0 if temperature < GREEDY_TEMPERATURE else min(float(temperature), MAX_TEMPERATURE)
 
 
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One batch's sampled tokens, and the logprobs of the rows that asked (`SamplingColumns.logprobs`).
+
+    `logprobs[i, 0]` is the logprob of `token_ids[i]`, `logprobs[i, 1 + j]` that of `top_ids[i, j]`,
+    the j-th most likely token; width K = `SamplingColumns.logprob_width`. Rows that did not ask
+    hold values to ignore. Both are None when no row asked.
+    """
+
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
+    top_ids: torch.Tensor | None = None  # [N, K] int64
+
+    def row_logprobs(self, wanted: Sequence[int | None]) -> list[TokenLogprobs | None]:
+        """Per row, what it asked for: `wanted[i]` alternatives (None where it asked for nothing)."""
+        if self.logprobs is None or self.top_ids is None:
+            return [None] * len(self.token_ids)
+        tokens, lps, ids = self.token_ids.tolist(), self.logprobs.tolist(), self.top_ids.tolist()
+        return [None if k is None else TokenLogprobs(tokens[i], lps[i][0], tuple(zip(ids[i][:k], lps[i][1 : 1 + k],
+                                                                                      strict=True)))
+                for i, k in enumerate(wanted)]
+
+
+def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, 1 + width] logprobs: the chosen token's, then the `width` most likely; [N, width] their ids)."""
+    logp = logits.float().log_softmax(dim=-1)
+    top, ids = logp.topk(width, dim=-1) if width else (logp[:, :0], tokens[:, None][:, :0])
+    return torch.cat([logp.gather(1, tokens[:, None]), top], dim=1), ids
+
+
 class Sampler:
-    """Turns a [N, V] float32 logits batch into N token ids; see the module docstring.
+    """Turns a [N, V] logits batch into N token ids (and logprobs where asked); see the module
+    docstring.
 
     `seed` seeds the generator used for rows without their own seed, so a whole engine run is
     reproducible given the same schedule.
@@ -167,9 +273,19 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {batch.num_rows} batch rows")
+        width = batch.columns.logprob_width
+        raw = logits
+        if len(batch.adjustments):
+            logits = batch.adjustments.apply(logits.float().clone())
+        tokens = self._tokens(logits, batch)
+        if width is None:
+            return SamplerOutput(tokens)
+        return SamplerOutput(tokens, *logprobs_of(raw, tokens, width))
+
+    def _tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         all_sampled = len(batch.sample_rows) == batch.num_rows

@@ -228,3 +228,72 @@ def test_bad_engine_config(tiny_model_dir):
                             kv_cache_tokens=1024), progress=False)
     with pytest.raises(ConfigError, match="kv_cache_tokens"):
         Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, kv_cache_tokens=64), progress=False)
+
+
+# ---- logit processing and logprobs, against Hugging Face `transformers` ---------------------------
+
+
+def hf_penalized_greedy(model_dir, prompt: list[int], max_new: int, frequency: float, presence: float,
+                        bias: dict[int, float]) -> tuple[list[int], list[torch.Tensor]]:
+    """Independent reference: HF logits, OpenAI's penalty formula over the whole vocabulary, argmax.
+    Also returns each step's raw log-softmax (what `logprobs` reports)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].double()
+            logps.append(logits.log_softmax(-1))
+            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=len(logits))
+            adjusted = logits - frequency * counts - presence * (counts > 0)
+            for token, value in bias.items():
+                adjusted[token] += value
+            ids.append(int(adjusted.argmax()))
+    return ids[len(prompt):], logps
+
+
+def test_penalties_bias_and_logprobs_match_transformers(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
+    prompt = [5, 6, 7, 8, 9]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0]
+    bias = {plain.token_ids[3]: -100.0, 11: 2.5}
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+                            presence_penalty=0.5, logit_bias=bias, logprobs=5)
+    out = llm.generate([prompt], params)[0]
+    want, logps = hf_penalized_greedy(tiny_model_dir, prompt, MAX_NEW, 1.5, 0.5, bias)
+    assert out.token_ids == want
+    assert out.token_ids != plain.token_ids  # the processing changed something
+    assert len(out.logprobs) == MAX_NEW
+    for lp, ref, token in zip(out.logprobs, logps, want, strict=True):
+        assert lp.token_id == token and abs(lp.logprob - float(ref[token])) < 1e-4
+        top = ref.topk(5)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert max(abs(v - float(r)) for (_, v), r in zip(lp.top, top.values, strict=True)) < 1e-4
+
+
+def test_min_tokens_holds_off_eos_stop_ids_and_stop_strings(tiny_llm):
+    eos = next(iter(tiny_llm.engine.eos_token_ids))
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100})
+    assert tiny_llm.generate([[5, 6, 7]], forced)[0].token_ids == [eos]
+    out = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0.0, logit_bias={eos: 100},
+                                                        min_tokens=4))[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:4]
+    assert out.finish_reason.value == "stop"
+    base = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    words = [tiny_llm.tokenizer.decode([t]) for t in base.token_ids[:8]]
+    stop = next((w for w in words if w.strip().isalpha() and base.text.count(w) == 1), None)
+    assert stop is not None, f"no early token with a unique word to stop on in {base.text!r}"
+    assert tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                                 stop=[stop]))[0].finish_reason.value == "stop"
+    held = tiny_llm.generate("Once upon a time", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                                 stop=[stop], min_tokens=12))[0]
+    assert held.token_ids == base.token_ids and held.finish_reason.value == "length"
+
+
+def test_out_of_vocabulary_logit_bias_is_rejected(tiny_llm):
+    vocab = tiny_llm.engine.model_config.vocab_size
+    with pytest.raises(InvalidRequestError) as err:
+        tiny_llm.generate([[1, 2]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
+    assert err.value.field == "logit_bias" and str(vocab) in str(err.value)
+    assert not tiny_llm.engine.has_unfinished

@@ -64,6 +64,28 @@ def test_pipeline_matches_single_process(references, tiny_model_dir, small_model
 
 
 @pytest.mark.slow
+def test_pipeline_carries_logit_processing_and_logprobs(tiny_model_dir):
+    """Adjustments travel stage 0 -> last stage in the micro-batch, logprobs come back in the result:
+    a 2-stage pipeline gives the single process's tokens and logprobs for a batch mixing them."""
+    ps = prompts(500)[:4]
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3, frequency_penalty=1.0),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, logit_bias={7: 4.0}),
+              SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0, presence_penalty=-1.0),
+              GREEDY]
+    kwargs = engine_kwargs("sarathi")
+    with LLM(str(tiny_model_dir), **kwargs) as llm:
+        want = llm.generate(ps, params)
+    with LLM(str(tiny_model_dir), pipeline_stages=2, **kwargs) as llm:
+        got = llm.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [len(o.logprobs) for o in got] == [10, 0, 10, 0]
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-5
+
+
+@pytest.mark.slow
 def test_micro_batches_overlap_under_load(small_model_dir):
     with LLM(str(small_model_dir), pipeline_stages=2, dtype="float32", max_model_len=256,
              kv_cache_tokens=4096, token_budget=64, progress=False) as llm:

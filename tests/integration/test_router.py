@@ -373,6 +373,40 @@ def test_echo_puts_the_prompt_before_the_completion(router: Router, tokenizer: T
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
 
 
+def test_logprobs_penalties_bias_and_min_tokens_through_the_router(router: Router, tokenizer: Tokenizer) -> None:
+    base = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = router.post("/v1/completions", {**base, "return_token_ids": True}).json()["choices"][0]
+    got = router.post("/v1/completions", {**base, "logprobs": 3, "return_token_ids": True}).json()["choices"][0]
+    lp = got["logprobs"]
+    assert got["token_ids"] == plain["token_ids"]  # logprobs change nothing about the tokens
+    assert lp["tokens"] == [tokenizer.decode([t]) for t in got["token_ids"]]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 6
+    for value, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert value <= 0 and len(top) <= 3  # distinct ids may decode to one string
+        assert value >= max(top.values()) - 1e-5  # greedy: the likeliest token
+    streamed = stream_completion(router, {**base, "logprobs": 3, "stream": True})
+    assert streamed[-1] == "[DONE]"
+    parts = [e["choices"][0]["logprobs"] for e in streamed[:-1] if e["choices"]]
+    assert [t for p in parts for t in p["tokens"]] == lp["tokens"]
+    assert [o for p in parts for o in p["text_offset"]] == lp["text_offset"]  # offsets run on across chunks
+    chat = router.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+    banned = plain["token_ids"][0]
+    biased = router.post("/v1/completions", {**base, "logit_bias": {str(banned): -100}, "frequency_penalty": 2,
+                                             "presence_penalty": 1, "return_token_ids": True}).json()
+    assert banned not in biased["choices"][0]["token_ids"]
+    forced = router.post("/v1/completions", {**base, "logit_bias": {"7": 100}, "return_token_ids": True}).json()
+    assert forced["choices"][0]["token_ids"] == [7] * 6
+    eos = tokenizer.eos_token_ids[0]
+    held = router.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 0, "min_tokens": 3,
+                                           "logit_bias": {str(eos): 100}, "return_token_ids": True}).json()
+    assert held["choices"][0]["token_ids"][3:] == [eos] and held["choices"][0]["finish_reason"] == "stop"
+    bad = router.post("/v1/completions", {**base, "logit_bias": {"999999": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
 def test_models_health_stats_reflection(router: Router, workers: list[Worker]) -> None:
     models = router.client.get("/v1/models").json()
     assert models["object"] == "list"

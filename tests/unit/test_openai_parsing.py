@@ -16,12 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.contracts.outputs import TokenLogprobs
 from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS
 from chariot.contracts.requests import FinishReason
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.openai_api import (
+    LOGPROB_FLOOR,
     MAX_BODY_BYTES,
+    MAX_CHOICES,
     OpenAIRequest,
     check_request_id,
     check_tenant,
@@ -29,6 +32,7 @@ from chariot.router.openai_api import (
     echo_text,
     envelope,
     error_payload,
+    logprobs_payload,
     parse_chat,
     parse_completion,
     parse_json_object,
@@ -131,10 +135,17 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("model number", {"model": 7}, "model"),
     ("user number", {"user": 7}, "user"),
     ("user too long", {"user": "u" * 300}, "user"),
-    ("n 2", {"n": 2}, "n"),
+    ("n 0", {"n": 0}, "n"),
+    ("n 129", {"n": 129}, "n"),
+    ("n negative", {"n": -1}, "n"),
+    ("n string", {"n": "x"}, "n"),
+    ("n float", {"n": 2.0}, "n"),
+    ("n bool", {"n": True}, "n"),
     ("best_of 3", {"best_of": 3}, "best_of"),
     ("echo string", {"echo": "yes"}, "echo"),
-    ("logprobs", {"logprobs": 5}, "logprobs"),
+    ("logprobs 21", {"logprobs": 21}, "logprobs"),
+    ("logprobs negative", {"logprobs": -1}, "logprobs"),
+    ("logprobs bool", {"logprobs": True}, "logprobs"),
     ("return_token_ids string", {"return_token_ids": "yes"}, "return_token_ids"),
     ("lone surrogate prompt", {"prompt": "\ud800abc"}, "prompt"),
     ("lone surrogate stop", {"stop": ["ok", "\udc00"]}, "stop[1]"),
@@ -142,18 +153,42 @@ BAD_COMPLETIONS: list[tuple[str, dict[str, Any], str]] = [
     ("lone surrogate key", {"\ud800": 1}, "body"),
     ("temperature > 2", {"temperature": 2.01}, "temperature"),
     ("top_logprobs", {"top_logprobs": 2}, "top_logprobs"),
-    ("presence_penalty set", {"presence_penalty": 0.5}, "presence_penalty"),
     ("presence_penalty range", {"presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty string", {"frequency_penalty": "x"}, "frequency_penalty"),
-    ("frequency_penalty set", {"frequency_penalty": -1}, "frequency_penalty"),
-    ("logit_bias", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("frequency_penalty range", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("logit_bias key", {"logit_bias": {"x5": 10}}, "logit_bias"),
+    ("logit_bias negative key", {"logit_bias": {"-5": 10}}, "logit_bias"),
+    ("logit_bias value", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("logit_bias string value", {"logit_bias": {"5": "a"}}, "logit_bias"),
     ("logit_bias list", {"logit_bias": [1]}, "logit_bias"),
-    ("min_tokens", {"min_tokens": 3}, "min_tokens"),
+    ("min_tokens > max_tokens", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("min_tokens < 0", {"min_tokens": -1}, "min_tokens"),
     ("tools", {"tools": [{"type": "function"}]}, "tools"),
     ("tool_choice", {"tool_choice": "auto"}, "tool_choice"),
     ("response_format json", {"response_format": {"type": "json_object"}}, "response_format"),
 ]
+
+
+def test_n_choices_in_range_are_honoured(tokenizer: Tokenizer) -> None:
+    assert parse_completion(body(prompt="hi")).n == 1
+    assert parse_completion(body(prompt="hi", n=None)).n == 1
+    assert parse_completion(body(prompt="hi", n=3, best_of=1)).n == 3  # best_of 1 (neutral) still passes
+    assert parse_completion(body(prompt="hi", n=MAX_CHOICES, temperature=0)).n == MAX_CHOICES  # greedy n > 1 too
+    chat = parse_chat(body(messages=[{"role": "user", "content": "hi"}], n=2, stream=True), tokenizer)
+    assert (chat.n, chat.stream) == (2, True)
+
+
+@pytest.mark.parametrize("n", [0, MAX_CHOICES + 1])
+def test_n_out_of_range_names_the_limit(n: int) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion(body(prompt="hi", n=n))
+    assert err.value.field == "n" and f"[1, {MAX_CHOICES}]" in err.value.message and str(n) in err.value.message
+
+
+def test_best_of_other_than_one_is_still_refused() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        parse_completion(body(prompt="hi", n=2, best_of=2))
+    assert err.value.field == "best_of"
 
 
 def test_echo_puts_the_prompt_text_first(tokenizer: Tokenizer) -> None:
@@ -170,8 +205,44 @@ def test_echo_puts_the_prompt_text_first(tokenizer: Tokenizer) -> None:
 
 def test_neutral_values_of_unsupported_fields_pass() -> None:
     req = parse_completion(body(prompt="hi", presence_penalty=0, frequency_penalty=0.0, logit_bias={}, min_tokens=0,
-                                response_format={"type": "text"}, tools=[], top_logprobs=0, temperature=2))
-    assert req.params.temperature == 2
+                                response_format={"type": "text"}, tools=[], temperature=2))
+    assert req.params.temperature == 2 and req.params.logprobs is None
+
+
+def test_logit_processing_fields_reach_the_sampling_params(tokenizer: Tokenizer) -> None:
+    req = parse_completion(body(prompt="hi", max_tokens=8, presence_penalty=0.5, frequency_penalty=-1,
+                                logit_bias={"17": 5, "3": -100}, min_tokens=4, logprobs=2))
+    p = req.params
+    assert (p.presence_penalty, p.frequency_penalty, p.min_tokens, p.logprobs) == (0.5, -1, 4, 2)
+    assert p.logit_bias == ((3, -100.0), (17, 5.0))
+    assert parse_completion(body(prompt="hi", logprobs=0)).params.logprobs == 0
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(body(**chat), tokenizer).params.logprobs is None
+    assert parse_chat(body(**chat, logprobs=True), tokenizer).params.logprobs == 0
+    assert parse_chat(body(**chat, logprobs=True, top_logprobs=20), tokenizer).params.logprobs == 20
+    assert parse_chat(body(**chat, logprobs=False), tokenizer).params.logprobs is None
+    for bad, name in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                      ({"logprobs": 3}, "logprobs")):
+        assert field_of(lambda b: parse_chat(b, tokenizer), json.dumps({**chat, **bad}).encode()) == name
+
+
+def test_logprobs_render_in_each_endpoints_shape(tokenizer: Tokenizer) -> None:
+    lps = [TokenLogprobs(5, -0.5, ((5, -0.5), (9, -1.25))), TokenLogprobs(9, float("-inf"), ((9, -2.0), (5, -3.0)))]
+    comp = parse_completion(body(prompt="x", logprobs=2))
+    texts = [tokenizer.decode([5]), tokenizer.decode([9])]
+    assert logprobs_payload(comp, lps, tokenizer, text_offset=4) == {
+        "tokens": texts,
+        "token_logprobs": [-0.5, LOGPROB_FLOOR],
+        "top_logprobs": [{texts[0]: -0.5, texts[1]: -1.25}, {texts[1]: -2.0, texts[0]: -3.0}],
+        "text_offset": [4, 4 + len(texts[0])],
+    }
+    assert logprobs_payload(comp, lps[:1], None)["tokens"] == ["token_id:5"]  # no tokenizer at the router
+    chat = parse_chat(body(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=1), tokenizer)
+    first = logprobs_payload(chat, lps[:1], tokenizer)["content"][0]
+    assert first == {"token": texts[0], "logprob": -0.5, "bytes": list(texts[0].encode()),
+                     "top_logprobs": [{"token": texts[0], "logprob": -0.5, "bytes": list(texts[0].encode())},
+                                      {"token": texts[1], "logprob": -1.25, "bytes": list(texts[1].encode())}]}
+    assert logprobs_payload(parse_completion(body(prompt="x")), lps, tokenizer) is None
 
 
 def test_lone_surrogates_in_chat_name_the_message(tokenizer: Tokenizer) -> None:
@@ -277,10 +348,29 @@ def test_completion_and_chat_shapes() -> None:
     assert choice(chat, "b", FinishReason.STOP, delta=True) == {
         "index": 0,
         "delta": {"content": "b"},
+        "logprobs": None,
         "finish_reason": "stop",
     }
     assert choice(chat, "c", FinishReason.STOP)["message"] == {"role": "assistant", "content": "c"}
     assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_each_choice_carries_its_index() -> None:
+    comp = parse_completion(body(prompt="x", n=3))
+    assert choice(comp, "hi", FinishReason.LENGTH, index=2) == {
+        "index": 2,
+        "text": "hi",
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    chat = OpenAIRequest(kind="chat", prompt="p", params=SamplingParams(), n=2)
+    assert choice(chat, "a", None, delta=True, first=True, index=1) == {
+        "index": 1,
+        "delta": {"role": "assistant", "content": "a"},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    assert choice(chat, "c", FinishReason.STOP, index=1)["index"] == 1
 
 
 @pytest.mark.parametrize(

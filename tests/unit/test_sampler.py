@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from chariot.contracts.sampling_params import SamplingParams
-from chariot.worker.sampler import Sampler, SamplingBatch, apply_top_k_top_p, row_seed
+from chariot.worker.sampler import (
+    LogitAdjustments,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingColumns,
+    apply_top_k_top_p,
+    row_seed,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 PLAIN = SamplingParams(temperature=1.0)
@@ -26,7 +34,7 @@ def _sample(
     logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None, seed: int = 0
 ) -> torch.Tensor:
     batch = SamplingBatch.from_params(params, steps or [0] * len(params), device="cpu")
-    return Sampler(seed)(logits, batch)
+    return Sampler(seed)(logits, batch).token_ids
 
 
 def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -231,7 +239,7 @@ def test_unseeded_sampler_advances_between_calls() -> None:
     sampler = Sampler(0)
     batch = SamplingBatch.from_params([PLAIN] * 32, [0] * 32)
     logits = torch.zeros(32, 1000)
-    assert not torch.equal(sampler(logits, batch), sampler(logits, batch))
+    assert not torch.equal(sampler(logits, batch).token_ids, sampler(logits, batch).token_ids)
 
 
 @pytest.mark.parametrize(
@@ -318,3 +326,94 @@ def test_huge_temperature_stays_finite() -> None:
     out = _sample(logits, params)
     assert out.min() >= 0 and out.max() < 4
     assert len(out.unique()) == 4  # effectively uniform
+
+
+# ---- logit adjustments (logit_bias, penalties, min_tokens) and logprobs ----------------------------
+
+
+def _run(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]], eos: tuple[int, ...] = (),
+         seed: int = 0) -> SamplerOutput:
+    adjust = LogitAdjustments.for_rows(list(zip(params, outputs, strict=True)), eos)
+    cols = SamplingColumns.from_params(params, [len(o) for o in outputs], adjust)
+    return Sampler(seed)(logits.clone(), SamplingBatch.from_columns(cols))
+
+
+def _reference_adjusted(logits: torch.Tensor, p: SamplingParams, output: list[int],
+                        eos: tuple[int, ...]) -> torch.Tensor:
+    """OpenAI's documented formula, written out per token: the oracle for the sparse adjustments."""
+    out = logits.clone()
+    for token in range(logits.shape[-1]):
+        count = output.count(token)
+        out[token] -= count * p.frequency_penalty + (count > 0) * p.presence_penalty
+        out[token] += dict(p.logit_bias).get(token, 0.0)
+        if len(output) < p.min_tokens and (token in p.stop_token_ids or (token in eos and not p.ignore_eos)):
+            out[token] = float("-inf")
+    return out
+
+
+def test_adjustments_match_the_documented_formula_for_every_token() -> None:
+    logits = _logits(3, 40, seed=5)
+    params = [SamplingParams(frequency_penalty=0.7, presence_penalty=-0.3, logit_bias={3: 5.0, 9: -100}),
+              SamplingParams(min_tokens=4, stop_token_ids=[11], logit_bias={"2": 1.5}),
+              SamplingParams(min_tokens=4, ignore_eos=True, presence_penalty=2.0)]
+    outputs = [[1, 1, 1, 3, 7], [5, 5], [0, 0, 2]]
+    adjust = LogitAdjustments.for_rows(list(zip(params, outputs, strict=True)), (0,))
+    got = adjust.apply(logits.clone())
+    for row in range(3):
+        want = _reference_adjusted(logits[row], params[row], outputs[row], (0,))
+        assert torch.allclose(got[row], want, equal_nan=False), row
+
+
+def test_a_large_logit_bias_forces_its_token_greedy_and_sampled() -> None:
+    logits = _logits(4, 64, seed=1)
+    top3 = int(logits[3].argmax())
+    params = [SamplingParams(temperature=0.0, logit_bias={17: 100}),
+              SamplingParams(temperature=1.0, logit_bias={17: 100}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias={top3: -100})]
+    tokens = _run(logits, params, [[], [], [], []]).token_ids.tolist()
+    assert tokens[0] == tokens[1] == 17
+    assert tokens[2] == int(logits[2].argmax())  # rows without adjustments are untouched
+    assert tokens[3] != int(logits[3].argmax())
+
+
+def test_frequency_penalty_steers_greedy_away_from_repeats() -> None:
+    logits = torch.zeros(1, 8)
+    logits[0, 4], logits[0, 5] = 3.0, 2.0
+    assert _run(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.4)], [[4, 4]]).token_ids.item() == 4
+    assert _run(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.6)], [[4, 4]]).token_ids.item() == 5
+    assert _run(logits, [SamplingParams(temperature=0.0, presence_penalty=1.5)], [[4]]).token_ids.item() == 5
+
+
+def test_min_tokens_bans_eos_and_stop_ids_only_until_reached() -> None:
+    logits = torch.zeros(2, 8)
+    logits[:, 2] = 50.0  # EOS by far the likeliest
+    logits[:, 6] = 40.0  # then the request's stop token
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[6])
+    tokens = _run(logits, [params, params], [[1], [1, 1]], eos=(2,)).token_ids.tolist()
+    assert tokens[0] not in (2, 6)  # one token so far: neither EOS nor the stop token may come
+    assert tokens[1] == 2  # two so far: EOS is allowed again
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives() -> None:
+    logits = _logits(3, 50, seed=9)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7, seed=4, logprobs=0,
+                                                                          logit_bias={8: 30}),
+              SamplingParams(temperature=0.0)]
+    out = _run(logits, params, [[], [], []])
+    rows = out.row_logprobs([3, 0, None])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    first = rows[0]
+    assert first is not None and first.token_id == int(logits[0].argmax())
+    assert abs(first.logprob - float(ref[0, first.token_id])) < 1e-5
+    top = ref[0].topk(3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert all(abs(lp - float(v)) < 1e-5 for (_, lp), v in zip(first.top, top.values, strict=True))
+    second = rows[1]
+    assert second is not None and second.token_id == 8 and second.top == ()
+    assert abs(second.logprob - float(ref[1, 8])) < 1e-5  # raw: before the bias that forced it
+    assert rows[2] is None
+
+
+def test_batches_without_logprobs_return_none() -> None:
+    out = _run(_logits(2, 10), [GREEDY, PLAIN], [[], []])
+    assert out.logprobs is None and out.top_ids is None and out.row_logprobs([None, None]) == [None, None]

@@ -10,11 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
-from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from chariot.contracts.proto_codec import (
     DEFAULT_MAX_TOKENS,
     PREFILL_TOKENS_PER_S,
     finish_reason_from_proto,
+    logprobs_from_proto,
     params_from_proto,
     params_to_proto,
     request_from_proto,
@@ -97,6 +98,11 @@ def test_unknown_model_is_its_own_error() -> None:
     stop=st.lists(st.text(min_size=1, max_size=5), max_size=3),
     stop_token_ids=st.lists(st.integers(0, 2**40), max_size=3),
     ignore_eos=st.booleans(),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    logit_bias=st.dictionaries(st.integers(0, 2**40), st.floats(-100, 100), max_size=4),
+    min_tokens=st.integers(0, 1),  # max_tokens may be 1
+    logprobs=st.none() | st.integers(0, 20),
 )
 def test_params_round_trip(**kw: Any) -> None:
     params = SamplingParams(**kw)
@@ -155,3 +161,17 @@ def test_stats_to_proto() -> None:
     assert msg.kv_cache_usage == pytest.approx(0.25) and msg.last_iteration_s == pytest.approx(0.02)
     assert msg.prefill_tokens_per_s == pytest.approx(1234.5) and msg.bubble_fraction == pytest.approx(0.1)
     assert stats_to_proto(EngineStats(**{**stats.__dict__, "extra": {}}), MODEL, 256).prefill_tokens_per_s == 0.0
+
+
+def test_logprobs_travel_in_the_response() -> None:
+    lps = [TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5))), TokenLogprobs(2, -3.0)]
+    out = RequestOutput("r", [1], [7, 2], "ab", 2, False, None, RequestTimes(arrival=0.0), new_logprobs=lps)
+    resp = pb.GenerateResponse.FromString(response_from_output(out).SerializeToString())
+    assert [logprobs_from_proto(m) for m in resp.logprobs] == lps
+
+
+def test_negative_logit_bias_keys_are_invalid() -> None:
+    msg = pb.SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(InvalidRequestError) as err:
+        params_from_proto(msg)
+    assert err.value.field == "logit_bias"

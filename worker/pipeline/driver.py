@@ -23,6 +23,7 @@ from chariot.worker.micro_batch import MicroBatch
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.stage import StageClock
 from chariot.worker.runtime import StageRuntime
+from chariot.worker.sampler import SamplerOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,21 +68,23 @@ class PipelineExecutor:
             self._pending.append(self._next_id)
             self._next_id += 1
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> SamplerOutput:
         with self._lock:
             self._raise_if_failed()
             if not self._pending:
                 raise RuntimeError("wait() with no micro-batch in flight")
             t0 = time.perf_counter()
-            raw = self._guard(lambda: self.link.recv((self._result_len,), torch.long, self.world - 1))
+            raw = self._guard(lambda: self.link.recv((self._result_len,), torch.long, self.world - 1)).cpu()
+            extra = wire.logprobs_len(raw)
+            lps = self._guard(lambda: self.link.recv((extra,), torch.long, self.world - 1)).cpu() if extra else None
             self.clock.idle_s += time.perf_counter() - t0
-            mb_id, tokens, counters = wire.decode_result(raw.cpu())
+            mb_id, tokens, counters = wire.decode_result(raw, lps)
             expected = self._pending.popleft()
             if mb_id != expected:
                 self._fail(f"pipeline protocol error: expected micro-batch {expected}, got {mb_id}")
             self._merge(counters)
             self.timeline.append((mb_id, *self._submitted.pop(mb_id), time.perf_counter()))
-            return torch.tensor(tokens, dtype=torch.long)
+            return tokens
 
     # ---- reporting --------------------------------------------------------------------------
     def stage_times(self) -> list[tuple[float, float]]:

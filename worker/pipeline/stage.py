@@ -22,6 +22,7 @@ from chariot.worker.micro_batch import MicroBatch
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.transport import StageLink, Topology
 from chariot.worker.runtime import StageRuntime, build_stage_runtime
+from chariot.worker.sampler import SamplerOutput
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _serve_one(rt: StageRuntime, link: StageLink, clock: StageClock) -> bool:
         tokens = rt.runner.sample(inp, hidden)
         clock.busy_s += time.perf_counter() - t1
         counters = clock.stamp(wire.counters_of(raw.cpu()))
-        link.send([wire.encode_result(header.mb_id, tokens, counters, max_batch)], 0)
+        link.send(wire.encode_result(header.mb_id, tokens, counters, max_batch), 0)
     else:
         clock.busy_s += time.perf_counter() - t1
         raw = raw.cpu()
@@ -109,10 +110,10 @@ def _relay_control(rt: StageRuntime, link: StageLink, header: wire.Header, raw: 
     """Heartbeats travel to the last stage, which acknowledges to stage 0; shutdown travels down."""
     if rt.is_last:
         if header.kind is wire.Kind.HEARTBEAT:
-            empty = torch.empty(0, dtype=torch.long)
+            empty = SamplerOutput(torch.empty(0, dtype=torch.long))
             ack = wire.encode_result(wire.HEARTBEAT_ID, empty, wire.counters_of(raw.cpu()),
                                      rt.resolved.engine.max_batch_size)
-            link.send([ack], 0)
+            link.send(ack, 0)
     else:
         link.send([raw], rt.rank + 1)
     if header.kind is wire.Kind.SHUTDOWN:

@@ -24,29 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hariot/v1/generation.proto\x12\nchariot.v1\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.chariot.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.chariot.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"[\n\x06Timing\x12\x0f\n\x07\x61rrival\x18\x01 \x01(\x01\x12\x17\n\x0f\x66irst_scheduled\x18\x02 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x01\x12\x12\n\nlast_token\x18\x04 \x01(\x01\"\xdd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.chariot.v1.FinishReason\x12\"\n\x06timing\x18\x05 \x01(\x0b\x32\x12.chariot.v1.Timing\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\"\x0e\n\x0cStatsRequest\"\x88\x03\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x13\n\x0bnum_running\x18\x03 \x01(\x03\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x14\n\x0ctoken_budget\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x03\x12\x18\n\x10last_iteration_s\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x17\n\x0fpipeline_stages\x18\x0e \x01(\x03\x12\x17\n\x0f\x62ubble_fraction\x18\x0f \x01(\x01\x12\x12\n\niterations\x18\x10 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x93\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.chariot.v1.GenerateRequest\x1a\x1c.chariot.v1.GenerateResponse0\x01\x12<\n\x05Stats\x12\x18.chariot.v1.StatsRequest\x1a\x19.chariot.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hariot/v1/generation.proto\x12\nchariot.v1\"\xd2\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x03H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x01\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).chariot.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\x03\x12\x15\n\x08logprobs\x18\r \x01(\x03H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.chariot.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.chariot.v1.SamplingParams\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"[\n\x06Timing\x12\x0f\n\x07\x61rrival\x18\x01 \x01(\x01\x12\x17\n\x0f\x66irst_scheduled\x18\x02 \x01(\x01\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\x01\x12\x12\n\nlast_token\x18\x04 \x01(\x01\"\x8a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.chariot.v1.FinishReason\x12\"\n\x06timing\x18\x05 \x01(\x0b\x32\x12.chariot.v1.Timing\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.chariot.v1.TokenLogprobs\"\x0e\n\x0cStatsRequest\"\x88\x03\n\rStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x13\n\x0bnum_running\x18\x03 \x01(\x03\x12\x1d\n\x15queued_prefill_tokens\x18\x04 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x14\n\x0ctoken_budget\x18\x08 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\t \x01(\x03\x12\x15\n\rmax_model_len\x18\n \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x03\x12\x18\n\x10last_iteration_s\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x17\n\x0fpipeline_stages\x18\x0e \x01(\x03\x12\x17\n\x0f\x62ubble_fraction\x18\x0f \x01(\x01\x12\x12\n\niterations\x18\x10 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x93\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.chariot.v1.GenerateRequest\x1a\x1c.chariot.v1.GenerateResponse0\x01\x12<\n\x05Stats\x12\x18.chariot.v1.StatsRequest\x1a\x19.chariot.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chariot.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1230
-  _globals['_FINISHREASON']._serialized_end=1375
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1594
+  _globals['_FINISHREASON']._serialized_end=1739
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=288
-  _globals['_TOKENIDS']._serialized_start=290
-  _globals['_TOKENIDS']._serialized_end=313
-  _globals['_GENERATEREQUEST']._serialized_start=316
-  _globals['_GENERATEREQUEST']._serialized_end=499
-  _globals['_TIMING']._serialized_start=501
-  _globals['_TIMING']._serialized_end=592
-  _globals['_GENERATERESPONSE']._serialized_start=595
-  _globals['_GENERATERESPONSE']._serialized_end=816
-  _globals['_STATSREQUEST']._serialized_start=818
-  _globals['_STATSREQUEST']._serialized_end=832
-  _globals['_STATSRESPONSE']._serialized_start=835
-  _globals['_STATSRESPONSE']._serialized_end=1227
-  _globals['_GENERATION']._serialized_start=1378
-  _globals['_GENERATION']._serialized_end=1525
+  _globals['_SAMPLINGPARAMS']._serialized_end=510
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=389
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=437
+  _globals['_TOKENLOGPROBS']._serialized_start=512
+  _globals['_TOKENLOGPROBS']._serialized_end=607
+  _globals['_TOKENIDS']._serialized_start=609
+  _globals['_TOKENIDS']._serialized_end=632
+  _globals['_GENERATEREQUEST']._serialized_start=635
+  _globals['_GENERATEREQUEST']._serialized_end=818
+  _globals['_TIMING']._serialized_start=820
+  _globals['_TIMING']._serialized_end=911
+  _globals['_GENERATERESPONSE']._serialized_start=914
+  _globals['_GENERATERESPONSE']._serialized_end=1180
+  _globals['_STATSREQUEST']._serialized_start=1182
+  _globals['_STATSREQUEST']._serialized_end=1196
+  _globals['_STATSRESPONSE']._serialized_start=1199
+  _globals['_STATSRESPONSE']._serialized_end=1591
+  _globals['_GENERATION']._serialized_start=1742
+  _globals['_GENERATION']._serialized_end=1889
 # @@protoc_insertion_point(module_scope)
