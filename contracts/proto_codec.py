@@ -81,8 +81,6 @@ def params_from_proto(msg: Any | None) -> SamplingParams:
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
-    if any(t < 0 for t in msg.logit_bias):
-        raise InvalidRequestError("logit_bias", "keys must be token ids (non-negative integers)")
     return SamplingParams(
         stop=tuple(msg.stop),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),

@@ -61,7 +61,6 @@ from chariot.router.openai_api import (
     envelope,
     error_payload,
     logprobs_payload,
-    logprobs_text_len,
     parse_chat,
     parse_completion,
     usage,
@@ -244,17 +243,15 @@ class OpenAIFront:
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = envelope(parsed, first.request_id, created, self._dp.served_model, chunk=True)
-        last, tokenizer, offset = first, self._dp.tokenizer, 0
+        last, tokenizer, offsets = first, self._dp.tokenizer, {0: 0}
         async with contextlib.aclosing(stream):
             try:
-                if (event := _chunk_event(parsed, head, first, first=True, tokenizer=tokenizer)) is not None:
+                if (event := _chunk_event(parsed, head, first, offsets, first=True, tokenizer=tokenizer)) is not None:
                     yield event
-                offset += logprobs_text_len(first.logprobs, tokenizer)
                 async for chunk in stream:
                     last = chunk
-                    if (event := _chunk_event(parsed, head, chunk, tokenizer=tokenizer, offset=offset)) is not None:
+                    if (event := _chunk_event(parsed, head, chunk, offsets, tokenizer=tokenizer)) is not None:
                         yield event
-                    offset += logprobs_text_len(chunk.logprobs, tokenizer)
             except Exception as exc:
                 log_if_internal(exc, first.request_id)
                 yield sse(error_payload(exc)[1])
@@ -313,7 +310,7 @@ class OpenAIFront:
         a failing choice ends the stream with an error event and closes the others."""
         head = envelope(parsed, request_id, int(time.time()), self._dp.served_model, chunk=True)
         lasts: dict[int, Chunk] = {}
-        offsets: dict[int, int] = {}  # each choice's text length so far
+        offsets: dict[int, int] = {}  # each choice's logprobs text_offset so far
         async with contextlib.aclosing(chunks):
             try:
                 item: ChoiceChunk | None = first
@@ -323,10 +320,8 @@ class OpenAIFront:
                     lasts[index] = chunk
                     if fresh and echo:
                         chunk = replace(chunk, text=echo + chunk.text)
-                    offset = offsets.get(index, 0)
-                    offsets[index] = offset + logprobs_text_len(chunk.logprobs, self._dp.tokenizer)
-                    event = _chunk_event(parsed, head, chunk, first=fresh, index=index, tokenizer=self._dp.tokenizer,
-                                         offset=offset)
+                    event = _chunk_event(parsed, head, chunk, offsets, first=fresh, index=index,
+                                         tokenizer=self._dp.tokenizer)
                     if event is not None:
                         yield event
                     if chunk.finish_reason == FinishReason.ERROR:
@@ -381,16 +376,20 @@ class OpenAIFront:
         return Response(body, headers={"Content-Type": content_type})
 
 
-def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, *, first: bool = False,
-                 index: int = 0, tokenizer: Tokenizer | None = None, offset: int = 0) -> bytes | None:
-    """One SSE chunk event (of choice `index`, whose token texts so far are `offset` characters). A
-    chunk that ends the request with an error carries no OpenAI finish reason: its text (if any) goes
-    out unfinished and the stream ends with an error event."""
+def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, offsets: dict[int, int], *,
+                 first: bool = False, index: int = 0, tokenizer: Tokenizer | None = None) -> bytes | None:
+    """One SSE chunk event (of choice `index`; `offsets[index]`, the logprobs `text_offset` the choice
+    has reached, moves on past this chunk's tokens). A chunk that ends the request with an error
+    carries no OpenAI finish reason: its text (if any) goes out unfinished and the stream ends with
+    an error event."""
     failed = chunk.finish_reason == FinishReason.ERROR
     if failed and not chunk.text and not chunk.token_ids:
         return None
     reason = None if failed else chunk.finish_reason
+    offset = offsets.get(index, 0)
     logprobs = logprobs_payload(parsed, chunk.logprobs, tokenizer, offset)
+    if logprobs is not None and "tokens" in logprobs:  # completions: text_offset runs across chunks
+        offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
     part = choice(parsed, chunk.text, reason, chunk.token_ids, delta=True, first=first, index=index,
                   logprobs=logprobs)
     return sse({**head, "choices": [part]})

@@ -38,7 +38,7 @@ from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, Unk
 from chariot.contracts.outputs import TokenLogprobs
 from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, Prompt
-from chariot.contracts.sampling_params import MAX_LOGPROBS, SamplingParams
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
@@ -197,11 +197,13 @@ def sampling_params(obj: dict[str, Any], limit_field: str = "max_tokens", kind: 
     temperature = kwargs.get("temperature")
     if temperature is not None and not temperature <= MAX_TEMPERATURE:  # NaN fails too
         raise InvalidRequestError("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
+    # SamplingParams names its own fields; the body may have carried them under another name
+    body_names = {"max_tokens": limit_field, "logprobs": "top_logprobs" if kind == "chat" else "logprobs"}
     try:
         return SamplingParams(stop=_stop(obj), **kwargs)
     except InvalidRequestError as exc:
-        if exc.field == "max_tokens" and limit_field != "max_tokens":
-            raise InvalidRequestError(limit_field, exc.message) from None
+        if body_names.get(exc.field, exc.field) != exc.field:
+            raise InvalidRequestError(body_names[exc.field], exc.message) from None
         raise
 
 
@@ -281,19 +283,11 @@ def _logprobs(obj: dict[str, Any], kind: Kind) -> int | None:
     if kind == "completion":
         if obj.get("top_logprobs") is not None:
             raise InvalidRequestError("top_logprobs", "is a chat field; on /v1/completions `logprobs` is the number")
-        count = _int(obj, "logprobs")
-        _check_logprobs("logprobs", count)
-        return count
+        return _int(obj, "logprobs")
     wanted, count = _bool(obj, "logprobs") or False, _int(obj, "top_logprobs")
-    _check_logprobs("top_logprobs", count)
     if count is not None and not wanted:
         raise InvalidRequestError("top_logprobs", "needs `logprobs: true`")
     return (count or 0) if wanted else None
-
-
-def _check_logprobs(name: str, count: int | None) -> None:
-    if count is not None and not 0 <= count <= MAX_LOGPROBS:
-        raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {count}")
 
 
 def _tenant(obj: dict[str, Any]) -> str:
@@ -430,11 +424,6 @@ def logprobs_payload(req: OpenAIRequest, lps: Sequence[TokenLogprobs], tokenizer
         "top_logprobs": [{token_text(t, tokenizer): _finite(v) for t, v in lp.top} for lp in lps],
         "text_offset": offsets,
     }
-
-
-def logprobs_text_len(lps: Sequence[TokenLogprobs], tokenizer: Tokenizer | None) -> int:
-    """How far these tokens move a stream's `text_offset` (the length of their token texts)."""
-    return sum(len(token_text(lp.token_id, tokenizer)) for lp in lps)
 
 
 def _chat_logprob(text: str, lp: TokenLogprobs, tokenizer: Tokenizer | None) -> dict[str, Any]:

@@ -244,33 +244,23 @@ class Engine:
         """Stop the executor (and, for a pipeline, every downstream stage)."""
         self.executor.shutdown()
 
-    def process_output(self, batch: SchedulerOutput, sampled: SamplerOutput | list[int]) -> list[EngineOutput]:
-        """Append sampled tokens, apply token stop conditions, free finished requests' blocks.
-        `sampled` is the executor's output (or plain token ids, one per sampling chunk)."""
+    def process_output(self, batch: SchedulerOutput, sampled: SamplerOutput) -> list[EngineOutput]:
+        """Append sampled tokens (one per sampling chunk, in chunk order), apply token stop
+        conditions, free finished requests' blocks."""
         self.scheduler.complete(batch)
         now = time.time()
         outputs = []
-        if isinstance(sampled, SamplerOutput):
-            tokens, logprobs = sampled.token_ids.tolist(), self._row_logprobs(batch, sampled)
-        else:
-            tokens, logprobs = list(sampled), [None] * len(sampled)
-        rows = iter(zip(tokens, logprobs, strict=True))
+        tokens = sampled.token_ids.tolist()
+        rows = iter(range(len(tokens)))
         for chunk in batch.chunks:
             if not chunk.samples:
                 continue
-            token, logprob = next(rows)
+            row = next(rows)
             seq = self.scheduler.seqs.get(chunk.seq_id)
             if seq is None:  # finished (aborted, stopped) while in flight
                 continue
-            outputs.append(self._append_token(seq, token, now, logprob))
+            outputs.append(self._append_token(seq, tokens[row], now, sampled.logprobs_of(row, seq.params.logprobs)))
         return outputs
-
-    def _row_logprobs(self, batch: SchedulerOutput, sampled: SamplerOutput) -> list[TokenLogprobs | None]:
-        if sampled.logprobs is None:
-            return [None] * len(sampled.token_ids)
-        wanted = [self.scheduler.seqs[c.seq_id].params.logprobs if c.seq_id in self.scheduler.seqs else None
-                  for c in batch.chunks if c.samples]
-        return sampled.row_logprobs(wanted)
 
     def _append_token(self, seq: Sequence, token: int, now: float, logprob: TokenLogprobs | None = None,
                       ) -> EngineOutput:

@@ -118,13 +118,11 @@ class SamplingColumns:
     top_ps: tuple[float, ...]
     seeds: tuple[int | None, ...]
     steps: tuple[int, ...]
-    logprobs: tuple[int | None, ...] = ()  # () means None for every row
+    logprobs: tuple[int | None, ...]
     adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)
 
     def __post_init__(self) -> None:
         n = len(self.steps)
-        if not self.logprobs:
-            object.__setattr__(self, "logprobs", (None,) * n)
         columns = (self.temperatures, self.top_ks, self.top_ps, self.seeds, self.logprobs)
         if any(len(col) != n for col in columns):
             raise ValueError(f"sampling columns of unequal length for {n} steps")
@@ -244,14 +242,12 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
     top_ids: torch.Tensor | None = None  # [N, K] int64
 
-    def row_logprobs(self, wanted: Sequence[int | None]) -> list[TokenLogprobs | None]:
-        """Per row, what it asked for: `wanted[i]` alternatives (None where it asked for nothing)."""
-        if self.logprobs is None or self.top_ids is None:
-            return [None] * len(self.token_ids)
-        tokens, lps, ids = self.token_ids.tolist(), self.logprobs.tolist(), self.top_ids.tolist()
-        return [None if k is None else TokenLogprobs(tokens[i], lps[i][0], tuple(zip(ids[i][:k], lps[i][1 : 1 + k],
-                                                                                      strict=True)))
-                for i, k in enumerate(wanted)]
+    def logprobs_of(self, row: int, wanted: int | None) -> TokenLogprobs | None:
+        """Row `row`'s token logprob and its `wanted` likeliest alternatives (None if it asked for none)."""
+        if wanted is None or self.logprobs is None or self.top_ids is None:
+            return None
+        lps, ids = self.logprobs[row].tolist(), self.top_ids[row, :wanted].tolist()
+        return TokenLogprobs(int(self.token_ids[row]), lps[0], tuple(zip(ids, lps[1 : 1 + wanted], strict=True)))
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +274,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {batch.num_rows} batch rows")
         width = batch.columns.logprob_width
         raw = logits
-        if len(batch.adjustments):
+        if len(batch.adjustments):  # on a copy: the caller's (raw) logits stay as they are
             logits = batch.adjustments.apply(logits.float().clone())
         tokens = self._tokens(logits, batch)
         if width is None:

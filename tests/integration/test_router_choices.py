@@ -4,14 +4,14 @@ The HTTP front fans an `n` > 1 request out as n independent requests `{id}-{i}` 
 i samples with `seed + i`); these tests check what a client sees — indexes, reproducibility, that
 choice i is exactly the `n` = 1 request with seed `seed + i`, interleaved streams, usage totals,
 errors — and that no choice is left running or holding KV blocks afterwards (every worker idle,
-nothing in flight at the router). The workers, routers and helpers are those of `test_router.py`.
+nothing in flight at the router). The worker and router fixtures and the helpers are those of
+`test_router.py` (this module gets its own instances).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 
 from chariot.contracts.proto_codec import MAX_REQUEST_ID_CHARS
 from chariot.router.config import RouterConfig
+from tests.integration import test_router as harness
 from tests.integration.test_router import (
     MAX_MODEL_LEN,
     REPLICA,
@@ -38,22 +39,7 @@ COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 SEED = 1234
 SAMPLED = {"max_tokens": 16, "temperature": 1.0, "ignore_eos": True, "return_token_ids": True, "model": SERVED}
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
-
-
-@pytest.fixture(scope="module")
-def workers(tiny_model_dir: Path) -> Iterator[list[Worker]]:
-    started = [Worker(tiny_model_dir, "c0"), Worker(tiny_model_dir, "c1")]
-    yield started
-    for w in started:
-        w.stop()
-
-
-@pytest.fixture(scope="module")
-def router(workers: list[Worker], tiny_model_dir: Path) -> Iterator[Router]:
-    r = Router([w.flag for w in workers], model_dir=tiny_model_dir)
-    r.wait_ready(2)
-    yield r
-    r.stop()
+workers, router = harness.workers, harness.router  # the same fixtures, instantiated for this module
 
 
 def ok(resp: httpx.Response) -> dict[str, Any]:
@@ -98,7 +84,7 @@ def test_n_response_shape_ids_and_headers(router: Router, workers: list[Worker])
     resp = router.post(COMP, {"prompt": "hi", **SAMPLED, "n": 2}, headers={"X-Request-Id": "client-id"})
     body = ok(resp)
     assert body["id"] == "cmpl-client-id" and resp.headers["x-request-id"] == "client-id"
-    assert set(resp.headers[REPLICA].split(",")) <= {"c0", "c1"}
+    assert set(resp.headers[REPLICA].split(",")) <= {"g0", "g1"}
     assert [c["index"] for c in body["choices"]] == [0, 1]  # unseeded: sampled independently
     chat = ok(router.post(CHAT, {"messages": MESSAGES, **SAMPLED, "seed": SEED, "n": 2}))
     assert chat["object"] == "chat.completion" and [c["index"] for c in chat["choices"]] == [0, 1]

@@ -400,7 +400,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives() -> None:
                                                                           logit_bias={8: 30}),
               SamplingParams(temperature=0.0)]
     out = _run(logits, params, [[], [], []])
-    rows = out.row_logprobs([3, 0, None])
+    rows = [out.logprobs_of(i, k) for i, k in enumerate([3, 0, None])]
     ref = torch.log_softmax(logits.double(), dim=-1)
     first = rows[0]
     assert first is not None and first.token_id == int(logits[0].argmax())
@@ -416,4 +416,4 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_alternatives() -> None:
 
 def test_batches_without_logprobs_return_none() -> None:
     out = _run(_logits(2, 10), [GREEDY, PLAIN], [[], []])
-    assert out.logprobs is None and out.top_ids is None and out.row_logprobs([None, None]) == [None, None]
+    assert out.logprobs is None and out.top_ids is None and out.logprobs_of(0, 3) is None

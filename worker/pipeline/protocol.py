@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chariot.worker.micro_batch import Layout
+from chariot.worker.micro_batch import NO_LOGPROBS, Layout
 from chariot.worker.sampler import SamplerOutput
 
 MAX_STAGES = 16
@@ -64,9 +64,6 @@ def counters_of(header: torch.Tensor) -> torch.Tensor:
 
 def result_len(max_batch_size: int) -> int:
     return _FIXED + 2 * MAX_STAGES + max_batch_size
-
-
-NO_LOGPROBS = -1
 
 
 def encode_result(mb_id: int, out: SamplerOutput, counters: torch.Tensor, max_batch_size: int) -> list[torch.Tensor]:
