@@ -454,7 +454,8 @@ def _validate(load: Load, search: Search) -> None:
 def engine_config(args: argparse.Namespace, pc: PolicyConfig, max_len: int) -> EngineConfig:
     return EngineConfig(model=str(args.model), policy=pc.policy, token_budget=pc.token_budget,
                         max_batch_size=args.max_batch_size, pipeline_stages=args.stages, max_model_len=max_len,
-                        kv_cache_tokens=args.kv_cache_tokens)
+                        kv_cache_tokens=args.kv_cache_tokens,
+                        prefix_caching=False)  # every probe replays the same prompt contents: no free hits
 
 
 def setup_record(args: argparse.Namespace, load: Load, search: Search) -> dict[str, Any]:

@@ -59,7 +59,8 @@ class Target:
 
 def make_engine(target: Target, policy: str, budget: int | None, max_len: int) -> Engine:
     cfg = EngineConfig(model=target.model, policy=policy, token_budget=budget, max_model_len=max_len,
-                       kv_cache_tokens=96 * 1024, max_batch_size=256, device=target.device, dtype=target.dtype)
+                       kv_cache_tokens=96 * 1024, max_batch_size=256, device=target.device, dtype=target.dtype,
+                       prefix_caching=False)  # iterations repeat prompts; they measure compute
     return Engine(cfg, progress=False)
 
 

@@ -3,7 +3,9 @@
 The shapes are the `100m` preset's projections (fused qkv, o, fused gate/up, down, LM head) at the
 row counts an iteration feeds them: single decodes, decode batches and prefill chunks. Both paths
 run interleaved, repetition by repetition, in one process, so drift hits them alike; medians are
-reported with the CPU model and flags.
+reported with the CPU model and flags. Each row also gives the achieved GFLOPS and their share of the
+machine's nominal fp32 peak (`peak_gflops`: threads × 2 FMA ports × SIMD lanes × 2 FLOPs × clock),
+which says how much room a faster matmul kernel could still find.
 
     python -m chariot.bench.linear_bench --out docs/img/linear_100m.json
 """
@@ -30,12 +32,27 @@ ROWS = (1, 8, 32, 128, 512)
 FLAG_NAMES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
 
 
+def _cpuinfo(field: str) -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), None)
+
+
+def peak_gflops(threads: int, flags: frozenset[str], mhz: float) -> float:
+    """Nominal fp32 peak: two FMA ports per core, 8 lanes with AVX2 (16 with AVX-512), 2 FLOPs per FMA."""
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    return threads * 2 * lanes * 2 * mhz / 1e3
+
+
 def cpu_record() -> dict[str, object]:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
     flags = cpu_flags()
-    return {"cpu": model, "flags": [f for f in FLAG_NAMES if f in flags], "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    mhz = float(_cpuinfo("cpu MHz") or 0.0)
+    threads = torch.get_num_threads()
+    return {"cpu": _cpuinfo("model name") or platform.processor(), "flags": [f for f in FLAG_NAMES if f in flags],
+            "all_flags": sorted(flags), "threads": threads, "torch": torch.__version__, "cpu_mhz": mhz,
+            "peak_gflops": peak_gflops(threads, flags, mhz)}
 
 
 def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
@@ -53,7 +70,7 @@ def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tu
     return statistics.median(ta), statistics.median(tb)
 
 
-def measure(reps: int) -> list[dict[str, object]]:
+def measure(reps: int, peak: float) -> list[dict[str, object]]:
     rows = []
     with torch.inference_mode():
         for name, (out_f, in_f) in SHAPES.items():
@@ -62,10 +79,15 @@ def measure(reps: int) -> list[dict[str, object]]:
             for n in ROWS:
                 x = torch.randn(n, in_f)
                 default, onednn = time_pair(lambda: linear(x), lambda: packed(x), reps)  # noqa: B023
+                gflop = 2 * n * out_f * in_f / 1e9
+                best = gflop / min(default, onednn)
                 rows.append({"layer": name, "shape": [out_f, in_f], "rows": n, "default_ms": default * 1e3,
-                             "packed_ms": onednn * 1e3, "speedup": default / onednn})
+                             "packed_ms": onednn * 1e3, "speedup": default / onednn,
+                             "default_gflops": gflop / default, "packed_gflops": gflop / onednn,
+                             "best_share_of_peak": best / peak if peak else None})
                 print(f"{name:8s} {out_f}x{in_f} rows {n:4d}: default {default * 1e3:7.2f} ms, "
-                      f"packed {onednn * 1e3:7.2f} ms, {default / onednn:4.2f}x", flush=True)
+                      f"packed {onednn * 1e3:7.2f} ms, {default / onednn:4.2f}x; best {best:6.1f} GFLOPS"
+                      + (f" ({best / peak:4.0%} of peak)" if peak else ""), flush=True)
     return rows
 
 
@@ -77,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    record = {"machine": cpu_record(), "rows": measure(args.reps)}
+    machine = cpu_record()
+    peak = peak_gflops(torch.get_num_threads(), cpu_flags(), float(_cpuinfo("cpu MHz") or 0.0))
+    print(f"{machine['cpu']}, {machine['threads']} threads, nominal fp32 peak {peak:.0f} GFLOPS", flush=True)
+    record = {"machine": machine, "rows": measure(args.reps, peak)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")

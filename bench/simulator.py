@@ -11,7 +11,8 @@ fraction of a second. Each request's simulated timeline is a `RequestTrace`, so
 Model: one iteration at a time (a single-stage replica); requests that have arrived by the start of
 an iteration are queued before it is scheduled; each sampled token is stamped with the iteration's
 end time; a request stops after its `decode_len` tokens or at `max_model_len` (as with
-`ignore_eos`).
+`ignore_eos`). Prompts have lengths, not contents, so the simulated engine has no prefix cache (the
+benchmarks it stands in for turn prefix caching off too).
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ def _make_engine(model_dir: str, dtype: str, grid: Grid, device: str) -> Engine:
     cfg = EngineConfig(model=model_dir, policy="sarathi", token_budget=max(grid.max_tokens, 32),
                        max_batch_size=max(grid.decode_batches) + 1, dtype=dtype, kv_cache_tokens=kv_tokens,
                        max_model_len=max_len, device=device,
-                       attention_aware_chunks=False)  # the profiler sets each chunk's size itself
+                       attention_aware_chunks=False,  # the profiler sets each chunk's size itself
+                       prefix_caching=False)  # it measures compute: a cached prefix would skip it
     engine = Engine(cfg, progress=False)
     _zero_kv_cache(engine)
     return engine

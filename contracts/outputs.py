@@ -119,4 +119,6 @@ class EngineStats:
     iterations: int
     pipeline_stages: int = 1
     bubble_fraction: float = 0.0  # share of stage time idle while work was in flight (pipeline bubbles)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the engine started
+    prefix_cache_hits: int = 0  # of those, tokens found cached
     extra: dict[str, float] = field(default_factory=dict)

@@ -31,6 +31,8 @@ chariot.batch.tokens                   histogram  {token}       chariot_batch_to
 chariot.stage.busy_time                counter    s             chariot_stage_busy_time_seconds_total
 chariot.stage.idle_time                counter    s             chariot_stage_idle_time_seconds_total
 chariot.pipeline.bubble_fraction       gauge      1             chariot_pipeline_bubble_fraction
+chariot.prefix_cache.queries           counter    {token}       chariot_prefix_cache_queries_total
+chariot.prefix_cache.hits              counter    {token}       chariot_prefix_cache_hits_total
 =====================================  =========  ============  ==========================================
 
 Attributes (Prometheus label in brackets): every point carries `component` (`router` | `worker`), and
@@ -201,6 +203,12 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.pipeline.bubble_fraction", "gauge", "1",
                    "Idle share of a stage's time over the recent window: idle / (busy + idle).",
                    "chariot_pipeline_bubble_fraction"),
+        MetricSpec("chariot.prefix_cache.queries", "counter", "{token}",
+                   "Prompt tokens looked up in the prefix cache when a request was admitted.",
+                   "chariot_prefix_cache_queries_total"),
+        MetricSpec("chariot.prefix_cache.hits", "counter", "{token}",
+                   "Of those, tokens whose KV was found cached and not computed (hit rate = hits / queries).",
+                   "chariot_prefix_cache_hits_total"),
     )
 }  # fmt: skip
 
@@ -458,6 +466,8 @@ class Telemetry:
         self._retries = counter("chariot.router.retries")
         self._busy = counter("chariot.stage.busy_time")
         self._idle = counter("chariot.stage.idle_time")
+        self._prefix_queries = counter("chariot.prefix_cache.queries")
+        self._prefix_hits = counter("chariot.prefix_cache.hits")
         for name, key in (
             ("chariot.requests.running", "running"),
             ("chariot.requests.waiting", "waiting"),
@@ -537,6 +547,12 @@ class Telemetry:
         self._batch_tokens.record(prefill_tokens, {**attrs, "kind": "prefill"})
         self._batch_tokens.record(decode_tokens, {**attrs, "kind": "decode"})
         self._batch_tokens.record(prefill_tokens + decode_tokens, {**attrs, "kind": "total"})
+
+    def record_prefix_cache(self, queried_tokens: int, hit_tokens: int, attributes: Attributes | None = None) -> None:
+        """Prompt tokens looked up in the prefix cache at admission, and how many of them hit."""
+        attrs = self._attrs(attributes)
+        self._prefix_queries.add(queried_tokens, attrs)
+        self._prefix_hits.add(hit_tokens, attrs)
 
     def add_stage_time(
         self, stage: str | int, busy_s: float, idle_s: float, attributes: Attributes | None = None

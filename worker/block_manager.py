@@ -1,56 +1,160 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, a free list.
+"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, a free pool, and
+automatic prefix caching.
 
 Only stage 0 owns this state; other pipeline stages get block tables and slot mappings in each
 micro-batch's metadata. No tensors here: the cache itself lives with the executor.
+
+Prefix caching: once a block is full of computed tokens it is registered under a hash of its tokens
+chained with the hash of every block before it, so equal hashes mean equal token prefixes and
+therefore equal KV (the model is fixed for the engine's life). A new sequence whose prompt starts
+with registered blocks shares them (reference counts) and skips that part of its prefill. A block
+nobody references any more keeps its KV and its registration until its room is needed: fresh
+allocations take never-registered blocks first, then evict registered ones least recently freed
+first, the tail blocks of a sequence before its head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+TokenSlice = Callable[[int, int], Sequence[int]]
+"""Tokens [start, stop) of a sequence (`Sequence.token_slice`)."""
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Registered blocks that hold the first `len(blocks)` full blocks of a token sequence.
+
+    Never the whole sequence: at least one token is left to compute, so the prefill that follows
+    produces the logits of the last token.
+    """
+
+    blocks: tuple[int, ...] = ()
+    hashes: tuple[bytes, ...] = ()
+    block_size: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+NO_HIT = PrefixHit()
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Hash of one full block chained to its predecessors' (`parent`, b"" for the first block).
+
+    A keyed cryptographic hash, not Python's `hash`: a crafted prompt must not collide with another
+    user's prefix and read its KV.
+    """
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16, key=parent).digest()
 
 
 class BlockManager:
     """Allocates cache blocks of `block_size` tokens to sequences.
 
-    Invariants (checked by `check_invariants`): every block is either free or owned by exactly
-    one sequence; a sequence's table covers at least the tokens it was grown to.
+    Invariants (checked by `check_invariants`): a block's reference count is the number of tables
+    holding it; a block is free exactly when its count is 0, in the plain pool if it is not
+    registered and in the evictable pool if it is; the registry maps hashes to blocks one to one.
+    A sequence's table covers at least the tokens it was grown to.
     The watermark keeps a few blocks back from *admissions* so running decodes can still grow
     without immediately preempting.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 prefix_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._plain: deque[int] = deque(range(num_blocks))  # free, not registered
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, registered; oldest first
+        self._refs = [0] * num_blocks
         self._tables: dict[int, list[int]] = {}
+        self._seq_hashes: dict[int, list[bytes]] = {}  # hashes of each sequence's full computed blocks
+        self._registry: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no sequence holds (registered ones included: their room can be taken)."""
+        return len(self._plain) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, held or not."""
+        return len(self._registry)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks held by sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Whether a new sequence of `num_tokens` fits while keeping the watermark free."""
-        return self.num_free_blocks - self.blocks_for(num_tokens) >= self.watermark_blocks
+    # ---- prefix caching ----------------------------------------------------------------------
+    def cached_prefix(self, tokens: Sequence[int]) -> PrefixHit:
+        """The longest run of registered blocks that starts `tokens` (leaving at least one token)."""
+        if not self.prefix_caching:
+            return NO_HIT
+        bs, parent = self.block_size, b""
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        for i in range((len(tokens) - 1) // bs):
+            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            block = self._registry.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return PrefixHit(tuple(blocks), tuple(hashes), bs) if blocks else NO_HIT
+
+    def register_computed(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
+        """Register the sequence's blocks that `num_computed` computed tokens fill, so later
+        sequences can share them. Call only once their KV is written on every stage."""
+        if not self.prefix_caching or seq_id not in self._tables:
+            return
+        hashes, table, bs = self._seq_hashes[seq_id], self._tables[seq_id], self.block_size
+        for i in range(len(hashes), min(num_computed // bs, len(table))):
+            h = block_hash(hashes[-1] if hashes else b"", token_slice(i * bs, (i + 1) * bs))
+            hashes.append(h)
+            block = table[i]
+            if h not in self._registry and block not in self._hash_of:
+                self._registry[h] = block
+                self._hash_of[block] = h
+
+    # ---- allocation --------------------------------------------------------------------------
+    def can_admit(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Whether a new sequence of `num_tokens` (sharing `hit`) fits while keeping the watermark free."""
+        fresh = self.blocks_for(num_tokens) - len(hit.blocks)
+        revived = sum(1 for b in hit.blocks if self._refs[b] == 0)  # leave the free pool when shared
+        return self.num_free_blocks - fresh - revived >= self.watermark_blocks
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self._missing(seq_id, num_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """Give a new sequence a table covering `num_tokens` tokens."""
+    def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit = NO_HIT) -> None:
+        """Give a new sequence a table covering `num_tokens` tokens whose first blocks are `hit`'s."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        self._tables[seq_id] = []
+        missing = self.blocks_for(num_tokens) - len(hit.blocks)
+        revived = sum(1 for b in hit.blocks if self._refs[b] == 0)
+        if missing + revived > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {missing + revived}, have {self.num_free_blocks}")
+        for block in hit.blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        self._tables[seq_id] = list(hit.blocks)
+        self._seq_hashes[seq_id] = list(hit.hashes)
         self.grow(seq_id, num_tokens)
 
     def grow(self, seq_id: int, num_tokens: int) -> None:
@@ -58,12 +162,30 @@ class BlockManager:
         missing = self._missing(seq_id, num_tokens)
         if missing > self.num_free_blocks:
             raise RuntimeError(f"out of KV blocks: need {missing}, have {self.num_free_blocks}")
-        table = self._tables[seq_id]
-        table.extend(self._free.popleft() for _ in range(missing))
+        self._tables[seq_id].extend(self._take_free() for _ in range(missing))
 
     def free(self, seq_id: int) -> None:
-        """Return the sequence's blocks (no-op if it holds none)."""
-        self._free.extend(self._tables.pop(seq_id, ()))
+        """Drop the sequence's hold on its blocks (no-op if it holds none); registered blocks keep
+        their KV for later hits until their room is needed."""
+        self._seq_hashes.pop(seq_id, None)
+        for block in reversed(self._tables.pop(seq_id, ())):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._plain.append(block)
+
+    def _take_free(self) -> int:
+        """A block for new KV: a never-registered one if any, else the least recently freed
+        registered one, whose registration ends here."""
+        if self._plain:
+            block = self._plain.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._registry[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
 
     def has_blocks(self, seq_id: int) -> bool:
         return seq_id in self._tables
@@ -78,11 +200,22 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if a block is lost, duplicated or double-owned."""
-        owned = [b for t in self._tables.values() for b in t]
-        every = owned + list(self._free)
-        if len(every) != self.num_blocks or set(every) != set(range(self.num_blocks)):
+        """Raise AssertionError if a block is lost, duplicated, miscounted or misregistered."""
+        refs = [0] * self.num_blocks
+        for table in self._tables.values():
+            if len(set(table)) != len(table):
+                raise AssertionError(f"a table holds a block twice: {table}")
+            for block in table:
+                refs[block] += 1
+        if refs != self._refs:
+            raise AssertionError("reference counts do not match the tables")
+        free = set(self._plain) | set(self._evictable)
+        if len(free) != self.num_free_blocks or free != {b for b in range(self.num_blocks) if refs[b] == 0}:
             raise AssertionError(
-                f"block accounting broken: {len(owned)} owned + {len(self._free)} free "
-                f"!= {self.num_blocks} distinct blocks"
+                f"block accounting broken: {len(self._plain)} plain + {len(self._evictable)} evictable free "
+                f"blocks, {sum(1 for r in refs if r == 0)} unreferenced"
             )
+        if any(b in self._hash_of for b in self._plain) or any(b not in self._hash_of for b in self._evictable):
+            raise AssertionError("a free block sits in the wrong pool for its registration")
+        if {h: b for b, h in self._hash_of.items()} != self._registry:
+            raise AssertionError("the prefix registry and the block hashes disagree")

@@ -181,6 +181,8 @@ class EngineConfig:
     device's free memory (on the CPU, capped at what `max_batch_size` sequences of `max_model_len`
     tokens can use). `attention_aware_chunks` shrinks late chunks of long prompts by their
     attention work (`scheduler.base.chunk_tokens`); off, chunks are sized by tokens alone.
+    `prefix_caching` lets a prompt reuse the KV of full blocks another request already computed for the
+    same leading tokens (`block_manager`); benchmarks that measure compute cost turn it off.
     """
 
     model: str
@@ -199,6 +201,7 @@ class EngineConfig:
     layer_split: tuple[int, ...] | None = None
     stage_timeout_s: float = 15.0
     attention_aware_chunks: bool = True
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         get_policy(self.policy)

@@ -70,7 +70,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
         self.executor, num_blocks = self._make_executor(topology, progress, peer_check)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.watermark)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.watermark, config.prefix_caching)
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len,
                             self.model_config.attention_cost if config.attention_aware_chunks else 0.0),
@@ -321,4 +321,6 @@ class Engine:
             iterations=self.iterations,
             pipeline_stages=self.config.pipeline_stages,
             bubble_fraction=self.executor.bubble_fraction(),
+            prefix_cache_queries=self.scheduler.prefix_query_tokens,
+            prefix_cache_hits=self.scheduler.prefix_hit_tokens,
         )

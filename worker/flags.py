@@ -38,6 +38,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--no-attention-aware-chunks", dest="attention_aware_chunks", action="store_false",
                    help="size sarathi's prefill chunks by tokens alone (default: late chunks of long prompts "
                         "shrink by their attention work, so no iteration outgrows the budget's time)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt in full (default: reuse the KV of cached full blocks of an "
+                        "identical leading prefix, e.g. a shared system prompt)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--engine-seed", type=int, default=0, help="seed of sampling for requests without a seed")
 
@@ -56,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,
         stage_timeout_s=args.stage_timeout, attention_aware_chunks=args.attention_aware_chunks,
+        prefix_caching=args.prefix_caching,
     )
 
 
@@ -74,4 +78,6 @@ def config_to_argv(c: EngineConfig) -> list[str]:
         argv += ["--layer-split", ",".join(map(str, c.layer_split))]
     if not c.attention_aware_chunks:
         argv.append("--no-attention-aware-chunks")
+    if not c.prefix_caching:
+        argv.append("--no-prefix-caching")
     return argv

@@ -27,7 +27,8 @@ class Sequence:
     Invariants:
     - `0 <= num_computed_tokens <= num_tokens`; tokens `[0, num_computed_tokens)` have (or, while the
       sequence is in flight, will have) their KV in the cache.
-    - A RUNNING sequence owns blocks covering at least `num_computed_tokens` tokens.
+    - A RUNNING sequence holds blocks covering at least `num_computed_tokens` tokens (its first blocks
+      possibly shared with other sequences through the prefix cache, never written by it again).
     - `in_flight` is True from the moment the scheduler puts the sequence in a batch until the engine
       has processed that batch's output; an in-flight sequence is never scheduled again.
     """
@@ -42,6 +43,9 @@ class Sequence:
     num_computed_tokens: int = 0
     in_flight: bool = False
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache instead of being computed (summed over
+    admissions: a preempted sequence may hit its own blocks again)."""
     finish_reason: FinishReason | None = None
     error: str | None = None
     times: RequestTimes = field(init=False)

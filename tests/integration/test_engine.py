@@ -297,3 +297,35 @@ def test_out_of_vocabulary_logit_bias_is_rejected(tiny_llm):
         tiny_llm.generate([[1, 2]], SamplingParams(max_tokens=2, logit_bias={vocab: 1.0}))
     assert err.value.field == "logit_bias" and str(vocab) in str(err.value)
     assert not tiny_llm.engine.has_unfinished
+
+
+def test_prefix_cache_hits_keep_greedy_outputs_identical_to_transformers(model_and_reference):
+    """Prompts sharing a 33-token prefix (2 full blocks) with earlier ones, one a full-block hit that
+    leaves a single token, one repeated whole: every output still matches HF, blocks are shared and
+    all come back."""
+    model_dir, cases = model_and_reference
+    prompts, expected = cases["mixed"]
+    base = prompts[3]  # 33 tokens
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    tails = make_prompts(vocab, (5, 1))
+    later = [base + tails[0], base[:32] + tails[1], list(base)]
+    llm = LLM(str(model_dir), dtype="float32", token_budget=16, max_model_len=256, kv_cache_tokens=4096,
+              progress=False)
+    first = llm.generate([base], GREEDY)
+    assert first[0].token_ids == expected[3]
+    outs = llm.generate(later, GREEDY)
+    assert [o.token_ids for o in outs] == hf_greedy(model_dir, later, MAX_NEW)
+    sched = llm.engine.scheduler
+    assert sched.prefix_hit_tokens == 32 * 3  # two full blocks of each later prompt came from the cache
+    assert llm.engine.stats().prefix_cache_hits == sched.prefix_hit_tokens
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    llm.engine.blocks.check_invariants()
+
+
+def test_prefix_caching_off_computes_every_prompt(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False,
+              prefix_caching=False)
+    prompt = list(range(3, 40))
+    a, b = llm.generate([prompt, prompt], GREEDY), llm.generate([prompt], GREEDY)
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids
+    assert llm.engine.scheduler.prefix_hit_tokens == 0 and llm.engine.blocks.num_cached_blocks == 0

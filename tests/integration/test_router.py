@@ -1092,6 +1092,9 @@ def test_prometheus_scrapes_router_and_worker_metrics(
             worker_q = '{component="worker"}'
             prom.wait_for(f"sum(gen_ai_server_time_to_first_token_seconds_count{worker_q})", lambda res: bool(res))
             assert prom.value(f"sum(chariot_batch_tokens_count{worker_q})") is not None
+            queried = prom.value(f"sum(chariot_prefix_cache_queries_total{worker_q})")
+            hits = prom.value(f"sum(chariot_prefix_cache_hits_total{worker_q})")
+            assert queried is not None and queried > 0 and hits is not None and 0 <= hits <= queried
     finally:
         r.stop()
         if extra_worker is not None:

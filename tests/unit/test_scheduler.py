@@ -23,9 +23,9 @@ class FakeRun:
     """Drives a scheduler like the engine does, sampling token 7 for every sampling chunk."""
 
     def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1,
-                 attention_cost: float = 0.0, max_len: int = 64) -> None:
+                 attention_cost: float = 0.0, max_len: int = 64, prefix_caching: bool = False) -> None:
         budget = budget if policy == "sarathi" else max(budget, max_len)
-        self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0)
+        self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0, prefix_caching=prefix_caching)
         self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost)
         self.sched = make_scheduler(self.config, self.blocks)
         self.in_flight: deque[SchedulerOutput] = deque()
@@ -42,8 +42,9 @@ class FakeRun:
     def step(self) -> SchedulerOutput:
         idle_decodes = {s.seq_id for s in self.sched.running if s.is_decode and not s.in_flight}
         before = {s.seq_id: s.num_computed_tokens for s in self.sched.seqs.values()}
+        waiting = {s.seq_id for s in self.sched.waiting}
         out = self.sched.schedule()
-        self.check_batch(out, idle_decodes, before)
+        self.check_batch(out, idle_decodes, before, waiting)
         if not out.is_empty:
             self.in_flight.append(out)
         if self.in_flight and (len(self.in_flight) >= self.depth or out.is_empty):
@@ -65,7 +66,8 @@ class FakeRun:
         while self.in_flight:
             self.complete(self.in_flight.popleft())
 
-    def check_batch(self, out: SchedulerOutput, idle_decodes: set[int], before: dict[int, int]) -> None:
+    def check_batch(self, out: SchedulerOutput, idle_decodes: set[int], before: dict[int, int],
+                    waiting: set[int]) -> None:
         ids = out.seq_ids
         assert len(ids) == len(set(ids)), "a sequence appears twice in one batch"
         assert out.num_tokens <= self.config.token_budget
@@ -74,9 +76,13 @@ class FakeRun:
         assert not others & set(ids), "a sequence is in two in-flight batches"
         for i, chunk in enumerate(out.chunks):
             assert chunk.num_tokens >= 1
-            assert chunk.start == (0 if chunk.seq_id in out.preempted else before[chunk.seq_id])
-            assert (i < out.num_decodes) == (chunk.seq_id in idle_decodes and chunk.num_tokens == 1
-                                             and chunk.start > 0)
+            if chunk.seq_id in waiting or chunk.seq_id in out.preempted:  # admitted now: from its cached prefix
+                assert chunk.start % BLOCK == 0 and (chunk.start == 0 or self.blocks.prefix_caching)
+            else:
+                assert chunk.start == before[chunk.seq_id]
+            # a decode preempted and re-admitted in the same batch resumes from its cached blocks as a prefill
+            assert (i < out.num_decodes) == (chunk.seq_id in idle_decodes and chunk.seq_id not in out.preempted
+                                             and chunk.num_tokens == 1 and chunk.start > 0)
         if self.config.policy == "sarathi":
             missing = idle_decodes - set(ids) - set(out.preempted)
             assert not missing, f"stall-free violated: decodes {missing} left out"
@@ -104,9 +110,11 @@ request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  
     num_blocks=st.integers(16, 60),
     in_flight=st.integers(1, 3),
     abort_seed=st.integers(0, 3),
+    prefix_caching=st.booleans(),
 )
-def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed):
-    run = FakeRun(policy, budget, max_batch, num_blocks, in_flight)
+def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed,
+                                      prefix_caching):
+    run = FakeRun(policy, budget, max_batch, num_blocks, in_flight, prefix_caching=prefix_caching)
     pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
     rng = random.Random(abort_seed)
     aborted: set[int] = set()
@@ -249,3 +257,28 @@ def test_attention_aware_chunks_flag_reaches_child_stages(tiny_model_dir):
         p = argparse.ArgumentParser()
         add_engine_flags(p)
         assert config_from_args(p.parse_args(config_to_argv(cfg))) == cfg
+
+
+def test_prefix_cache_hit_skips_the_cached_blocks_and_a_one_token_rest_is_no_decode():
+    run = FakeRun("sarathi", budget=64, max_batch=8, num_blocks=64, prefix_caching=True)
+    run.add(0, 17, 4)  # 4 full blocks of 1s + 1 token
+    run.step()
+    run.drain()
+    assert run.sched.prefix_hit_tokens == 0
+    run.add(1, 17, 4)  # same prompt: 16 cached tokens, 1 left to compute
+    run.add(2, 10, 4)  # 2 cached blocks, 2 tokens left
+    out = run.step()
+    first, second, third = out.chunks
+    assert (first.seq_id, first.num_tokens) == (0, 1) and out.num_decodes == 1  # the real decode only
+    assert (second.seq_id, second.start, second.num_tokens, second.samples) == (1, 16, 1, True)
+    assert (third.seq_id, third.start, third.num_tokens) == (2, 8, 2)
+    assert run.sched.prefix_query_tokens == 17 + 17 + 10 and run.sched.prefix_hit_tokens == 24
+    assert run.sched.seqs[1].num_cached_tokens == 16
+    shared = run.blocks.block_table(0)[:4]
+    assert run.blocks.block_table(1)[:4] == shared and run.blocks.block_table(2)[:2] == shared[:2]
+    run.drain()
+    while run.sched.has_unfinished:
+        run.step()
+        run.drain()
+    assert run.blocks.num_free_blocks == run.blocks.num_blocks
+    run.blocks.check_invariants()

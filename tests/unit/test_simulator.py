@@ -24,7 +24,8 @@ Batches = list[list[tuple[int, int]]]
 def engine_batches(model: Path, cfg: SimConfig, trace: list[TraceRequest]) -> tuple[Batches, int]:
     engine = Engine(EngineConfig(model=str(model), policy=cfg.policy, token_budget=cfg.token_budget,
                                  max_batch_size=cfg.max_batch_size, dtype="float32", block_size=cfg.block_size,
-                                 kv_cache_tokens=cfg.kv_cache_tokens, max_model_len=cfg.max_model_len),
+                                 kv_cache_tokens=cfg.kv_cache_tokens, max_model_len=cfg.max_model_len,
+                                 prefix_caching=False),  # the simulator knows prompt lengths, not contents
                     progress=False)
     for r in trace:
         engine.add_request([5] * r.prompt_len, SamplingParams(max_tokens=r.decode_len, temperature=0.0,

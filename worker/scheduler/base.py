@@ -57,12 +57,16 @@ class BatchBuilder:
     def has_room(self) -> bool:
         return self.tokens_left > 0 and len(self.chunks) < self.max_seqs
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_tokens: int, decode: bool = False) -> None:
+        """Add a chunk; decodes (`decode=True`) must all come before the first prefill chunk. A
+        prefill whose cached prefix leaves a single token is a one-token prefill chunk, not a decode."""
+        if decode and self.num_decodes != len(self.chunks):
+            raise ValueError("decodes must be added before prefill chunks")
         end = seq.num_computed_tokens + num_tokens
         self.chunks.append(ScheduledChunk(seq.seq_id, seq.num_computed_tokens, num_tokens, end == seq.num_tokens))
         self.num_tokens += num_tokens
         self.seq_ids.add(seq.seq_id)
-        if seq.is_decode:
+        if decode:
             self.num_decodes += 1
 
     def build(self) -> SchedulerOutput:
@@ -80,6 +84,8 @@ class Scheduler(ABC):
         self.running: list[Sequence] = []  # admission order, oldest first
         self.seqs: dict[int, Sequence] = {}
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
+        self.prefix_hit_tokens = 0  # of those, tokens whose KV was found cached
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,11 +133,13 @@ class Scheduler(ABC):
         return builder.build()
 
     def complete(self, output: SchedulerOutput) -> None:
-        """The batch's results are processed: its sequences may be scheduled again."""
+        """The batch's results are processed: its sequences may be scheduled again, and the blocks it
+        filled (their KV now written on every stage) may be shared through the prefix cache."""
         for chunk in output.chunks:
             seq = self.seqs.get(chunk.seq_id)
             if seq is not None:
                 seq.in_flight = False
+                self.blocks.register_computed(seq.seq_id, seq.token_slice, chunk.start + chunk.num_tokens)
 
     @abstractmethod
     def _fill(self, builder: BatchBuilder) -> None:
@@ -148,7 +156,7 @@ class Scheduler(ABC):
                 continue  # preempted earlier in this loop, or still prefilling
             if not self._reserve_decode_slot(seq, builder):
                 continue  # preempted itself
-            builder.add(seq, 1)
+            builder.add(seq, 1, decode=True)
 
     def _reserve_decode_slot(self, seq: Sequence, builder: BatchBuilder) -> bool:
         while not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
@@ -186,12 +194,17 @@ class Scheduler(ABC):
         """FCFS admission: the head of the queue blocks the rest if it does not fit."""
         while self.waiting and builder.has_room and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            if not self.chunked_prefill and seq.num_tokens > builder.tokens_left:
+            hit = self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens))
+            if not self.chunked_prefill and seq.num_tokens - hit.num_tokens > builder.tokens_left:
                 return
-            if not self.blocks.can_admit(seq.num_tokens):
+            if not self.blocks.can_admit(seq.num_tokens, hit):
                 return
             self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, seq.num_tokens)
+            self.blocks.allocate(seq.seq_id, seq.num_tokens, hit)
+            seq.num_computed_tokens = hit.num_tokens
+            seq.num_cached_tokens += hit.num_tokens
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._add_prefill_chunk(seq, builder)
