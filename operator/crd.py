@@ -99,6 +99,97 @@ def _scheduler() -> Schema:
     }, default={})
 
 
+def _string_map(description: str) -> Schema:
+    return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
+
+
+def _array(description: str, items: Schema) -> Schema:
+    return {"type": "array", "description": description, "items": items}
+
+
+def _open_obj(description: str, properties: dict[str, Schema] | None = None,
+              required: list[str] | None = None) -> Schema:
+    """An object typed where it matters to the merge, passed through otherwise (a full PodSpec schema
+    is impractical; the API server validates the pod the operator creates)."""
+    s = _obj(description, properties or {}, required)
+    s["x-kubernetes-preserve-unknown-fields"] = True
+    return s
+
+
+def _quantities(description: str) -> Schema:
+    return {"type": "object", "description": description, "additionalProperties": {
+        "x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "pattern": QUANTITY_PATTERN}}
+
+
+TEMPLATE_OWNED = ("Operator-owned, and rejected with an error naming the field: the labels and annotations the "
+                  "operator sets (`app.kubernetes.io/*` of its own, `prometheus.io/*`, anything under "
+                  "`chariot.dev/`), `restartPolicy`, `hostname`, `subdomain`, the volume names `model`, `tmp`, "
+                  "`shm`, `config`, and in the operator's containers `image` (use `spec.image`), `command`, "
+                  "`args`, `ports`, probes, the rendezvous env vars (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, "
+                  "`MASTER_PORT`), `nvidia.com/gpu` resources (use `spec.resources.gpusPerStage`) and mount "
+                  "paths `/models` (and below), `/tmp`, `/dev/shm`, `/etc/chariot`.")
+
+
+def _container(description: str) -> Schema:
+    return _open_obj(description, {
+        "name": _str("Container name; the operator's container of this name gets the other fields merged in."),
+        "env": _array("Merged by `name` (a template entry replaces the operator's default, e.g. `HOME`); the "
+                      "rendezvous variables are operator-owned.", _open_obj("An EnvVar.", {
+                          "name": _str("Variable name."), "value": _str("Literal value.")}, required=["name"])),
+        "envFrom": _array("Appended to the operator's.", _open_obj("An EnvFromSource.")),
+        "resources": _obj("Requests and limits merged by resource name, the template winning (over "
+                          "`spec.resources`' cpu and memory too); `nvidia.com/gpu` is operator-owned.", {
+                              "requests": _quantities("Requests by resource name."),
+                              "limits": _quantities("Limits by resource name."),
+                          }),
+        "volumeMounts": _array("Merged by `mountPath`; the operator's mount paths are operator-owned.", _open_obj(
+            "A VolumeMount.", {"name": _str("Volume name."), "mountPath": _str("Path in the container.")},
+            required=["name", "mountPath"])),
+    }, required=["name"])
+
+
+def _pod_template(pods: str, container: str) -> Schema:
+    """A PodTemplateSpec merged onto the operator's pods (merge rules: operator/podtemplate.py)."""
+    named = f"the containers named `{container}` and `make-model` (the operator's)"
+    return _obj(f"A PodTemplateSpec merged onto {pods}: maps merge by key, the template winning; lists merge by "
+                "key (containers, initContainers, volumes, imagePullSecrets and env by name, volumeMounts by "
+                f"mountPath), tolerations and envFrom are appended; {named} receive the container fields, other "
+                f"containers are added as sidecars. {TEMPLATE_OWNED} Changing it rolls the pods.", {
+        "metadata": _obj("Labels and annotations added to the pods.", {
+            "labels": _string_map("Extra pod labels; the operator's keys are operator-owned."),
+            "annotations": _string_map("Extra pod annotations; the operator's keys are operator-owned."),
+        }),
+        "spec": _open_obj("A PodSpec: any field (nodeSelector, tolerations, affinity, imagePullSecrets, "
+                          "serviceAccountName, runtimeClassName, priorityClassName, schedulerName, volumes, "
+                          "securityContext, ...) except the operator-owned ones.", {
+            "containers": _array(f"Merged by name: {named} receive these fields; others are sidecars.",
+                                 _container("A Container (partial for the operator's).")),
+            "initContainers": _array("Merged by name, after the operator's (`make-model` for `preset://`).",
+                                     _container("A Container (partial for the operator's).")),
+            "volumes": _array("Added to the operator's volumes (`model`, `tmp`, `shm`, `config` are its own).",
+                              _open_obj("A Volume.", {"name": _str("Volume name.")}, required=["name"])),
+            "imagePullSecrets": _array("Merged by name.", _obj("A LocalObjectReference.", {
+                "name": _str("Secret name.")}, required=["name"])),
+            "tolerations": _array("Appended to the operator's (GPU stages tolerate `nvidia.com/gpu`).", _obj(
+                "A Toleration.", {
+                    "key": _str("Taint key; empty with operator Exists matches every taint."),
+                    "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+                    "value": _str("Taint value for Equal."),
+                    "effect": _str("Taint effect; empty matches all.", enum=["", "NoSchedule", "PreferNoSchedule",
+                                                                             "NoExecute"]),
+                    "tolerationSeconds": _int("For NoExecute: how long the pod stays bound after the taint."),
+                })),
+            "nodeSelector": _string_map("Node labels the pods must match."),
+            "affinity": _open_obj("Node and pod (anti-)affinity."),
+            "serviceAccountName": _str("ServiceAccount the pods run as."),
+            "runtimeClassName": _str("RuntimeClass of the pods (e.g. `nvidia`)."),
+            "priorityClassName": _str("PriorityClass of the pods."),
+            "schedulerName": _str("Scheduler that places the pods."),
+        }),
+    })
+
+
 def spec_schema() -> Schema:
     """OpenAPI v3 schema of `.spec` (structural: every field typed, defaults and bounds declared)."""
     return _obj("Desired state of a served model: R replicas (pipeline groups) of P stage pods plus routers.", {
@@ -127,11 +218,13 @@ def spec_schema() -> Schema:
                 "url": _str("Redis URL (`redis://`, `rediss://` or `unix://`).",
                             pattern=r"^(redis|rediss|unix)://.+$"),
             }),
+            "template": _pod_template("the router Deployment's pods", "router"),
         }, default={}),
         "observability": _obj("Telemetry export.", {
             "otlpEndpoint": _str("OTLP gRPC collector for metrics and traces (e.g. `http://collector:4317`).",
                                  pattern=r"^https?://.+$"),
         }, default={}),
+        "template": _pod_template("every pipeline-stage pod", "worker"),
     }, required=["model"])
 
 

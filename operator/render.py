@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chariot.operator import crd
+from chariot.operator.podtemplate import MAKE_MODEL, MODELS_DIR, ROUTER, WORKER, merge_pod
 from chariot.operator.spec import Spec
 
 Manifest = dict[str, Any]
@@ -34,7 +35,6 @@ ROUTER_HTTP_PORT = 8000
 ROUTER_GRPC_PORT = 50051
 CONFIG_DIR = "/etc/chariot"
 REPLICA_FILE = f"{CONFIG_DIR}/replicas.json"
-MODELS_DIR = "/models"
 RUN_AS = 10001  # the image's non-root user (Dockerfile)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
@@ -155,7 +155,7 @@ def make_model_container(spec: Spec, image: str, source: ModelSource) -> list[Ma
     in every pod, so all stages and the router agree)."""
     if source.preset is None:
         return []
-    return [{"name": "make-model", "image": image, "imagePullPolicy": "IfNotPresent",
+    return [{"name": MAKE_MODEL, "image": image, "imagePullPolicy": "IfNotPresent",
              "command": ["chariot", "make-model", source.path, "--preset", source.preset],
              "env": base_env(), "volumeMounts": [*source.mounts, *scratch_mounts()],
              "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
@@ -257,7 +257,7 @@ def stage_ports(stage: int) -> list[Manifest]:
 def stage_container(owner: Owner, spec: Spec, image: str, group: int, stage: int) -> Manifest:
     source = model_source(spec)
     return {
-        "name": "worker", "image": image, "imagePullPolicy": "IfNotPresent",
+        "name": WORKER, "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["chariot", "worker"], "args": worker_args(owner, spec, source),
         "env": [*rendezvous_env(owner, spec, group, stage), *base_env()],
         "ports": stage_ports(stage), "resources": stage_resources(spec), **stage_probes(stage),
@@ -267,7 +267,8 @@ def stage_container(owner: Owner, spec: Spec, image: str, group: int, stage: int
 
 
 def stage_pod(owner: Owner, spec: Spec, image: str, group: int, stage: int, config_hash: str = "") -> Manifest:
-    """The pod of stage `stage` in group `group`: never restarted in place (the group restarts as one)."""
+    """The pod of stage `stage` in group `group`, with `spec.template` merged in (operator-owned fields
+    kept): never restarted in place (the group restarts as one)."""
     source = model_source(spec)
     name = pod_name(owner, group, stage)
     meta = metadata(owner, name, "worker", **{LABEL_GROUP: str(group), LABEL_STAGE: str(stage)})
@@ -283,7 +284,7 @@ def stage_pod(owner: Owner, spec: Spec, image: str, group: int, stage: int, conf
     }
     if spec.resources.gpus_per_stage > 0:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    return merge_pod({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}, spec.template.body())
 
 
 def group_pods(owner: Owner, spec: Spec, image: str, group: int, config_hash: str) -> list[Manifest]:
@@ -291,8 +292,9 @@ def group_pods(owner: Owner, spec: Spec, image: str, group: int, config_hash: st
 
 
 def config_hash(owner: Owner, spec: Spec, image: str) -> str:
-    """Hash of everything a group's pods run (group 0 as the reference); a group whose pods carry another
-    hash is outdated and gets rolled. Replica counts and router settings do not enter it."""
+    """Hash of everything a group's pods run (group 0 as the reference, `spec.template` included); a group
+    whose pods carry another hash is outdated and gets rolled. Replica counts and router settings (its
+    template too) do not enter it: the router Deployment rolls its own pods."""
     pods = [stage_pod(owner, spec, image, 0, s) for s in range(spec.pipeline)]
     return _hash(pods)
 
@@ -336,7 +338,7 @@ def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
     ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT}}  # follows the backends
     alive = {"httpGet": {"path": "/health/live", "port": ROUTER_HTTP_PORT}}  # the process serves
     container = {
-        "name": "router", "image": image, "imagePullPolicy": "IfNotPresent",
+        "name": ROUTER, "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["chariot", "router"], "args": router_args(owner, spec, source), "env": base_env(),
         "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"},
                   {"name": "grpc", "containerPort": ROUTER_GRPC_PORT, "protocol": "TCP"}],
@@ -358,10 +360,12 @@ def router_deployment(owner: Owner, spec: Spec, image: str) -> Manifest:
     template_meta = {"labels": labels(owner, "router"),
                      "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_HTTP_PORT),
                                      "prometheus.io/path": "/metrics"}}
+    template = merge_pod({"metadata": template_meta, "spec": router_pod_spec(owner, spec, image)},
+                         spec.router.template.body())
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, router_name(owner), "router"),
             "spec": {"replicas": spec.router.replicas, "selector": {"matchLabels": selector},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                     "template": {"metadata": template_meta, "spec": router_pod_spec(owner, spec, image)}}}
+                     "template": template}}
 
 
 def router_service(owner: Owner) -> Manifest:

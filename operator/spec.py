@@ -3,19 +3,20 @@
 Why not trust the API server: it applies the CRD schema's defaults and bounds, but the operator also
 runs against servers that did not (an old CRD version, a test emulator), and some rules cannot be
 written in OpenAPI (tensor parallelism not implemented yet, a non-chunking policy with a budget below
-the model length, names too long for pod hostnames). So `parse_spec` applies the CRD schema itself,
-then the cross-field rules, and reports every problem as a `FieldError` naming the field — the text
-that ends up in the `Ready=False` condition.
+the model length, names too long for pod hostnames, a pod template setting an operator-owned field).
+So `parse_spec` applies the CRD schema itself, then the cross-field rules, and reports every problem
+as a `FieldError` naming the field — the text that ends up in the `Ready=False` condition.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from chariot.contracts.policies import get_policy
 from chariot.operator import crd
+from chariot.operator.podtemplate import ROUTER, WORKER, PodTemplate, owned_field_problems
 
 MAX_POD_NAME = 63  # pod hostnames are DNS labels
 # (layers, max_position_embeddings) of `chariot make-model --preset`; tests check them against the presets
@@ -71,6 +72,7 @@ class ResourceSpec:
 class RouterSpec:
     replicas: int = 1
     redis_url: str | None = None
+    template: PodTemplate = field(default_factory=PodTemplate)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Spec:
     image: str | None = None
     router: RouterSpec = RouterSpec()
     otlp_endpoint: str | None = None
+    template: PodTemplate = field(default_factory=PodTemplate)
 
 
 # --- the CRD schema, applied locally -------------------------------------------------------------
@@ -122,6 +125,13 @@ def schema_errors(schema: dict[str, Any], value: Any, path: str) -> list[FieldEr
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 errors += schema_errors(sub, value[key], f"{path}.{key}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, item in value.items():
+                errors += schema_errors(extra, item, f"{path}.{key}")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(schema["items"], item, f"{path}[{i}]")
     return errors
 
 
@@ -173,7 +183,15 @@ def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
     if problem is not None:
         errors.append(FieldError("spec.scheduler.tokenBudget",
                                  f"{problem} (spec.model.maxModelLen = {max_len}), got {s.token_budget}"))
-    return errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec)
+    return errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec) + template_errors(spec)
+
+
+def template_errors(spec: Spec) -> list[FieldError]:
+    """A pod template may not set what the operator owns (operator/podtemplate.py): rejected, not ignored,
+    so a platform engineer learns at once that (and why) a field cannot take effect."""
+    problems = [*owned_field_problems(spec.template.body(), "spec.template", WORKER),
+                *owned_field_problems(spec.router.template.body(), "spec.router.template", ROUTER)]
+    return [FieldError(path, message) for path, message in problems]
 
 
 def tune_profile_errors(spec: Spec) -> list[FieldError]:
@@ -246,6 +264,8 @@ def _from_dict(v: dict[str, Any]) -> Spec:
         ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
         resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"])),
         image=v.get("image"),
-        router=RouterSpec(replicas=router["replicas"], redis_url=(router.get("redis") or {}).get("url")),
+        router=RouterSpec(replicas=router["replicas"], redis_url=(router.get("redis") or {}).get("url"),
+                          template=PodTemplate.of(router.get("template"))),
         otlp_endpoint=v["observability"].get("otlpEndpoint"),
+        template=PodTemplate.of(v.get("template")),
     )

@@ -2,8 +2,9 @@
 
 Each test applies its own ModelDeployment (a renamed copy of examples/modeldeployment.yaml) and
 watches the operator drive it through the API alone — what DESIGN.md §6 promises: objects owned by
-the deployment, Ready status, gang restarts, scaling by group, rollouts one group at a time,
-invalid specs reported by field with nothing applied, cleanup through the finalizer.
+the deployment, Ready status, gang restarts, scaling by group, rollouts one group at a time, pod
+templates merged onto the stage and router pods, invalid specs reported by field with nothing applied,
+cleanup through the finalizer.
 """
 
 from __future__ import annotations
@@ -167,6 +168,27 @@ def test_changing_the_token_budget_rolls_one_group_at_a_time(cluster: Cluster) -
             order.append(group)
         assert any(available.values()), f"both groups down at once after {event['type']} {meta['name']}"
     assert order == [0, 1], f"groups went down in order {order}"
+
+
+def test_pod_templates_reach_the_stage_pods_and_the_router(cluster: Cluster) -> None:
+    template = {"spec": {"nodeSelector": {"pool": "h100"}, "runtimeClassName": "nvidia",
+                         "imagePullSecrets": [{"name": "registry"}],
+                         "containers": [{"name": "worker", "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}]}]}}
+    router = {"replicas": 1, "template": {"spec": {"nodeSelector": {"pool": "cpu"}}}}
+    cluster.apply(example("tmpl", template=template, router=router))
+    cluster.wait_ready("tmpl")
+    stage_pods = pods(cluster, "tmpl")
+    assert sorted(stage_pods) == ["tmpl-g0-s0", "tmpl-g0-s1"]
+    for name, pod in stage_pods.items():
+        spec = pod["spec"]
+        assert spec["nodeSelector"] == {"pool": "h100"} and spec["runtimeClassName"] == "nvidia", name
+        assert spec["imagePullSecrets"] == [{"name": "registry"}], name
+        (worker,) = [c for c in spec["containers"] if c["name"] == "worker"]
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert env["HF_HUB_OFFLINE"] == "1" and env["RANK"] == name[-1], name
+    deployment = cluster.get("Deployment", "tmpl-router")
+    assert deployment is not None
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
 
 
 def test_invalid_spec_is_reported_by_field_and_applies_nothing(cluster: Cluster) -> None:

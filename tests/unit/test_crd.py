@@ -63,8 +63,11 @@ def test_schema_is_structural_with_descriptions() -> None:
     for path, node in walk(root["properties"]["spec"], ".spec") + walk(root["properties"]["status"], ".status"):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
         assert node.get("description"), f"{path} has no description"
-        if node.get("type") == "object":
-            assert "properties" in node or node.get("x-kubernetes-preserve-unknown-fields"), path
+        if node.get("type") == "object":  # fields, a typed map (never both), or explicitly open
+            assert ("properties" in node) + ("additionalProperties" in node) == 1 or \
+                node.get("x-kubernetes-preserve-unknown-fields"), path
+            extra = node.get("additionalProperties")
+            assert extra is None or extra.get("type") or extra.get("x-kubernetes-int-or-string"), path
         if "anyOf" in node:  # structural: anyOf may only restate types, next to int-or-string
             assert node.get("x-kubernetes-int-or-string") and all(set(a) == {"type"} for a in node["anyOf"]), path
 
@@ -101,7 +104,10 @@ def test_example_passes_the_schema_and_the_operator() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"replicas": -1}, {"scheduler": {"policy": "lifo"}}, {"model": {"uri": "s3://x"}},
-                                 {"parallelism": {"pipeline": 65}}, {"resources": {"cpu": "two"}}])
+                                 {"parallelism": {"pipeline": 65}}, {"resources": {"cpu": "two"}},
+                                 {"template": {"spec": {"containers": [{"image": "x"}]}}},
+                                 {"template": {"metadata": {"labels": {"a": 1}}}},
+                                 {"router": {"template": {"spec": {"tolerations": [{"effect": "Sometimes"}]}}}}])
 def test_schema_rejects_what_it_can(bad: dict[str, Any]) -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"model": {"uri": "preset://tiny"}, **bad}, crd.spec_schema())
