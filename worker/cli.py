@@ -1,6 +1,7 @@
-"""The worker's subcommands of the `chariot` CLI: `make-model`, `worker` (one pipeline stage) and
-`generate` (stream a completion). Registered by `chariot.cli`; `python -m chariot.worker` runs them
-alone. Handlers import the engine lazily so `chariot --help` stays fast (no torch).
+"""The worker's subcommands of the `chariot` CLI: `make-model`, `fetch-model` (an `hf://` model into a
+directory), `worker` (one pipeline stage) and `generate` (stream a completion). Registered by
+`chariot.cli`; `python -m chariot.worker` runs them alone. Handlers import the engine lazily so
+`chariot --help` stays fast (no torch).
 """
 
 from __future__ import annotations
@@ -41,6 +42,24 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
     make_model(args.dir, args.preset, seed=args.seed, arch=args.arch)
     print(f"wrote {args.preset} {args.arch} model to {args.dir}")
+    return 0
+
+
+def _add_fetch_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fetch-model", help="download an hf:// model's config, safetensors and tokenizer",
+                       description="Download hf://<org>/<name>[@<revision>] into DIR (what the operator's init "
+                                   "container runs). HF_TOKEN authenticates, HF_ENDPOINT picks a mirror; a "
+                                   "completed download of the same revision is not repeated.")
+    p.add_argument("uri", help="hf://<org>/<name>[@<revision>]")
+    p.add_argument("dir", help="output directory")
+    p.set_defaults(handler=_run_fetch_model)
+
+
+def _run_fetch_model(args: argparse.Namespace) -> int:
+    from chariot.worker.model.fetch import fetch_model
+
+    path = fetch_model(args.uri, args.dir, token=os.environ.get("HF_TOKEN"), endpoint=os.environ.get("HF_ENDPOINT"))
+    print(f"fetched {args.uri} into {path}")
     return 0
 
 
@@ -153,7 +172,8 @@ def _generate_offline(args: argparse.Namespace, params: SamplingParams) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """The worker's subcommands: `make-model`, `worker` and `generate`."""
+    """The worker's subcommands: `make-model`, `fetch-model`, `worker` and `generate`."""
     _add_make_model(sub)
+    _add_fetch_model(sub)
     _add_worker(sub)
     _add_generate(sub)

@@ -181,6 +181,8 @@ class EngineConfig:
     device's free memory (on the CPU, capped at what `max_batch_size` sequences of `max_model_len`
     tokens can use). `attention_aware_chunks` shrinks late chunks of long prompts by their
     attention work (`scheduler.base.chunk_tokens`); off, chunks are sized by tokens alone.
+    `rendezvous_timeout_s` bounds how long the stages of a pipeline group wait for each other to join
+    (on a cluster: node scale-up, image pulls, model downloads of the slowest stage).
     `prefix_caching` lets a prompt reuse the KV of full blocks another request already computed for the
     same leading tokens (`block_manager`); benchmarks that measure compute cost turn it off.
     """
@@ -200,6 +202,7 @@ class EngineConfig:
     seed: int = 0
     layer_split: tuple[int, ...] | None = None
     stage_timeout_s: float = 15.0
+    rendezvous_timeout_s: float = 180.0
     attention_aware_chunks: bool = True
     prefix_caching: bool = True
 
@@ -220,6 +223,8 @@ class EngineConfig:
             raise ConfigError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if not 0.0 < self.stage_timeout_s <= 3600:
             raise ConfigError("stage_timeout_s", f"must be in (0, 3600], got {self.stage_timeout_s}")
+        if not 0.0 < self.rendezvous_timeout_s <= 86400:
+            raise ConfigError("rendezvous_timeout_s", f"must be in (0, 86400], got {self.rendezvous_timeout_s}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
 

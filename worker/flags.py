@@ -35,6 +35,9 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
     g.add_argument("--layer-split", default=None, help="layers per stage, comma separated (e.g. 5,3)")
     g.add_argument("--stage-timeout", type=float, default=15.0,
                    help="seconds before a silent pipeline stage is declared dead")
+    g.add_argument("--rendezvous-timeout", type=float, default=180.0,
+                   help="seconds the stages of a pipeline group wait for each other to join (default 180; "
+                        "raise it where a stage may wait for a node to scale up or an image to pull)")
     g.add_argument("--no-attention-aware-chunks", dest="attention_aware_chunks", action="store_false",
                    help="size sarathi's prefill chunks by tokens alone (default: late chunks of long prompts "
                         "shrink by their attention work, so no iteration outgrows the budget's time)")
@@ -58,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,
-        stage_timeout_s=args.stage_timeout, attention_aware_chunks=args.attention_aware_chunks,
+        stage_timeout_s=args.stage_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
+        attention_aware_chunks=args.attention_aware_chunks,
         prefix_caching=args.prefix_caching,
     )
 
@@ -68,7 +72,8 @@ def config_to_argv(c: EngineConfig) -> list[str]:
     argv = ["--model", c.model, "--policy", c.policy, "--max-batch-size", str(c.max_batch_size),
             "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--kv-cache-memory-fraction", str(c.kv_cache_memory_fraction), "--stages", str(c.pipeline_stages),
-            "--stage-timeout", str(c.stage_timeout_s), "--device", c.device, "--engine-seed", str(c.seed)]
+            "--stage-timeout", str(c.stage_timeout_s), "--rendezvous-timeout", str(c.rendezvous_timeout_s),
+            "--device", c.device, "--engine-seed", str(c.seed)]
     optional = {"--token-budget": c.token_budget, "--kv-cache-tokens": c.kv_cache_tokens,
                 "--max-model-len": c.max_model_len}
     for flag, value in optional.items():

@@ -22,6 +22,7 @@ from chariot.worker.kv_cache import KVCache
 from chariot.worker.model.loader import load_stage
 from chariot.worker.pipeline.transport import PeerCheck, StageLink, Topology
 from chariot.worker.sampler import Sampler
+from chariot.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class StageRuntime:
 def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, progress: bool = True,
                         peer_check: PeerCheck | None = None) -> StageRuntime:
     """Size the KV cache, join the pipeline group (if `topology`), agree on the block count, load
-    this rank's layers and allocate its cache.
+    this rank's layers, allocate its cache and run a warm-up forward pass (`warmup.py`: a broken
+    backend fails here, before the stage reports ready, not in the first request).
 
     The attention backend is selected first, so that a kernel compiled on first use (the C++ CPU
     kernel, ~25 s) is built before the stages meet, not inside the first micro-batch where a peer
@@ -64,12 +66,14 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
     first, last = resolved.layer_ranges[rank]
     local_blocks = KVCache.blocks_that_fit(resolved, last - first)
     link = None if topology is None else StageLink(topology, resolved.device, resolved.engine.stage_timeout_s,
-                                                   peer_check)
+                                                   peer_check, resolved.engine.rendezvous_timeout_s)
     num_blocks = local_blocks if link is None else KVCache.agree(local_blocks, link.device)
     stage = load_stage(resolved.engine.model, (first, last), resolved.dtype, resolved.device, progress=progress)
     kv_cache = KVCache.allocate(resolved, last - first, num_blocks)
     sampler = Sampler(resolved.engine.seed) if rank == resolved.num_stages - 1 else None
-    return StageRuntime(resolved, rank, ModelRunner(stage, kv_cache, sampler, resolved.device), kv_cache, link)
+    runner = ModelRunner(stage, kv_cache, sampler, resolved.device)
+    warm_up(runner, resolved, rank)
+    return StageRuntime(resolved, rank, runner, kv_cache, link)
 
 
 def _rank(resolved: ResolvedConfig, topology: Topology | None) -> int:

@@ -329,3 +329,50 @@ def test_prefix_caching_off_computes_every_prompt(tiny_model_dir):
     a, b = llm.generate([prompt, prompt], GREEDY), llm.generate([prompt], GREEDY)
     assert a[0].token_ids == a[1].token_ids == b[0].token_ids
     assert llm.engine.scheduler.prefix_hit_tokens == 0 and llm.engine.blocks.num_cached_blocks == 0
+
+
+class _FailingAttention:
+    """Stands in for a GPU backend that cannot run (a Triton kernel without a compiler, a bad CUDA
+    arch): no GPU here, so the failure is injected where the real one would surface."""
+
+    name = "broken-gpu-kernel"
+
+    def write_kv(self, *args, **kwargs):
+        return None
+
+    def paged_attention(self, *args, **kwargs):
+        raise RuntimeError("failed to compile the launcher: no C compiler found")
+
+
+def test_a_backend_that_cannot_run_fails_the_warm_up_before_ready(tiny_model_dir, monkeypatch):
+    import chariot.kernels as kernels
+    from chariot.worker.warmup import WarmupError
+
+    monkeypatch.setattr(kernels, "_active", _FailingAttention())
+    with pytest.raises(WarmupError, match=r"stage 0: warm-up forward pass failed \(attention backend "
+                                          r"broken-gpu-kernel.*no C compiler found"):
+        LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
+
+
+def test_warm_up_runs_the_mixed_and_decode_only_paths_and_leaves_no_trace(tiny_model_dir, monkeypatch):
+    import chariot.kernels as kernels
+
+    real = kernels.active_backend()
+    seen: list[tuple[int, int]] = []
+
+    class Recording:
+        name = real.name
+
+        def write_kv(self, *args):
+            return real.write_kv(*args)
+
+        def paged_attention(self, query, k_cache, v_cache, meta, scale):
+            seen.append((meta.num_decodes, query.shape[0]))
+            return real.paged_attention(query, k_cache, v_cache, meta, scale)
+
+    monkeypatch.setattr(kernels, "_active", Recording())
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
+    layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
+    block = llm.engine.blocks.block_size
+    assert seen == [(1, 1 + block + 3)] * layers + [(1, 1)] * layers  # mixed batch, then decode-only
+    assert llm.engine.iterations == 0 and llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

@@ -24,9 +24,9 @@ from chariot.contracts.errors import PipelineError
 from chariot.contracts.processes import Topology
 
 MAX_PENDING_SENDS = 12
-# Stages start at different speeds (imports, model loading): joining the group may take longer than
-# any single message is allowed to. Per-message deadlines are `stage_timeout_s`.
-RENDEZVOUS_TIMEOUT_S = 180.0
+# Stages start at different speeds (imports, model loading, on a cluster node scale-up and image
+# pulls): joining the group may take far longer than any single message is allowed to. The join
+# deadline is `EngineConfig.rendezvous_timeout_s`; per-message deadlines are `stage_timeout_s`.
 _JOINED_KEY = "chariot/stages-joined"
 LISTEN_BACKLOG = 128
 
@@ -110,13 +110,13 @@ class StageLink:
     """This stage's sends and receives; owns the process group for its lifetime."""
 
     def __init__(self, topo: Topology, device: torch.device, timeout_s: float,
-                 peer_check: PeerCheck | None = None) -> None:
+                 peer_check: PeerCheck | None = None, join_timeout_s: float = 180.0) -> None:
         if dist.is_initialized():
             raise PipelineError("a torch.distributed process group already exists in this process")
         self.topo = topo
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device  # tensors cross the wire from here (cuda for nccl, cpu for gloo)
-        join_timeout = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+        join_timeout = datetime.timedelta(seconds=max(timeout_s, join_timeout_s))
         loopback_only(topo)
         store = rendezvous(topo, join_timeout, peer_check)
         dist.init_process_group(backend_for(device), store=store, rank=topo.rank, world_size=topo.world_size,
