@@ -2,6 +2,7 @@
 
 `add_operator_parser(subparsers)` registers the subcommand on the `chariot` CLI; `run_operator(...)`
 is the handler's body, usable from Python and tests. `python -m chariot.operator` runs the same.
+`chariot operator drain` (the Helm chart's pre-delete hook) is in `operator/uninstall.py`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,32 @@ def add_operator_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                     "KUBECONFIG; watches all namespaces unless --namespace is given.")
     add_operator_flags(p)
     p.set_defaults(handler=_handle)
+    add_drain_parser(p.add_subparsers(dest="operator_command", metavar="{drain}"))
     return p
+
+
+def add_drain_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from chariot.operator.uninstall import DEFAULT_POLL_S, DEFAULT_TIMEOUT_S
+
+    d = subparsers.add_parser(
+        "drain", help="delete every ModelDeployment and wait for the operator's cleanup (helm uninstall hook)",
+        description="Delete every ModelDeployment in the given namespaces (default: all) and wait until the "
+                    "running operator has cleaned each one up and removed its finalizer. Exit 0 when none is "
+                    "left, 1 on timeout. The Helm chart runs this as its pre-delete hook.")
+    d.add_argument("--namespace", "-n", action="append", default=None,
+                   help="only this namespace (repeatable); default: all namespaces")
+    d.add_argument("--timeout-seconds", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="give up (exit 1) after this long")
+    d.add_argument("--poll-seconds", type=float, default=DEFAULT_POLL_S, help="how often to look again")
+    d.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    d.set_defaults(handler=_handle_drain)
+    return d
+
+
+def _handle_drain(args: argparse.Namespace) -> int:
+    from chariot.operator.uninstall import run_drain
+
+    return run_drain(args.namespace, timeout_s=args.timeout_seconds, poll_s=args.poll_seconds, verbose=args.verbose)
 
 
 def add_operator_flags(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,8 @@ from chariot.operator.render import (
     ANNOTATION_APPLIED_HASH,
     Owner,
     config_hash,
+    disruption_budget_selector,
+    disruption_budgets,
     endpoint,
     group_pods,
     group_selector,
@@ -102,8 +104,10 @@ class Controller:
                     self.kube.delete(Ref("Pod", namespace, pod["metadata"]["name"]))
             for kind, object_name in shared_object_names(owner):
                 self.kube.delete(Ref(kind, namespace, object_name))
-            for policy in self.kube.list(Ref("NetworkPolicy", namespace), network_policy_selector(owner)):
-                self.kube.delete(Ref("NetworkPolicy", namespace, policy["metadata"]["name"]))
+            for kind, selector in (("NetworkPolicy", network_policy_selector(owner)),
+                                   ("PodDisruptionBudget", disruption_budget_selector(owner))):
+                for obj in self.kube.list(Ref(kind, namespace), selector):
+                    self.kube.delete(Ref(kind, namespace, obj["metadata"]["name"]))
             remaining = len(self.kube.list(Ref("Pod", namespace), group_selector(owner)))
             log.info("cleanup of %s/%s: %d stage pod(s) still terminating", namespace, name, remaining)
             return remaining
@@ -125,7 +129,11 @@ class Controller:
         listed = self.kube.list(Ref("Pod", owner.namespace), group_selector(owner))
         pods = [p for p in (PodState.from_manifest(m) for m in listed) if p is not None]
         plan = self._plan(spec, hash_, pods, old_status)
-        self._apply_network_policies(owner, spec)  # before any pod of a new group starts
+        groups = [g.index for g in plan.groups]
+        self._apply_pruned(owner, "NetworkPolicy", network_policies(owner, groups),  # before a new group's pods
+                           network_policy_selector(owner))
+        self._apply_pruned(owner, "PodDisruptionBudget", disruption_budgets(owner, spec, groups),
+                           disruption_budget_selector(owner))
         self._execute(owner, spec, image, hash_, plan, pods)
         for manifest in shared_objects(owner, spec, image, hash_, plan.ready_groups):
             self._apply(manifest)
@@ -157,15 +165,15 @@ class Controller:
             for manifest in group_pods(owner, spec, image, g, hash_):
                 self.kube.create(Ref("Pod", owner.namespace), manifest)
 
-    def _apply_network_policies(self, owner: Owner, spec: Spec) -> None:
-        """Each group's stage NetworkPolicy; those of groups scaled away are deleted."""
-        wanted = network_policies(owner, spec)
+    def _apply_pruned(self, owner: Owner, kind: str, wanted: list[Manifest], selector: str) -> None:
+        """Apply per-group objects (NetworkPolicies, PodDisruptionBudgets); those of groups that went
+        away, or no longer wanted, are deleted."""
         for manifest in wanted:
             self._apply(manifest)
         names = {m["metadata"]["name"] for m in wanted}
-        for live in self.kube.list(Ref("NetworkPolicy", owner.namespace), network_policy_selector(owner)):
+        for live in self.kube.list(Ref(kind, owner.namespace), selector):
             if live["metadata"]["name"] not in names:
-                self.kube.delete(Ref("NetworkPolicy", owner.namespace, live["metadata"]["name"]))
+                self.kube.delete(Ref(kind, owner.namespace, live["metadata"]["name"]))
 
     def _apply(self, manifest: Manifest) -> None:
         """Create, or merge-patch when what we rendered last time differs; a no-op when nothing changed."""

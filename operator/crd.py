@@ -3,7 +3,7 @@
 Why in Python: the operator needs the schema at run time (to apply the same defaults and reject the
 same values as the API server, also where the server did not — an old cluster, a test emulator), and
 the Helm chart needs it as YAML. Keeping the dict here and *generating* the chart's copy
-(`python -m chariot.operator.crd > charts/chariot/crds/modeldeployments.chariot.dev.yaml`; a unit
+(`python -m chariot.operator.crd > charts/chariot/files/crds/modeldeployments.chariot.dev.yaml`; a unit
 test fails when the file is stale) leaves exactly one hand-maintained definition.
 """
 
@@ -24,10 +24,12 @@ PLURAL = "modeldeployments"
 SINGULAR = "modeldeployment"
 SHORT_NAMES = ["mdep"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
-CHART_CRD_PATH = "charts/chariot/crds/modeldeployments.chariot.dev.yaml"
+CHART_CRD_PATH = "charts/chariot/files/crds/modeldeployments.chariot.dev.yaml"
 
 DTYPES = ["auto", "float32", "float16", "bfloat16"]
-MODEL_URI_PATTERN = r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|/.+)$"
+MODEL_URI_PATTERN = (r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
+                     r"|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names
 GROUP_PHASES = ["Pending", "Starting", "Ready", "Restarting", "BackingOff", "Terminating"]
 
 Schema = dict[str, Any]
@@ -72,9 +74,18 @@ def _quantity(description: str, default: str) -> Schema:
 def _model() -> Schema:
     return _obj("The model every stage loads (its own layer range) and the router tokenizes with.", {
         "uri": _str("Where the Hugging Face model directory comes from: `preset://tiny|small|100m|llama3-8b` (a random-"
-                    "initialised preset made by an init container), `pvc://CLAIM[/PATH]` (a PersistentVolumeClaim"
-                    " mounted read-only), or an absolute path already present in the image (`/models/m` or "
-                    "`file:///models/m`).", pattern=MODEL_URI_PATTERN),
+                    "initialised preset made by an init container), `hf://ORG/NAME[@REVISION]` (downloaded from "
+                    "the Hugging Face Hub by an init container in every pod, into an emptyDir or `cacheClaim`), "
+                    "`pvc://CLAIM[/PATH]` (a PersistentVolumeClaim mounted read-only by every stage and router "
+                    "pod: it needs ReadOnlyMany or ReadWriteMany access across nodes), or an absolute path "
+                    "already present in the image (`/models/m` or `file:///models/m`).", pattern=MODEL_URI_PATTERN),
+        "tokenSecret": _obj("Secret holding the Hugging Face token for `hf://` models (gated or private).", {
+            "name": _str("Secret name in the ModelDeployment's namespace.", pattern=DNS_SUBDOMAIN_PATTERN),
+            "key": _str("Key of the token in the Secret.", default="token"),
+        }, required=["name"]),
+        "cacheClaim": _str("PersistentVolumeClaim that `hf://` downloads go to instead of a per-pod emptyDir; "
+                           "a completed download of the same revision is reused (ReadWriteMany for pods on "
+                           "several nodes).", pattern=DNS_SUBDOMAIN_PATTERN),
         "name": _str("Model name clients use (OpenAI `model`); default: the ModelDeployment's name.",
                      maxLength=253),
         "dtype": _str("Weights and activations dtype; `auto` takes the checkpoint's.", enum=DTYPES,
@@ -200,6 +211,16 @@ def spec_schema() -> Schema:
             "pipeline": _int("Pipeline stages per replica (pods per group).", minimum=1, maximum=64, default=1),
             "tensor": _int("Tensor-parallel ranks inside a stage; only 1 is supported today.", minimum=1,
                            default=1),
+            "rendezvousTimeoutSeconds": _int(
+                "How long the stages of a group wait for each other to join before the group fails and is "
+                "recreated; long enough by default for a cold GPU node to scale up and pull the image.",
+                minimum=10, maximum=86400, default=1200),
+        }, default={}),
+        "rollout": _obj("How a configuration change replaces the groups.", {
+            "maxSurge": _int("Extra groups that may run during a rollout: with 1 (the default) an up-to-date "
+                             "group is started and Ready before an outdated one is taken down, so capacity never "
+                             "drops; 0 replaces one group at a time in place (no extra GPUs, one group down).",
+                             minimum=0, maximum=64, default=1),
         }, default={}),
         "scheduler": _scheduler(),
         "slo": _obj("Latency targets: the router's admission control and, without tokenBudget, the token budget.", {

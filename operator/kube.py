@@ -30,6 +30,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     crd.KIND: (f"/apis/{crd.API_VERSION}", crd.PLURAL),
 }
 MERGE_PATCH = "application/merge-patch+json"

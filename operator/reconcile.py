@@ -10,15 +10,19 @@ Rules (DESIGN.md §6):
   LeaderWorkerSet's RecreateGroupOnPodRestart does; a group that stays Ready for `reset_after_s`
   forgets its restarts;
 - pods are never reused across configurations: a group whose pods carry an old hash is replaced —
-  at once if it is not serving anyway, otherwise only when every other group is Ready, so at most one
-  serving group is down for a rollout at a time;
-- groups `>= spec.replicas` are deleted (scale down); missing groups are created (scale up);
-- nothing is recreated while a pod of the group is still terminating (pod names are fixed).
+  at once if it is not serving anyway; a serving one, with `rollout.maxSurge` S > 0, only after an
+  up-to-date group has become Ready in addition to the `replicas` serving ones (at most `replicas + S`
+  groups up; capacity never drops), and with S = 0 one at a time while every other group is Ready;
+- up-to-date groups beyond `spec.replicas` are deleted (scale down: terminating, then not serving,
+  then highest index first); missing ones are created at the lowest free index (scale up);
+- a group's index is taken while any of its pods exists (pod names are fixed), and a gang-restarted
+  group keeps its index through its backoff.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -53,6 +57,8 @@ class PodState:
     phase: str
     ready: bool
     terminating: bool
+    failure: str = ""
+    """The worker container's termination message (its last log lines when it exited with an error)."""
 
     @property
     def failed(self) -> bool:
@@ -71,7 +77,18 @@ class PodState:
         return cls(name=meta.get("name", ""), group=group, stage=stage,
                    config_hash=(meta.get("annotations") or {}).get(ANNOTATION_CONFIG_HASH, ""),
                    phase=status.get("phase") or "Pending", ready=ready,
-                   terminating=bool(meta.get("deletionTimestamp")))
+                   terminating=bool(meta.get("deletionTimestamp")), failure=_termination_message(status))
+
+
+def _termination_message(status: Manifest) -> str:
+    """The last non-empty line of the first terminated container's message, at most 300 characters:
+    the worker's final error line (`chariot: ...`), short enough for a status field."""
+    for container in status.get("containerStatuses") or []:
+        message = ((container.get("state") or {}).get("terminated") or {}).get("message") or ""
+        lines = [line.strip() for line in message.splitlines() if line.strip()]
+        if lines:
+            return lines[-1][-300:]
+    return ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,8 @@ class Plan:
     create: list[int] = field(default_factory=list)
     delete: list[int] = field(default_factory=list)
     groups: list[GroupStatus] = field(default_factory=list)
+    statuses: dict[int, GroupStatus] = field(default_factory=dict)  # by group index, while planning
+    removed: set[int] = field(default_factory=set)  # groups scaled away: deleted, not reported
     requeue_after: float | None = None
     waiting: list[str] = field(default_factory=list)
 
@@ -146,31 +165,84 @@ def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previou
     by_group: dict[int, list[PodState]] = defaultdict(list)
     for pod in pods:
         by_group[pod.group].append(pod)
+    # Groups that exist: those with pods, and those gang-restarted whose pods are gone (backing off).
+    indexes = sorted(set(by_group) | {g for g, st in previous.items()
+                                      if g not in by_group and st.restart_after is not None})
+    planned = {g: _plan_group(spec, current_hash, by_group.get(g, []), previous.get(g, GroupStatus(g)), now,
+                              backoff) for g in indexes}
+    outdated = {g for g in indexes if any(p.config_hash != current_hash for p in by_group.get(g, []))}
     plan = Plan()
-    _scale_down(plan, by_group, spec.replicas)
-    candidates = []
-    for g in range(spec.replicas):
-        prev = previous.get(g, GroupStatus(g))
-        status, action = _plan_group(spec, current_hash, by_group.get(g, []), prev, now, backoff)
-        plan.groups.append(status)
+    members = _scale_down(plan, [g for g in indexes if g not in outdated], planned, by_group, spec.replicas)
+    for g in indexes:
+        if g in plan.removed:
+            continue
+        status, action = planned[g]
+        plan.statuses[g] = status
         if action == "create":
             plan.create.append(g)
         elif action == "delete":
             plan.delete.append(g)
-        elif action == "roll":
-            candidates.append(g)
-    _roll_one(plan, candidates, current_hash)
+    rolling = [g for g in indexes if g in outdated and planned[g][1] == "roll"]
+    _roll(plan, spec, members, rolling, current_hash)
+    _surge(plan, spec, members, rolling, set(indexes), current_hash)
+    plan.groups = [plan.statuses[g] for g in sorted(plan.statuses)]
     _collect_waits(plan, now)
     return plan
 
 
-def _scale_down(plan: Plan, by_group: dict[int, list[PodState]], replicas: int) -> None:
-    for g in sorted(by_group):
-        if g < replicas:
-            continue
-        if any(not p.terminating for p in by_group[g]):
+def _scale_down(plan: Plan, members: list[int], planned: dict[int, tuple[GroupStatus, str | None]],
+                by_group: dict[int, list[PodState]], replicas: int) -> list[int]:
+    """Remove up-to-date groups beyond `replicas` (terminating ones first, then groups that do not
+    serve, then the highest index); returns the members that stay."""
+    surplus = len(members) - replicas
+    if surplus <= 0:
+        return members
+
+    def keep_last(g: int) -> tuple[bool, bool, int]:
+        phase = planned[g][0].phase
+        return (phase != "Terminating", phase == "Ready", -g)
+
+    victims = set(sorted(members, key=keep_last)[:surplus])
+    for g in sorted(victims):
+        plan.removed.add(g)
+        if any(not p.terminating for p in by_group.get(g, [])):
             plan.delete.append(g)
-        plan.wait(f"group {g} is being removed (scale down)")
+        if by_group.get(g):
+            plan.wait(f"group {g} is being removed (scale down)")
+    return [g for g in members if g not in victims]
+
+
+def _roll(plan: Plan, spec: Spec, members: list[int], rolling: list[int], current_hash: str) -> None:
+    """Take outdated serving groups down while at least `replicas - max_unavailable` groups serve: with
+    a surge only once an up-to-date group has taken over (none unavailable); without one, one at a
+    time while every other group is Ready."""
+    if not rolling:
+        return
+    max_unavailable = 0 if spec.max_surge > 0 else 1
+    serving = sum(1 for g in members if plan.statuses[g].phase == "Ready") + len(rolling)
+    budget = max(0, serving - (spec.replicas - max_unavailable))
+    for g in rolling[:budget]:
+        plan.delete.append(g)
+        plan.statuses[g] = replace(plan.statuses[g], phase="Terminating", ready_since=None,
+                                   message=f"rolling to configuration {current_hash}")
+    if rolling[budget:]:
+        plan.wait(f"rollout: group(s) {', '.join(map(str, rolling[budget:]))} keep serving until an "
+                  "up-to-date group is Ready")
+
+
+def _surge(plan: Plan, spec: Spec, members: list[int], rolling: list[int], occupied: set[int],
+           current_hash: str) -> None:
+    """Create up-to-date groups until there are `replicas` of them, with at most `replicas + max_surge`
+    groups up at a time (outdated serving ones included); a new group takes the lowest free index
+    (pod names are fixed per index, so a terminating group's index is not free)."""
+    still_serving = [g for g in rolling if g not in plan.delete]
+    room = spec.replicas + spec.max_surge - len(members) - len(still_serving)
+    count = max(0, min(spec.replicas - len(members), room))
+    free = (g for g in itertools.count() if g not in occupied)
+    for g in itertools.islice(free, count):
+        plan.create.append(g)
+        plan.statuses[g] = GroupStatus(g, phase="Pending", config_hash=current_hash,
+                                       message="creating the group's pods")
 
 
 def _plan_group(spec: Spec, current_hash: str, pods: list[PodState], prev: GroupStatus, now: float,
@@ -215,25 +287,14 @@ def _gang_restart(base: GroupStatus, spec: Spec, pods: list[PodState], now: floa
     present = {p.stage for p in pods}
     missing = [s for s in range(spec.pipeline) if s not in present]
     why = f"pod {', '.join(failed)} failed" if failed else f"stage {', '.join(map(str, missing))} vanished"
+    cause = next((p.failure for p in pods if p.failed and p.failure), "")
+    if cause:
+        why = f"{why}: {cause}"
     restarts = base.restarts + 1
     after = now + backoff.delay(restarts)
     return replace(base, phase="Restarting", restarts=restarts, restart_after=after, ready_since=None, last_failure=why,
                    message=f"{why}; recreating the whole group (restart {restarts}) after "
                            f"{backoff.delay(restarts):g}s")
-
-
-def _roll_one(plan: Plan, candidates: list[int], current_hash: str) -> None:
-    """Replace at most one serving outdated group, and only while every other group is Ready."""
-    if not candidates:
-        return
-    unavailable = [g.index for g in plan.groups if g.phase != "Ready"]
-    if unavailable:
-        plan.wait(f"rollout waits for group(s) {', '.join(map(str, unavailable))} to be Ready")
-        return
-    g = candidates[0]
-    plan.delete.append(g)
-    plan.groups[g] = replace(plan.groups[g], phase="Terminating", ready_since=None,
-                             message=f"rolling to configuration {current_hash}")
 
 
 def _collect_waits(plan: Plan, now: float) -> None:
@@ -264,21 +325,31 @@ class Condition:
 
 
 def group_conditions(spec: Spec, plan: Plan, current_hash: str, router_ready: bool) -> list[Condition]:
-    ready = len(plan.ready_groups)
+    """Ready means done, not merely serving: `replicas` up-to-date groups Ready, no outdated group left
+    and the router available; during a rollout Ready is False (`UpdateInProgress`) while the old
+    groups still serve, so `kubectl wait --for=condition=Ready` returns once the rollout finished
+    (conditions carry `observedGeneration`: a client compares it with `metadata.generation`)."""
+    updated = [g for g in plan.groups if g.phase == "Ready" and g.config_hash == current_hash]
+    serving = len(plan.ready_groups)
     stale = [g.index for g in plan.groups if g.pods and g.config_hash != current_hash]
     failing = [g for g in plan.groups if g.phase in ("Restarting", "BackingOff")]
-    all_ready = ready == spec.replicas and router_ready
+    all_ready = len(updated) >= spec.replicas and not stale and router_ready
     if all_ready:
-        ready_c = Condition("Ready", True, "AllReplicasReady", f"{ready}/{spec.replicas} replicas and the router "
-                                                               "are ready")
-    elif ready < spec.replicas:
-        ready_c = Condition("Ready", False, "ReplicasNotReady", f"{ready}/{spec.replicas} replicas ready")
+        ready_c = Condition("Ready", True, "AllReplicasReady", f"{len(updated)}/{spec.replicas} replicas and the "
+                                                               "router are ready")
+    elif stale and serving >= spec.replicas:
+        ready_c = Condition("Ready", False, "UpdateInProgress", f"{len(updated)}/{spec.replicas} replicas updated; "
+                                                                f"{serving} serving meanwhile")
+    elif len(updated) < spec.replicas:
+        ready_c = Condition("Ready", False, "ReplicasNotReady", f"{len(updated)}/{spec.replicas} up-to-date "
+                                                                f"replicas ready ({serving} serving)")
     else:
         ready_c = Condition("Ready", False, "RouterNotReady", "the router Deployment is not available yet")
     if stale:
+        how = f"up to {spec.max_surge} extra group(s) at a time" if spec.max_surge else "one group at a time"
         progressing = Condition("Progressing", True, "RollingUpdate",
-                                f"group(s) {', '.join(map(str, stale))} run an old configuration; "
-                                f"rolling one group at a time to {current_hash}")
+                                f"group(s) {', '.join(map(str, stale))} run an old configuration; rolling to "
+                                f"{current_hash}, {how}")
     elif plan.waiting or not all_ready:
         progressing = Condition("Progressing", True, "Reconciling", "; ".join(plan.waiting) or ready_c.message)
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,7 @@ class ModelSource:
     volumes: tuple[Manifest, ...] = ()
     mounts: tuple[Manifest, ...] = ()
     preset: str | None = None
+    fetch: str | None = None  # an hf:// URI the init container downloads into `path`
 
 
 def model_source(spec: Spec) -> ModelSource:
@@ -141,6 +143,13 @@ def model_source(spec: Spec) -> ModelSource:
         preset = uri.removeprefix("preset://")
         return ModelSource(path=f"{MODELS_DIR}/{preset}", volumes=({"name": "model", "emptyDir": {}},),
                            mounts=({"name": "model", "mountPath": MODELS_DIR},), preset=preset)
+    if uri.startswith("hf://"):
+        repo = uri.removeprefix("hf://").partition("@")[0]
+        claim = spec.model.cache_claim
+        volume = ({"name": "model", "persistentVolumeClaim": {"claimName": claim}} if claim
+                  else {"name": "model", "emptyDir": {}})
+        return ModelSource(path=f"{MODELS_DIR}/hf/{repo}", volumes=(volume,),
+                           mounts=({"name": "model", "mountPath": MODELS_DIR},), fetch=uri)
     if uri.startswith("pvc://"):
         claim, _, sub = uri.removeprefix("pvc://").partition("/")
         path = f"{MODELS_DIR}/{claim}" + (f"/{sub.strip('/')}" if sub.strip("/") else "")
@@ -151,13 +160,23 @@ def model_source(spec: Spec) -> ModelSource:
 
 
 def make_model_container(spec: Spec, image: str, source: ModelSource) -> list[Manifest]:
-    """An init container writing a `preset://` model into the pod's emptyDir (same seed → same weights
-    in every pod, so all stages and the router agree)."""
-    if source.preset is None:
+    """An init container that puts the model directory in place: `chariot make-model` writes a
+    `preset://` model into the pod's emptyDir (same seed → same weights in every pod, so all stages and
+    the router agree); `chariot fetch-model` downloads an `hf://` model into the model volume (an
+    emptyDir, or the cache claim, where a completed download is not repeated), with `HF_TOKEN` from
+    `spec.model.tokenSecret`."""
+    env = base_env()
+    if source.preset is not None:
+        command = ["chariot", "make-model", source.path, "--preset", source.preset]
+    elif source.fetch is not None:
+        command = ["chariot", "fetch-model", source.fetch, source.path]
+        secret = spec.model.token_secret
+        if secret is not None:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}}})
+    else:
         return []
-    return [{"name": MAKE_MODEL, "image": image, "imagePullPolicy": "IfNotPresent",
-             "command": ["chariot", "make-model", source.path, "--preset", source.preset],
-             "env": base_env(), "volumeMounts": [*source.mounts, *scratch_mounts()],
+    return [{"name": MAKE_MODEL, "image": image, "imagePullPolicy": "IfNotPresent", "command": command,
+             "env": env, "volumeMounts": [*source.mounts, *scratch_mounts()],
              "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
              "securityContext": container_security()}]
 
@@ -203,6 +222,8 @@ def engine_args(spec: Spec, source: ModelSource) -> list[str]:
         args += ["--tbt-slo-ms", f"{spec.tbt_slo_ms:g}", "--tune-profile", s.tune_profile]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    if spec.pipeline > 1:
+        args += ["--rendezvous-timeout", str(spec.rendezvous_timeout_s)]
     return args
 
 
@@ -263,6 +284,9 @@ def stage_container(owner: Owner, spec: Spec, image: str, group: int, stage: int
         "ports": stage_ports(stage), "resources": stage_resources(spec), **stage_probes(stage),
         "securityContext": container_security(),
         "volumeMounts": [*source.mounts, *scratch_mounts()],
+        # A worker that exits with an error (a failed warm-up, a bad checkpoint) leaves its last log
+        # lines as the termination message; the operator quotes it in status.groups[].lastFailure.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
@@ -431,9 +455,37 @@ def group_network_policy(owner: Owner, group: int) -> Manifest:
                                  {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]}]}}
 
 
-def network_policies(owner: Owner, spec: Spec) -> list[Manifest]:
-    """One stage NetworkPolicy per group the spec asks for."""
-    return [group_network_policy(owner, g) for g in range(spec.replicas)]
+def network_policies(owner: Owner, groups: Iterable[int]) -> list[Manifest]:
+    """One stage NetworkPolicy per group (by index: during a surge rollout there are more groups than
+    replicas, and indexes need not be contiguous)."""
+    return [group_network_policy(owner, g) for g in sorted(groups)]
+
+
+def disruption_budget_selector(owner: Owner) -> str:
+    """Label selector of every PodDisruptionBudget of the deployment (to prune and clean up)."""
+    return f"{LABEL_DEPLOYMENT}={owner.name},{LABEL_COMPONENT}=disruption-budget"
+
+
+def _budget(owner: Owner, name: str, pods: dict[str, str], min_available: int, **extra_labels: str) -> Manifest:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": metadata(owner, name, "disruption-budget", **extra_labels),
+            "spec": {"minAvailable": min_available, "selector": {"matchLabels": pods},
+                     # Pods that are not Ready anyway (a group starting or failing) never block a drain.
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+
+
+def disruption_budgets(owner: Owner, spec: Spec, groups: Iterable[int]) -> list[Manifest]:
+    """PodDisruptionBudgets: per group, all P stage pods must stay (evicting any one stage takes the
+    whole group down, so allowing one pod would allow a whole replica; an integer `minAvailable` is
+    what Kubernetes supports for pods of a custom controller); for the routers, all but one once there
+    are two or more (with one router a budget would either block every drain or protect nothing)."""
+    out = [_budget(owner, f"{owner.name}-g{g}", {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker",
+                                                  LABEL_GROUP: str(g)}, spec.pipeline, **{LABEL_GROUP: str(g)})
+           for g in sorted(groups)]
+    if spec.router.replicas >= 2:
+        out.append(_budget(owner, router_name(owner), {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"},
+                           spec.router.replicas - 1))
+    return out
 
 
 def shared_object_names(owner: Owner) -> list[tuple[str, str]]:

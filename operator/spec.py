@@ -50,6 +50,8 @@ class ModelSpec:
     name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
+    token_secret: tuple[str, str] | None = None  # (Secret name, key) holding HF_TOKEN for hf:// models
+    cache_claim: str | None = None  # PersistentVolumeClaim the hf:// download goes to (else an emptyDir)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Spec:
     replicas: int = 1
     pipeline: int = 1
     tensor: int = 1
+    rendezvous_timeout_s: int = 1200
+    max_surge: int = 1
     scheduler: SchedulerSpec = SchedulerSpec()
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
@@ -183,7 +187,18 @@ def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
     if problem is not None:
         errors.append(FieldError("spec.scheduler.tokenBudget",
                                  f"{problem} (spec.model.maxModelLen = {max_len}), got {s.token_budget}"))
-    return errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec) + template_errors(spec)
+    return (errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec) + template_errors(spec)
+            + hf_errors(spec))
+
+
+def hf_errors(spec: Spec) -> list[FieldError]:
+    """`tokenSecret` and `cacheClaim` only mean something for an `hf://` model: set with another source
+    they would be silently ignored, so they are rejected."""
+    if spec.model.uri.startswith("hf://"):
+        return []
+    return [FieldError(f"spec.model.{field}", f"only applies to hf:// models; spec.model.uri is {spec.model.uri!r}")
+            for field, value in (("tokenSecret", spec.model.token_secret), ("cacheClaim", spec.model.cache_claim))
+            if value is not None]
 
 
 def template_errors(spec: Spec) -> list[FieldError]:
@@ -256,8 +271,11 @@ def _from_dict(v: dict[str, Any]) -> Spec:
     m, p, s, slo, r = v["model"], v["parallelism"], v["scheduler"], v["slo"], v["resources"]
     router = v["router"]
     return Spec(
-        model=ModelSpec(uri=m["uri"], name=m.get("name"), dtype=m["dtype"], max_model_len=m.get("maxModelLen")),
+        model=ModelSpec(uri=m["uri"], name=m.get("name"), dtype=m["dtype"], max_model_len=m.get("maxModelLen"),
+                        token_secret=(m["tokenSecret"]["name"], m["tokenSecret"]["key"]) if m.get("tokenSecret")
+                        else None, cache_claim=m.get("cacheClaim")),
         replicas=v["replicas"], pipeline=p["pipeline"], tensor=p["tensor"],
+        rendezvous_timeout_s=p["rendezvousTimeoutSeconds"], max_surge=v["rollout"]["maxSurge"],
         scheduler=SchedulerSpec(policy=s["policy"], token_budget=s.get("tokenBudget"),
                                 max_batch_size=s["maxBatchSize"], block_size=s["blockSize"],
                                 tune_profile=s.get("tuneProfile")),

@@ -10,9 +10,14 @@ controllers the operator relies on, through the API only, like the real ones:
   - `FakeRuntime` — marks each new pod Running and Ready after `ready_delay_s`; `fail(pod)` makes it
     exit (phase Failed) as a crashed worker would;
   - `LocalRuntime` — runs each pod's init containers, then its container, as local processes, and
-    reports Ready when the pod's own readiness probe (gRPC health, HTTP GET or TCP) succeeds; a
-    process that exits ends the pod (restartPolicy Never) as Failed/Succeeded; a pod deleted from
-    the API has its processes terminated.
+    runs the container's probes (gRPC health, HTTP GET or TCP) as a kubelet does: the startup probe
+    first, then liveness and readiness, each every `periodSeconds` after `initialDelaySeconds`; the
+    pod is Ready after a readiness success and not Ready after `failureThreshold` failures in a row;
+    `failureThreshold` liveness (or startup) failures in a row kill the container, which restarts with
+    restartPolicy Always (`restartCount` goes up) and otherwise ends the pod as Failed/Succeeded,
+    as a process that exits on its own does; a pod deleted from the API has its processes terminated.
+    Probe times are multiplied by `probe_time_scale` (the counts are not), so a test sees in seconds
+    what a kubelet would do in minutes.
 
 `LocalRuntime` cannot give each pod its own network namespace and filesystem, so it rewrites what a
 pod sees, explicitly (all rules in `LocalRuntime.remap_*`):
@@ -29,8 +34,7 @@ pod sees, explicitly (all rules in `LocalRuntime.remap_*`):
 | `<pod>.<svc>.<ns>.svc:N` inside configMap files   | `127.0.0.1:<port mapped for (pod, N)>`         |
 | command `chariot ...`                             | this interpreter's `chariot` entry point        |
 
-Liveness and startup probes are not run; every process gets a parent-death signal so a killed test
-run leaves nothing behind.
+Every process gets a parent-death signal so a killed test run leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class PodReport:
     ready: bool
     exit_code: int | None = None
     message: str = ""
+    restarts: int = 0
 
 
 class Runtime(Protocol):
@@ -135,18 +140,34 @@ class LocalPod:
     state: str = "Init"  # Init -> Running -> Done
     exit_code: int | None = None
     ready: bool = False
-    last_probe: float = 0.0
     thread: threading.Thread | None = None
     stopped: bool = False
+    restarts: int = 0
+    probes: ProbeState = field(default_factory=lambda: ProbeState(time.monotonic()))
+
+
+@dataclass
+class ProbeState:
+    """One container run's probe bookkeeping (reset when the container restarts)."""
+
+    started_at: float
+    started: bool = False  # the startup probe passed (or there is none)
+    failures: dict[str, int] = field(default_factory=dict)  # consecutive, by probe kind
+    next_at: dict[str, float] = field(default_factory=dict)
+
+
+PROBE_KINDS = ("startupProbe", "livenessProbe", "readinessProbe")
 
 
 class LocalRuntime:
     """Runs pods as local processes with the remapping documented in the module docstring."""
 
-    def __init__(self, kube: Kube, workdir: Path, chariot: list[str] | None = None) -> None:
+    def __init__(self, kube: Kube, workdir: Path, chariot: list[str] | None = None,
+                 probe_time_scale: float = 1.0) -> None:
         self.kube = kube
         self.workdir = workdir
         self.chariot = chariot or which_chariot()
+        self.probe_time_scale = probe_time_scale
         self.ports: dict[tuple[str, int], int] = {}
         self.pods: dict[str, LocalPod] = {}
         self.lock = threading.Lock()
@@ -238,14 +259,47 @@ class LocalRuntime:
                 local.thread.start()
         if local.state == "Done":
             phase = "Succeeded" if local.exit_code == 0 else "Failed"
-            return PodReport(phase, False, local.exit_code, f"exited with {local.exit_code}")
+            return PodReport(phase, False, local.exit_code, self._termination_message(local), local.restarts)
         if local.state == "Init":
             return PodReport("Pending", False)
         self.project_config_maps(local)
-        if time.monotonic() - local.last_probe > 0.5:
-            local.last_probe = time.monotonic()
-            local.ready = self._probe(local)
-        return PodReport("Running", local.ready)
+        self._run_probes(local)
+        return PodReport("Running", local.ready, restarts=local.restarts)
+
+    def _run_probes(self, local: LocalPod) -> None:
+        """The probes that are due, with a kubelet's consequences (see the module docstring)."""
+        container, state, now = local.pod["spec"]["containers"][0], local.probes, time.monotonic()
+        state.started = state.started or "startupProbe" not in container
+        for kind in PROBE_KINDS:
+            probe = container.get(kind)
+            if probe is None or (kind == "startupProbe") == state.started:
+                continue
+            scale = self.probe_time_scale
+            delayed = now - state.started_at < probe.get("initialDelaySeconds", 0) * scale
+            if delayed or now < state.next_at.get(kind, 0.0):
+                continue
+            state.next_at[kind] = now + probe.get("periodSeconds", 10) * scale
+            ok = self._probe(local, probe)
+            state.failures[kind] = 0 if ok else state.failures.get(kind, 0) + 1
+            failed = state.failures[kind] >= probe.get("failureThreshold", 3)
+            if kind == "readinessProbe":
+                local.ready = ok or (local.ready and not failed)
+            elif ok:
+                state.started = True
+            elif failed:
+                local.ready = False
+                self._kill(local, f"{kind} failed {state.failures[kind]} times")
+                return
+
+    def _kill(self, local: LocalPod, why: str) -> None:
+        """As the kubelet does after failed liveness/startup probes: stop the container (its restart
+        policy decides what follows, in `_run`)."""
+        with (local.root / "kubelet.log").open("a") as log:
+            log.write(f"{now_rfc3339()} killing the container: {why}\n")
+        proc = local.process
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
 
     def _run(self, local: LocalPod) -> None:
         local.root.mkdir(parents=True, exist_ok=True)
@@ -256,24 +310,39 @@ class LocalRuntime:
             if code != 0 or local.stopped:
                 local.exit_code, local.state = code, "Done"
                 return
-        local.process = self._spawn(local, spec["containers"][0])
-        local.state = "Running"
-        local.exit_code = local.process.wait()
-        local.state = "Done"
+        while True:
+            local.probes = ProbeState(time.monotonic())
+            local.process = self._spawn(local, spec["containers"][0])
+            local.state = "Running"
+            code = local.process.wait()
+            if local.stopped or spec.get("restartPolicy", "Always") != "Always":
+                local.exit_code, local.state = code, "Done"
+                return
+            local.restarts += 1
+            local.ready = False
+            time.sleep(min(0.5 * local.restarts, 5.0))  # the kubelet's crash-loop backoff, shortened
+
+    @staticmethod
+    def _termination_message(local: LocalPod) -> str:
+        """As the kubelet's `FallbackToLogsOnError`: a failed container's message is the tail of its log
+        (the last 80 lines, at most 2,048 bytes); otherwise a plain note of the exit code."""
+        container = local.pod["spec"]["containers"][0]
+        log = local.root / f"{container['name']}.log"
+        if local.exit_code and container.get("terminationMessagePolicy") == "FallbackToLogsOnError" and log.is_file():
+            tail = log.read_bytes()[-2048:].decode("utf-8", "replace").splitlines()[-80:]
+            return "\n".join(tail)
+        return f"exited with {local.exit_code}"
 
     def _spawn(self, local: LocalPod, container: Manifest) -> subprocess.Popen[bytes]:
         mounts = self._mounts(local, container)
         env = {**os.environ, **self.remap_env(container.get("env") or [], mounts)}
-        log = (local.root / f"{container['name']}.log").open("wb")
+        log = (local.root / f"{container['name']}.log").open("ab")  # a restarted container appends
         cmd = self.command(container, local.pod, mounts)
         (local.root / f"{container['name']}.cmd").write_text(json.dumps(cmd))
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=local.root,
                                 preexec_fn=_die_with_parent)
 
-    def _probe(self, local: LocalPod) -> bool:
-        probe = local.pod["spec"]["containers"][0].get("readinessProbe")
-        if probe is None:
-            return True
+    def _probe(self, local: LocalPod, probe: Manifest) -> bool:
         name = local.pod["metadata"]["name"]
         kind = next(k for k in ("grpc", "httpGet", "tcpSocket") if k in probe)
         port = self.port(name, int(probe[kind]["port"])) if isinstance(probe[kind]["port"], int) \
@@ -403,7 +472,8 @@ class TestKubelet:
         status = pod.get("status") or {}
         ready = "True" if report.ready else "False"
         current_ready = next((c["status"] for c in status.get("conditions") or [] if c["type"] == "Ready"), None)
-        if status.get("phase") == report.phase and current_ready == ready:
+        restarts = next((c.get("restartCount", 0) for c in status.get("containerStatuses") or []), 0)
+        if status.get("phase") == report.phase and current_ready == ready and restarts == report.restarts:
             return
         state: Manifest = {"running": {"startedAt": now_rfc3339()}} if report.phase == "Running" else (
             {"terminated": {"exitCode": report.exit_code, "reason": "Error" if report.exit_code else "Completed",
@@ -414,7 +484,8 @@ class TestKubelet:
             "conditions": [{"type": t, "status": ready if t in ("Ready", "ContainersReady") else "True",
                             "lastTransitionTime": now_rfc3339()}
                            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
-            "containerStatuses": [{"name": c["name"], "ready": report.ready, "restartCount": 0, "image": c["image"],
+            "containerStatuses": [{"name": c["name"], "ready": report.ready, "restartCount": report.restarts,
+                                   "image": c["image"],
                                    "imageID": "", "state": state} for c in pod["spec"]["containers"]],
         }
         with contextlib.suppress(ApiError):  # deleted meanwhile

@@ -19,6 +19,7 @@ import json
 import os
 import shlex
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,7 +70,8 @@ class Deployment:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("local-e2e")
     with make_cluster(tmp, "local") as cluster:
-        runtime = LocalRuntime(cluster.kube, tmp / "pods", chariot=chariot_command())
+        # Probes run at a tenth of their declared periods and delays (the counts stay).
+        runtime = LocalRuntime(cluster.kube, tmp / "pods", chariot=chariot_command(), probe_time_scale=0.1)
         with TestKubelet(cluster.kube, cluster.namespace, runtime, poll_s=0.2), \
                 operator_process(cluster, tmp / "operator.log"):
             cluster.apply(MANIFEST)
@@ -128,3 +130,51 @@ def test_every_dashboard_panel_returns_data_from_prometheus(deployment: Deployme
                     expr = (target["expr"].replace("$__rate_interval", "1m").replace("$component", component)
                             .replace("$model", ".*"))
                     prom.wait_for(expr, bool, timeout=20)
+
+
+def test_a_worker_that_cannot_start_says_why_and_the_router_stays_alive(deployment: Deployment) -> None:
+    """A stage whose attention backend cannot run here (Triton asked for through `spec.template`, on a
+    machine without CUDA) exits before it is ready; its last log line reaches `lastFailure` through the
+    termination message, and the group gang-restarts with backoff instead of reporting Ready. Its
+    router meanwhile passes its liveness probe (the kubelet runs it: a liveness probe that followed
+    the backends would get the router killed and restarted) and answers 503 with an OpenAI error."""
+    cluster, runtime, name = deployment.cluster, deployment.runtime, "broken"
+    broken = json.loads(json.dumps(MANIFEST))
+    broken["metadata"]["name"] = name
+    broken["spec"]["parallelism"]["pipeline"] = 1
+    broken["spec"]["template"] = {"spec": {"containers": [
+        {"name": "worker", "env": [{"name": "CHARIOT_ATTENTION_BACKEND", "value": "triton"},
+                                   {"name": "TRITON_INTERPRET", "value": "0"}]}]}}  # the suite's own is 1
+    cluster.apply(broken)
+    try:
+        def failure() -> str:
+            groups = (cluster.mdep(name).get("status") or {}).get("groups") or [{}]
+            return str(groups[0].get("lastFailure", ""))
+
+        cluster.wait_for("lastFailure names the backend", lambda: "triton" in failure(), timeout=120)
+        assert "failed: " in failure() and "CUDA is not available" in failure(), failure()
+        assert cluster.mdep(name)["status"].get("readyReplicas", 0) == 0
+
+        def router_pod() -> dict[str, Any] | None:
+            pods = cluster.list("Pod", f"chariot.dev/deployment={name},app.kubernetes.io/component=router")
+            running = [p for p in pods if (p.get("status") or {}).get("phase") == "Running"]
+            return running[0] if running else None
+
+        router = cluster.wait_for("router running", router_pod, timeout=120)
+        # Liveness: 30 s initial delay, every 10 s, 6 failures (at a tenth: ~9 s). Wait past it.
+        time.sleep(12)
+        router = router_pod()
+        assert router is not None, runtime.logs(f"{name}-router")
+        assert router["status"]["containerStatuses"][0]["restartCount"] == 0, runtime.logs(f"{name}-router")
+        address = f"127.0.0.1:{runtime.port(router['metadata']['name'], 8000)}"
+        assert urllib.request.urlopen(f"http://{address}/health/live", timeout=5).status == 200
+        body = json.dumps({"model": name, "prompt": "hello", "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://{address}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as unavailable:
+            urllib.request.urlopen(request, timeout=30)
+        assert unavailable.value.code == 503
+        assert "error" in json.loads(unavailable.value.read())
+    finally:
+        cluster.kubectl("delete", "mdep", name, "-n", cluster.namespace, "--wait=false")
+        cluster.wait_for(f"{name} deleted", lambda: cluster.get(crd.KIND, name) is None, timeout=60)

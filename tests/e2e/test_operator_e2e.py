@@ -2,7 +2,7 @@
 
 Each test applies its own ModelDeployment (a renamed copy of examples/modeldeployment.yaml) and
 watches the operator drive it through the API alone — what DESIGN.md §6 promises: objects owned by
-the deployment, Ready status, gang restarts, scaling by group, rollouts one group at a time, pod
+the deployment, Ready status, gang restarts, scaling by group, rollouts (with and without a surge group), pod
 templates merged onto the stage and router pods, invalid specs reported by field with nothing applied,
 cleanup through the finalizer.
 """
@@ -47,6 +47,13 @@ def network_policies(cluster: Cluster, name: str) -> list[str]:
     out = cluster.kubectl("get", "networkpolicies", "-n", cluster.namespace, "-o", "name",
                           "-l", f"chariot.dev/deployment={name}").stdout
     return sorted(line.split("/", 1)[1] for line in out.split())
+
+
+def disruption_budgets(cluster: Cluster, name: str) -> dict[str, int]:
+    """The deployment's PodDisruptionBudgets (name → minAvailable), read back through the real kubectl."""
+    out = cluster.kubectl("get", "poddisruptionbudgets", "-n", cluster.namespace, "-o", "json",
+                          "-l", f"chariot.dev/deployment={name}").stdout
+    return {b["metadata"]["name"]: b["spec"]["minAvailable"] for b in json.loads(out)["items"]}
 
 
 def test_applying_the_example_creates_owned_objects_and_becomes_ready(cluster: Cluster) -> None:
@@ -132,42 +139,70 @@ def test_patching_replicas_scales_by_group(cluster: Cluster) -> None:
     data = cluster.get("ConfigMap", "scale-config")["data"]  # type: ignore[index]
     assert [r["name"] for r in json.loads(data["replicas.json"])["replicas"]] == ["g0", "g1", "g2"]
     assert network_policies(cluster, "scale") == ["scale-g0-stages", "scale-g1-stages", "scale-g2-stages"]
+    assert disruption_budgets(cluster, "scale") == {"scale-g0": 2, "scale-g1": 2, "scale-g2": 2}  # all stages stay
+    cluster.kubectl("patch", "mdep", "scale", "-n", cluster.namespace, "--type=merge", "-p",
+                    '{"spec":{"router":{"replicas":3}}}')
+    cluster.wait_for("a router budget", lambda: disruption_budgets(cluster, "scale").get("scale-router") == 2)
     cluster.kubectl("scale", "mdep", "scale", "-n", cluster.namespace, "--replicas=1")  # the scale subresource
     cluster.wait_for("groups 1 and 2 removed", lambda: sorted(pods(cluster, "scale")) == ["scale-g0-s0", "scale-g0-s1"])
     status = cluster.wait_ready("scale")["status"]
     assert (status["replicas"], status["readyReplicas"], len(status["groups"])) == (1, 1, 1)
     assert network_policies(cluster, "scale") == ["scale-g0-stages"]  # the removed groups' policies are gone
+    assert disruption_budgets(cluster, "scale") == {"scale-g0": 2, "scale-router": 2}
 
 
-def test_changing_the_token_budget_rolls_one_group_at_a_time(cluster: Cluster) -> None:
-    cluster.apply(example("roll", replicas=2))
-    old_hash = cluster.wait_ready("roll")["status"]["configHash"]
+@pytest.mark.parametrize("max_surge", [1, 0])
+def test_changing_the_token_budget_rolls_the_groups(cluster: Cluster, max_surge: int) -> None:
+    """With maxSurge 1 (the default) an up-to-date group is Ready before an old one goes: two groups
+    serve at every moment. With maxSurge 0 one group at a time is replaced: one serves at every moment
+    and never more than two groups exist. Ready stays False until the rollout is done."""
+    name = f"roll{max_surge}"
+    cluster.apply(example(name, replicas=2, rollout={"maxSurge": max_surge}))
+    old_hash = cluster.wait_ready(name)["status"]["configHash"]
     start = cluster.emulator.position()
-    cluster.kubectl("patch", "mdep", "roll", "-n", cluster.namespace, "--type=merge",
+    cluster.kubectl("patch", "mdep", name, "-n", cluster.namespace, "--type=merge",
                     "-p", '{"spec":{"scheduler":{"tokenBudget":128}}}')
-    status = cluster.wait_for("rollout complete", lambda: (s := cluster.mdep("roll").get("status") or {})
+    cluster.wait_for("Ready=False during the rollout", lambda: cluster.condition(name, "Ready").get("status")
+                     == "False")
+    status = cluster.wait_for("rollout complete", lambda: (s := cluster.mdep(name).get("status") or {})
                               and s.get("configHash") != old_hash and s.get("updatedReplicas") == 2
-                              and s.get("readyReplicas") == 2 and s.get("observedGeneration") == 2 and s)
-    for pod in pods(cluster, "roll").values():
+                              and s.get("readyReplicas") == 2 and s.get("observedGeneration") == 2
+                              and len(s.get("groups", [])) == 2 and s)
+    assert cluster.condition(name, "Ready")["status"] == "True"
+    for pod in pods(cluster, name).values():
         args = pod["spec"]["containers"][0]["args"]
         assert args[args.index("--token-budget") + 1] == "128"
         assert pod["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == status["configHash"]
-    # Replay the pod events: at no moment may both groups be unavailable.
-    available = {0: True, 1: True}
-    ready_pods: dict[str, bool] = {}
-    order = []
+    # Replay the pod events: how many groups served, and how many existed, at every moment.
+    ready_pods: dict[str, bool] = {f"{name}-g{g}-s{s}": True for g in range(2) for s in range(2)}
+    went_down = []
+    serving_low, groups_high = 2, 2
     for event in cluster.emulator.events_since(start, "pods"):
         meta = event["object"]["metadata"]
-        if not meta["name"].startswith("roll-g"):
+        if not meta["name"].startswith(f"{name}-g"):
             continue
-        group = int(meta["labels"]["chariot.dev/group"])
-        ready_pods[meta["name"]] = event["type"] != "DELETED" and is_ready(event["object"])
-        was = available[group]
-        available[group] = all(ready_pods.get(f"roll-g{group}-s{s}", False) for s in range(2))
-        if was and not available[group]:
-            order.append(group)
-        assert any(available.values()), f"both groups down at once after {event['type']} {meta['name']}"
-    assert order == [0, 1], f"groups went down in order {order}"
+        was = _serving_groups(name, ready_pods)
+        if event["type"] == "DELETED":
+            ready_pods.pop(meta["name"], None)
+        else:
+            ready_pods[meta["name"]] = is_ready(event["object"]) and not meta.get("deletionTimestamp")
+        now = _serving_groups(name, ready_pods)
+        went_down += [g for g in was - now if g not in went_down]
+        serving_low = min(serving_low, len(now))
+        groups_high = max(groups_high, len({int(n.split("-g")[1].split("-")[0]) for n in ready_pods}))
+    assert went_down[:2] == [0, 1], f"old groups went down in order {went_down}"
+    if max_surge:
+        assert serving_low == 2, "capacity dropped during a surge rollout"
+        assert groups_high <= 3
+    else:
+        assert serving_low == 1 and groups_high <= 3  # one down at a time; its replacement may start early
+
+
+def _serving_groups(name: str, ready_pods: dict[str, bool]) -> set[int]:
+    groups: dict[int, list[bool]] = {}
+    for pod, ready in ready_pods.items():
+        groups.setdefault(int(pod.split("-g")[1].split("-")[0]), []).append(ready)
+    return {g for g, states in groups.items() if len(states) == 2 and all(states)}
 
 
 def test_pod_templates_reach_the_stage_pods_and_the_router(cluster: Cluster) -> None:

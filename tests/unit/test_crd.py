@@ -20,6 +20,9 @@ from chariot.operator.spec import apply_defaults, parse_spec, schema_errors
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "modeldeployment.yaml"
+# The generated copy the chart's templates/crd.yaml renders (not crds/, which `helm upgrade` never
+# updates).
+CHART_CRD = crd.CHART_CRD_PATH
 
 
 def walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -37,8 +40,9 @@ def version() -> dict[str, Any]:
 
 
 def test_chart_copy_is_generated_from_python() -> None:
-    assert (ROOT / crd.CHART_CRD_PATH).read_text() == crd.crd_yaml(), \
-        "stale chart CRD: run `python -m chariot.operator.crd > charts/chariot/crds/modeldeployments.chariot.dev.yaml`"
+    assert (ROOT / CHART_CRD).read_text() == crd.crd_yaml(), \
+        f"stale chart CRD: run `python -m chariot.operator.crd > {CHART_CRD}`"
+    assert not (ROOT / "charts/chariot/crds").exists(), "Helm would install a second, never-upgraded copy"
 
 
 def test_names_scope_and_subresources() -> None:
@@ -107,7 +111,10 @@ def test_example_passes_the_schema_and_the_operator() -> None:
                                  {"parallelism": {"pipeline": 65}}, {"resources": {"cpu": "two"}},
                                  {"template": {"spec": {"containers": [{"image": "x"}]}}},
                                  {"template": {"metadata": {"labels": {"a": 1}}}},
-                                 {"router": {"template": {"spec": {"tolerations": [{"effect": "Sometimes"}]}}}}])
+                                 {"router": {"template": {"spec": {"tolerations": [{"effect": "Sometimes"}]}}}},
+                                 {"parallelism": {"rendezvousTimeoutSeconds": 5}}, {"rollout": {"maxSurge": -1}},
+                                 {"model": {"uri": "hf://no-org"}}, {"model": {"uri": "hf://a/b@"}},
+                                 {"model": {"uri": "hf://a/b", "tokenSecret": {"key": "t"}}}])
 def test_schema_rejects_what_it_can(bad: dict[str, Any]) -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"model": {"uri": "preset://tiny"}, **bad}, crd.spec_schema())

@@ -287,10 +287,11 @@ def test_the_schema_types_what_the_merge_relies_on(template: Any, field: str) ->
     assert field in [e.path for e in info.value.errors], str(info.value)
 
 
-@pytest.mark.parametrize("uri", ["preset://tiny", "pvc://weights/llama", "/srv/m"])
+@pytest.mark.parametrize("uri", ["preset://tiny", "pvc://weights/llama", "/srv/m", "hf://org/model@v1"])
 def test_the_owned_tables_cover_what_the_operator_renders(uri: str) -> None:
     """The static tables the validation uses agree with the pods `render.py` makes."""
-    spec = spec_of(model={"uri": uri})
+    model = {"uri": uri, **({"tokenSecret": {"name": "hf"}} if uri.startswith("hf://") else {})}
+    spec = spec_of(model=model)
     pods = [render.stage_pod(OWNER, spec, "img", 0, s, "h") for s in (0, 1)] + [router_pod(spec)]
     for pod in pods:
         meta = pod["metadata"]
@@ -301,5 +302,5 @@ def test_the_owned_tables_cover_what_the_operator_renders(uri: str) -> None:
         for container in [*pod["spec"]["containers"], *pod["spec"]["initContainers"]]:
             assert container["name"] in (podtemplate.WORKER, podtemplate.ROUTER, podtemplate.MAKE_MODEL)
             assert all(podtemplate.owned_mount_path(m["mountPath"]) for m in container["volumeMounts"])
-            rendezvous = {e["name"] for e in container["env"]} - {"HOME", "PYTHONUNBUFFERED"}
+            rendezvous = {e["name"] for e in container["env"]} - {"HOME", "PYTHONUNBUFFERED", "HF_TOKEN"}
             assert rendezvous <= podtemplate.RENDEZVOUS_ENV

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -91,6 +92,52 @@ def test_cpu_stages_get_no_gpu_and_run_on_cpu() -> None:
     assert "tolerations" not in render.stage_pod(OWNER, spec, "img", 0, 1)["spec"]
 
 
+def test_disruption_budgets_keep_every_stage_of_a_group_and_all_but_one_router() -> None:
+    spec = spec_of(3, 2)
+    budgets = {b["metadata"]["name"]: b["spec"] for b in render.disruption_budgets(OWNER, spec, [0, 4])}
+    assert set(budgets) == {"llama-g0", "llama-g4"}  # one router: no budget (it would block every drain)
+    assert budgets["llama-g4"] == {"minAvailable": 3, "unhealthyPodEvictionPolicy": "AlwaysAllow", "selector": {
+        "matchLabels": {"chariot.dev/deployment": "llama", "app.kubernetes.io/component": "worker",
+                        "chariot.dev/group": "4"}}}
+    routers = render.disruption_budgets(OWNER, spec_of(3, 2, router={"replicas": 3}), [])
+    assert [(b["metadata"]["name"], b["spec"]["minAvailable"]) for b in routers] == [("llama-router", 2)]
+
+
+def test_an_hf_model_is_fetched_by_an_init_container_in_every_pod() -> None:
+    spec = spec_of(2, model={"uri": "hf://meta-llama/Llama-3.1-8B@v2", "tokenSecret": {"name": "hf-token"}})
+    for pod in [render.stage_pod(OWNER, spec, "img", 0, s) for s in (0, 1)] + [render.router_deployment(
+            OWNER, spec, "img")["spec"]["template"]]:
+        (init,) = pod["spec"]["initContainers"]
+        assert init["command"] == ["chariot", "fetch-model", "hf://meta-llama/Llama-3.1-8B@v2",
+                                   "/models/hf/meta-llama/Llama-3.1-8B"]
+        token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
+        assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]
+        assert volume == {"name": "model", "emptyDir": {}}
+    args = render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/hf/meta-llama/Llama-3.1-8B"
+    cached = spec_of(1, model={"uri": "hf://org/m", "cacheClaim": "hf-cache"})
+    pod = render.stage_pod(OWNER, cached, "img", 0, 0)
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["spec"]["volumes"]
+    assert all(e["name"] != "HF_TOKEN" for e in pod["spec"]["initContainers"][0]["env"])
+
+
+@pytest.mark.parametrize("model", [{"uri": "pvc://weights", "tokenSecret": {"name": "hf"}},
+                                   {"uri": "preset://tiny", "cacheClaim": "c"}])
+def test_hf_settings_without_an_hf_model_are_rejected(model: dict[str, Any]) -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.model\.(tokenSecret|cacheClaim): only applies to hf://"):
+        spec_of(1, model=model)
+
+
+def test_only_pipelined_groups_get_a_rendezvous_timeout() -> None:
+    def args(spec: Spec) -> list[str]:
+        return list(render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"])
+
+    assert "--rendezvous-timeout" not in args(spec_of(1))
+    slow = args(spec_of(3, parallelism={"pipeline": 3, "rendezvousTimeoutSeconds": 3600}))
+    assert slow[slow.index("--rendezvous-timeout") + 1] == "3600"
+
+
 def test_engine_flags_come_from_the_spec() -> None:
     spec = spec_of(2, scheduler={"policy": "orca", "tokenBudget": 4096, "maxBatchSize": 8, "blockSize": 32},
                    model={"uri": "/opt/m", "dtype": "bfloat16", "maxModelLen": 4096, "name": "m7"},
@@ -101,7 +148,7 @@ def test_engine_flags_come_from_the_spec() -> None:
                      "--dtype": "bfloat16", "--stages": "2", "--device": "cuda", "--token-budget": "4096",
                      "--max-model-len": "4096", "--host": "0.0.0.0", "--port": "50061",
                      "--metrics-host": "0.0.0.0", "--metrics-port": "9400", "--served-model-name": "m7",
-                     "--otlp-endpoint": "http://otel:4317"}
+                     "--otlp-endpoint": "http://otel:4317", "--rendezvous-timeout": "1200"}
 
 
 def test_tbt_slo_without_a_tune_profile_goes_to_the_router_only() -> None:
@@ -167,7 +214,7 @@ def test_shared_objects() -> None:
 
 def test_each_group_gets_a_network_policy_admitting_only_its_own_pods_and_the_routers() -> None:
     spec = spec_of(2, 3)
-    policies = render.network_policies(OWNER, spec)
+    policies = render.network_policies(OWNER, [2, 0, 1])
     assert [p["metadata"]["name"] for p in policies] == ["llama-g0-stages", "llama-g1-stages", "llama-g2-stages"]
     g1 = policies[1]["spec"]
     own = {"chariot.dev/deployment": "llama", "app.kubernetes.io/component": "worker", "chariot.dev/group": "1"}
@@ -265,7 +312,8 @@ def test_preset_shapes_match_make_model() -> None:
 BACKOFF = Backoff(base_s=5, max_s=40, reset_after_s=100)
 
 
-def pod_states(spec: Spec, groups: range, h: str = "h", ready: bool = True, phase: str = "Running") -> list[PodState]:
+def pod_states(spec: Spec, groups: Iterable[int], h: str = "h", ready: bool = True,
+               phase: str = "Running") -> list[PodState]:
     return [PodState(f"llama-g{g}-s{s}", g, s, h, phase, ready, False) for g in groups for s in range(spec.pipeline)]
 
 
@@ -283,6 +331,10 @@ def test_plan_gang_restarts_a_group_with_a_failed_or_missing_pod_then_backs_off(
     plan = plan_groups(spec, "h", failed, {}, 1000.0, BACKOFF)
     assert plan.delete == [1] and plan.groups[1].phase == "Restarting" and plan.groups[1].restarts == 1
     assert "llama-g1-s2 failed" in plan.groups[1].message
+    why = "chariot: stage 2: warm-up forward pass failed"
+    told = [p if p.name != "llama-g1-s2" else PodState(p.name, 1, 2, "h", "Failed", False, False, why) for p in pods]
+    plan = plan_groups(spec, "h", told, {}, 1000.0, BACKOFF)
+    assert plan.groups[1].last_failure == "pod llama-g1-s2 failed: chariot: stage 2: warm-up forward pass failed"
     vanished = [p for p in pods if p.name != "llama-g0-s1"]
     plan = plan_groups(spec, "h", vanished, {}, 1000.0, BACKOFF)
     assert plan.delete == [0] and "stage 1 vanished" in plan.groups[0].last_failure
@@ -308,24 +360,84 @@ def test_restarts_are_forgotten_after_a_stable_period() -> None:
     assert (stable.restarts, stable.last_failure) == (0, "")
 
 
-def test_plan_rolls_one_serving_group_at_a_time() -> None:
-    spec = spec_of(2, 3)
+def test_plan_without_surge_rolls_one_serving_group_at_a_time() -> None:
+    spec = spec_of(2, 3, rollout={"maxSurge": 0})
     old = pod_states(spec, range(3), h="old")
     plan = plan_groups(spec, "new", old, {}, 0.0, BACKOFF)
-    assert plan.delete == [0] and plan.groups[0].phase == "Terminating"
-    # Group 0 replaced but not ready yet: groups 1 and 2 keep serving.
-    mixed = pod_states(spec, range(1), h="new", ready=False) + pod_states(spec, range(1, 3), h="old")
+    # One old group down, its replacement started at the lowest free index (0 is still terminating):
+    # never more than `replicas` groups up, never more than one of them unavailable.
+    assert plan.delete == [0] and plan.create == [3] and plan.groups[0].phase == "Terminating"
+    assert serving(plan) == 2
+    # The replacement is not ready yet: nothing else moves.
+    mixed = pod_states(spec, [3], h="new", ready=False) + pod_states(spec, range(1, 3), h="old")
     plan = plan_groups(spec, "new", mixed, {}, 0.0, BACKOFF)
     assert plan.delete == [] and plan.create == []
-    # Group 0 ready on the new config: now group 1.
-    mixed = pod_states(spec, range(1), h="new") + pod_states(spec, range(1, 3), h="old")
-    assert plan_groups(spec, "new", mixed, {}, 0.0, BACKOFF).delete == [1]
+    # Ready on the new config: now group 1, replaced at the freed index 0.
+    mixed = pod_states(spec, [3], h="new") + pod_states(spec, range(1, 3), h="old")
+    assert (plan_groups(spec, "new", mixed, {}, 0.0, BACKOFF).delete,
+            plan_groups(spec, "new", mixed, {}, 0.0, BACKOFF).create) == ([1], [0])
+
+
+def serving(plan: Any) -> int:
+    return len(plan.ready_groups)
+
+
+def test_plan_with_surge_starts_an_up_to_date_group_before_taking_an_old_one_down() -> None:
+    spec = spec_of(2, 2)  # maxSurge defaults to 1
+    assert spec.max_surge == 1
+    old = pod_states(spec, range(2), h="old")
+    plan = plan_groups(spec, "new", old, {}, 0.0, BACKOFF)
+    assert (plan.create, plan.delete, serving(plan)) == ([2], [], 2)
+    conditions = {c.type: c for c in group_conditions(spec, plan, "new", router_ready=True)}
+    assert (conditions["Ready"].status, conditions["Ready"].reason) == (False, "UpdateInProgress")
+    assert conditions["Progressing"].reason == "RollingUpdate"
+    starting = old + pod_states(spec, range(2, 3), h="new", ready=False)
+    plan = plan_groups(spec, "new", starting, {}, 0.0, BACKOFF)
+    assert (plan.create, plan.delete, serving(plan)) == ([], [], 2)  # at most replicas + 1 groups
+    # The new group is Ready: one old group goes, and the next new one starts at the lowest free index
+    # (group 0's pods still exist while they terminate).
+    surged = old + pod_states(spec, range(2, 3), h="new")
+    plan = plan_groups(spec, "new", surged, {}, 0.0, BACKOFF)
+    assert (plan.delete, plan.create) == ([0], [3])
+    assert serving(plan) >= spec.replicas  # capacity never dropped (group 0 is no longer counted)
+    # Old group 1 is the last to go, once group 3 is Ready too.
+    last = pod_states(spec, range(1, 2), h="old") + pod_states(spec, range(2, 4), h="new")
+    plan = plan_groups(spec, "new", last, {}, 0.0, BACKOFF)
+    assert (plan.delete, plan.create) == ([1], [])
+    done = pod_states(spec, range(2, 4), h="new")
+    plan = plan_groups(spec, "new", done, {}, 0.0, BACKOFF)
+    assert (plan.delete, plan.create, [g.index for g in plan.groups]) == ([], [], [2, 3])
+    conditions = {c.type: c for c in group_conditions(spec, plan, "new", router_ready=True)}
+    assert conditions["Ready"].status and not conditions["Progressing"].status
+
+
+def test_a_surge_group_that_fails_is_gang_restarted_and_old_groups_keep_serving() -> None:
+    spec = spec_of(2, 1)
+    old = pod_states(spec, range(1), h="old")
+    crashed = [PodState("llama-g1-s0", 1, 0, "new", "Failed", False, False, "chariot: boom"),
+               PodState("llama-g1-s1", 1, 1, "new", "Running", False, False)]
+    plan = plan_groups(spec, "new", old + crashed, {}, 100.0, BACKOFF)
+    assert plan.delete == [1] and plan.create == [] and serving(plan) == 1
+    assert plan.groups[1].phase == "Restarting" and "chariot: boom" in plan.groups[1].last_failure
+    # Its pods gone, it backs off in its index; no other group is started meanwhile.
+    plan = plan_groups(spec, "new", old, {1: plan.groups[1]}, 101.0, BACKOFF)
+    assert plan.create == [] and [g.phase for g in plan.groups] == ["Ready", "BackingOff"]
+    plan = plan_groups(spec, "new", old, {1: plan.groups[1]}, 106.0, BACKOFF)
+    assert plan.create == [1]
+
+
+def test_scale_down_prefers_groups_that_do_not_serve() -> None:
+    spec = spec_of(1, 2)
+    pods = pod_states(spec, [0, 2]) + pod_states(spec, [5], ready=False)
+    plan = plan_groups(spec, "h", pods, {}, 0.0, BACKOFF)
+    assert plan.delete == [5] and [g.index for g in plan.groups] == [0, 2]
 
 
 def test_outdated_groups_that_do_not_serve_are_replaced_at_once() -> None:
     spec = spec_of(2, 2)
     pods = pod_states(spec, range(2), h="old", ready=False, phase="Pending")
-    assert plan_groups(spec, "new", pods, {}, 0.0, BACKOFF).delete == [0, 1]
+    plan = plan_groups(spec, "new", pods, {}, 0.0, BACKOFF)
+    assert plan.delete == [0, 1] and plan.create == [2, 3]
 
 
 def test_plan_scales_down_whole_groups_and_waits_for_terminating_pods() -> None:
@@ -443,3 +555,15 @@ def test_operator_subcommand_registers() -> None:
     args = parser.parse_args(["operator", "-n", "a", "--namespace", "b", "--resync-seconds", "5"])
     assert (args.namespace, args.resync_seconds, callable(args.handler)) == (["a", "b"], 5.0, True)
     assert parser.parse_args(["operator"]).namespace is None
+
+
+def test_a_failed_workers_last_log_line_becomes_the_failure() -> None:
+    pod = {"metadata": {"name": "llama-g0-s1", "labels": {render.LABEL_GROUP: "0", render.LABEL_STAGE: "1"}},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "worker", "state": {"terminated": {
+               "exitCode": 2, "message": "loading weights\nchariot: stage 1: warm-up forward pass failed\n\n"}}}]}}
+    state = PodState.from_manifest(pod)
+    assert state is not None and state.failed
+    assert state.failure == "chariot: stage 1: warm-up forward pass failed"
+    spec = spec_of(1, 2)
+    container = render.stage_pod(OWNER, spec, "img", 0, 1)["spec"]["containers"][0]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -56,7 +56,39 @@ app.kubernetes.io/component: operator
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]  # each group's stage pods: ingress from the group and its routers only
   verbs: [get, list, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]  # one per group (all its stages stay) and one for 2+ routers
+  verbs: [get, list, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+{{- end -}}
+
+{{- define "chariot.uninstallName" -}}
+{{- printf "%s-uninstall" (include "chariot.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The pre-delete hook's identity: its own, created with it, unless rbac.create is false. */}}
+{{- define "chariot.uninstallServiceAccountName" -}}
+{{- if .Values.rbac.create -}}
+{{- include "chariot.uninstallName" . -}}
+{{- else -}}
+{{- include "chariot.serviceAccountName" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Annotations of every pre-delete hook object; the argument is the hook weight. Helm creates
+lower weights first (the identity before the Job) and deletes them all once every hook succeeded;
+a failed Job stays for `kubectl logs` until the next `helm uninstall` replaces it. */}}
+{{- define "chariot.uninstallHookAnnotations" -}}
+helm.sh/hook: pre-delete
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end -}}
+
+{{/* What the pre-delete hook does: find, delete and watch ModelDeployments (nothing else). */}}
+{{- define "chariot.uninstallRules" -}}
+- apiGroups: [chariot.dev]
+  resources: [modeldeployments]
+  verbs: [get, list, delete]
 {{- end -}}
