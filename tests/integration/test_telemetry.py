@@ -60,6 +60,7 @@ def record_everything(t: Telemetry) -> None:
     t.add_stage_time("0", 0.8, 0.2)
     t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5, kv_blocks_used=4, kv_blocks_total=8)
     t.record_retry("g0")
+    t.record_prefix_cache(10, 4)
 
 
 def type_lines(text: str) -> dict[str, str]:
@@ -347,6 +348,7 @@ def test_real_prometheus_scrape(prometheus) -> None:
         worker.add_stage_time(0, busy_s=0.9, idle_s=0.1)
         worker.add_stage_time(1, busy_s=0.6, idle_s=0.4)
         router.record_retry("g1")
+        worker.record_prefix_cache(600, 256)
 
         prom.wait_for_scrape()  # both targets scraped after the last point was recorded
         assert prom.value(f"{TBT}_count") == 1 + len(tbts)
@@ -356,6 +358,8 @@ def test_real_prometheus_scrape(prometheus) -> None:
         for spec in METRICS.values():
             series = spec.prometheus + ("_count" if spec.kind == "histogram" else "")
             assert prom.query(series), series
+        assert prom.value("chariot_prefix_cache_hits_total") / prom.value("chariot_prefix_cache_queries_total") == \
+            pytest.approx(256 / 600)  # the hit rate a dashboard plots
         assert {r["metric"]["component"] for r in prom.query("chariot_admission_decisions_total")} == {
             "router",
             "worker",

@@ -238,6 +238,10 @@ def test_dockerfile_builds_one_slim_non_root_image() -> None:
 def test_skaffold_tags_by_input_digest_and_its_gpu_profile_uses_pypi_torch() -> None:
     config = yaml.safe_load((ROOT / "skaffold.yaml").read_text())
     assert config["build"]["tagPolicy"] == {"inputDigest": {}}
+    (release,) = config["deploy"]["helm"]["releases"]
+    image_var = config["build"]["artifacts"][0]["image"].replace("/", "_").replace(".", "_").replace("-", "_")
+    assert release["setValueTemplates"]["image.tag"] == \
+        f"{{{{.IMAGE_TAG_{image_var}}}}}@{{{{.IMAGE_DIGEST_{image_var}}}}}"  # pods run exactly what was pushed
     (gpu,) = [p for p in config["profiles"] if p["name"] == "gpu"]
     assert gpu["patches"][0]["value"] == {"TORCH_INDEX_URL": "https://pypi.org/simple"}
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import kopf
+import kubernetes_validate
 import pytest
 
 from chariot.operator import render
@@ -567,3 +568,21 @@ def test_a_failed_workers_last_log_line_becomes_the_failure() -> None:
     spec = spec_of(1, 2)
     container = render.stage_pod(OWNER, spec, "img", 0, 1)["spec"]["containers"][0]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"model": {"uri": "hf://org/model@v1", "tokenSecret": {"name": "hf"}, "cacheClaim": "cache"},
+     "router": {"replicas": 3}},
+    {"model": {"uri": "pvc://weights/llama"}, "resources": {"gpusPerStage": 0, "cpu": "2", "memory": "4Gi"},
+     "template": {"spec": {"nodeSelector": {"pool": "gpu"}, "runtimeClassName": "nvidia",
+                           "imagePullSecrets": [{"name": "registry"}],
+                           "containers": [{"name": "worker", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]}]}}},
+])
+def test_every_object_the_operator_renders_is_a_valid_kubernetes_1_32_object(extra: dict[str, Any]) -> None:
+    spec = spec_of(2, 2, **extra)
+    objects = [*render.group_pods(OWNER, spec, "img", 0, "h"), *render.group_pods(OWNER, spec, "img", 3, "h"),
+               *render.shared_objects(OWNER, spec, "img", "h", [0, 3]),
+               *render.network_policies(OWNER, [0, 3]), *render.disruption_budgets(OWNER, spec, [0, 3])]
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.32", strict=True)
