@@ -201,7 +201,8 @@ def test_dashboard_panels_cover_the_serving_metrics() -> None:
                              ("0.99", "time_per_output_token")]:
         assert re.search(rf"histogram_quantile\({quantile}, [^;]*gen_ai_server_{metric}_seconds_bucket", flat)
     for needle in ("gen_ai_server_request_duration_seconds_count", "chariot_admission_decisions_total",
-                   "chariot_kv_cache_usage", "chariot_batch_tokens", "chariot_stage_idle_time_seconds_total"):
+                   "chariot_kv_cache_usage", "chariot_batch_tokens", "chariot_stage_idle_time_seconds_total",
+                   "chariot_prefix_cache_hits_total"):
         assert needle in flat, needle
     assert dashboard["uid"] == "chariot-serving" and dashboard["title"] == "Chariot serving"
 
