@@ -111,7 +111,10 @@ class LoopThread:
 
     def stop(self) -> Any:
         if self.thread.is_alive() and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            # A main that ended on its own (a worker exiting after its engine crashed) may be closing its
+            # loop right now: the thread is still alive but the loop takes no more callbacks.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(TIMEOUT)
         assert not self.thread.is_alive(), f"{self.thread.name} did not stop"
         if self.error is not None:
