@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import urllib3
+
 from chariot.operator import crd
 
 Manifest = dict[str, Any]
@@ -83,8 +85,6 @@ class Kube:
 
     def request(self, method: str, path: str, body: Any = None, query: dict[str, str] | None = None,
                 content_type: str = "application/json") -> Manifest:
-        import urllib3
-
         config = self.api.configuration
         url = config.host.rstrip("/") + path + (f"?{urlencode(query)}" if query else "")
         headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": "chariot-operator"}

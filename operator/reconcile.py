@@ -128,15 +128,19 @@ class GroupStatus:
 
 @dataclass
 class Plan:
-    """What one pass does: `delete` groups (all their pods), then `create` groups; `groups` is the status."""
+    """What one pass does: `delete` groups (all their pods), then `create` groups; `groups` is the status
+    (the groups that stay, by index; groups scaled away are deleted and not reported)."""
 
     create: list[int] = field(default_factory=list)
     delete: list[int] = field(default_factory=list)
-    groups: list[GroupStatus] = field(default_factory=list)
-    statuses: dict[int, GroupStatus] = field(default_factory=dict)  # by group index, while planning
+    statuses: dict[int, GroupStatus] = field(default_factory=dict)  # by group index
     removed: set[int] = field(default_factory=set)  # groups scaled away: deleted, not reported
     requeue_after: float | None = None
     waiting: list[str] = field(default_factory=list)
+
+    @property
+    def groups(self) -> list[GroupStatus]:
+        return [self.statuses[g] for g in sorted(self.statuses)]
 
     @property
     def ready_groups(self) -> list[int]:
@@ -185,7 +189,6 @@ def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previou
     rolling = [g for g in indexes if g in outdated and planned[g][1] == "roll"]
     _roll(plan, spec, members, rolling, current_hash)
     _surge(plan, spec, members, rolling, set(indexes), current_hash)
-    plan.groups = [plan.statuses[g] for g in sorted(plan.statuses)]
     _collect_waits(plan, now)
     return plan
 

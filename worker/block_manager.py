@@ -132,11 +132,15 @@ class BlockManager:
                 self._hash_of[block] = h
 
     # ---- allocation --------------------------------------------------------------------------
+    def _admission_cost(self, num_tokens: int, hit: PrefixHit) -> int:
+        """Free blocks a new sequence takes: fresh ones past its hit, plus hit blocks nobody holds now
+        (they leave the free pool when shared)."""
+        revived = sum(1 for b in hit.blocks if self._refs[b] == 0)
+        return self.blocks_for(num_tokens) - len(hit.blocks) + revived
+
     def can_admit(self, num_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Whether a new sequence of `num_tokens` (sharing `hit`) fits while keeping the watermark free."""
-        fresh = self.blocks_for(num_tokens) - len(hit.blocks)
-        revived = sum(1 for b in hit.blocks if self._refs[b] == 0)  # leave the free pool when shared
-        return self.num_free_blocks - fresh - revived >= self.watermark_blocks
+        return self.num_free_blocks - self._admission_cost(num_tokens, hit) >= self.watermark_blocks
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self._missing(seq_id, num_tokens) <= self.num_free_blocks
@@ -145,10 +149,9 @@ class BlockManager:
         """Give a new sequence a table covering `num_tokens` tokens whose first blocks are `hit`'s."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        missing = self.blocks_for(num_tokens) - len(hit.blocks)
-        revived = sum(1 for b in hit.blocks if self._refs[b] == 0)
-        if missing + revived > self.num_free_blocks:
-            raise RuntimeError(f"out of KV blocks: need {missing + revived}, have {self.num_free_blocks}")
+        cost = self._admission_cost(num_tokens, hit)
+        if cost > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {cost}, have {self.num_free_blocks}")
         for block in hit.blocks:
             if self._refs[block] == 0:
                 del self._evictable[block]

@@ -82,6 +82,14 @@ class FakeHub:
                     hub.downloads.append(name)
                     self.wfile.write(data)
 
+            def _json(self, value: object) -> None:
+                body = json.dumps(value).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def do_HEAD(self) -> None:
                 self._file(head=True)
 
@@ -90,26 +98,15 @@ class FakeHub:
                 if self.path.split("?")[0].startswith(api):
                     if not self._authorised():
                         return
-                    body = json.dumps({"id": REPO, "sha": COMMIT, "private": True,
-                                       "siblings": [{"rfilename": n} for n in sorted(hub.files())]}).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self._json({"id": REPO, "sha": COMMIT, "private": True,
+                                "siblings": [{"rfilename": n} for n in sorted(hub.files())]})
                     return
                 tree = f"/api/models/{REPO}/tree/"
                 if self.path.split("?")[0].startswith(tree):  # the file listing of a revision
                     if not self._authorised():
                         return
-                    body = json.dumps([{"type": "file", "path": n, "size": len(d),
-                                        "oid": hashlib.sha1(d).hexdigest()}
-                                       for n, d in sorted(hub.files().items())]).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    self._json([{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                                for n, d in sorted(hub.files().items())])
                     return
                 if self.path.startswith("/api/"):
                     self.send_response(401)
