@@ -19,7 +19,7 @@ import torch
 
 from chariot.bench.linear_bench import cpu_record, time_pair
 from chariot.kernels import cpu_attention, reference
-from chariot.kernels.attention import AttentionMetadata
+from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 64, 16
 SCALE = HEAD_DIM**-0.5
@@ -68,8 +68,10 @@ def make_problem(shape: Shape, dtype: torch.dtype = torch.float32,
     offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
     for i, w in enumerate(widths):
         tables[i, :w] = perm[offsets[i] : offsets[i] + w]
-    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k_cache = empty_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)  # the engine's layout
+    v_cache = empty_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
+    k_cache.copy_(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
+    v_cache.copy_(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
     query = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(starts, torch.tensor(seq_lens, dtype=torch.int32), tables,

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from chariot.kernels.attention import AttentionBackend, AttentionMetadata
+from chariot.kernels.attention import AttentionBackend, AttentionMetadata, empty_kv_cache
 
 __all__ = [
     "BACKENDS",
@@ -35,6 +35,7 @@ __all__ = [
     "AttentionBackendError",
     "AttentionMetadata",
     "active_backend",
+    "empty_kv_cache",
     "get_backend",
     "paged_attention",
     "select_backend",

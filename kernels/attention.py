@@ -9,7 +9,12 @@ cached tokens; a decode attends to its whole context.
 Layouts:
 - query: [num_tokens, num_heads, head_dim]
 - key/value (new tokens): [num_tokens, num_kv_heads, head_dim]
-- k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+- k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], indexed logically so; any
+  strides with head_dim contiguous. `empty_kv_cache` stores a CPU cache head-major
+  ([num_blocks, num_kv_heads, block_size, head_dim] in memory, a permuted view): each block's rows of
+  one KV head are then one contiguous run (4 KiB at 16 × 64 fp32), which is what a decode reads.
+  The slot-major order interleaved the KV heads, so a decode used a quarter of every cache line run
+  it touched and its rows aliased into a few L1 sets. GPU caches stay slot-major.
 - slot = block_table[pos // block_size] * block_size + pos % block_size
 
 Every backend module exposes that function pair as `BACKEND`, an `AttentionBackend`, so
@@ -58,6 +63,20 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_list, default=0)
+
+
+def empty_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """An uninitialised cache, shaped [num_blocks, block_size, kv_heads, head_dim] (see Layouts)."""
+    if torch.device(device).type == "cpu":
+        return torch.empty(num_blocks, kv_heads, block_size, head_dim, dtype=dtype).permute(0, 2, 1, 3)
+    return torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
 
 
 @runtime_checkable

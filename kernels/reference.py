@@ -21,11 +21,11 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Scatter the new tokens' K/V into their cache slots."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    flat = num_blocks * block_size
-    k_cache.view(flat, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(flat, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    """Scatter the new tokens' K/V into their cache slots (any cache strides: indexed by block and slot)."""
+    block_size = k_cache.shape[1]
+    blocks, slots = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, slots] = key.to(k_cache.dtype)
+    v_cache[blocks, slots] = value.to(v_cache.dtype)
 
 
 def paged_attention(
@@ -56,13 +56,12 @@ def _gather_context(
     garbage): masked attention still multiplies those by a zero weight, so a NaN/inf there would
     poison the output. Gathering slot by slot keeps sequences isolated without an extra pass.
     """
-    _, block_size, kvh, d = cache.shape
+    block_size = cache.shape[1]
     dev = cache.device
     last = (lens.to(device=dev, dtype=torch.long) - 1).clamp_min(0).view(-1, 1)
     pos = torch.minimum(torch.arange(max_len, device=dev).view(1, max_len), last)  # [S, max_len]
     blocks = block_tables.to(device=dev, dtype=torch.long).gather(1, pos // block_size)
-    slots = (blocks * block_size + pos % block_size).view(-1)
-    ctx = cache.view(-1, kvh, d).index_select(0, slots).view(-1, max_len, kvh, d)
+    ctx = cache[blocks, pos % block_size]  # [S, max_len, kv_heads, head_dim], whatever the cache's strides
     return ctx.transpose(1, 2)
 
 

@@ -47,9 +47,30 @@ typedef int32_t vi_unaligned __attribute__((vector_size(32), aligned(4), may_ali
 inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
 inline vi load(const int32_t* p) { return *reinterpret_cast<const vi_unaligned*>(p); }
 inline void store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
-inline vf splat(float x) { return vf{} + x; }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }  // one vbroadcastss (`vf{} + x` adds a 0 first)
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+
+// Starts loading the cache line at p. Inline asm on x86-64: GCC 12's dead-code elimination deletes
+// __builtin_prefetch loops in this file (checked in the assembly), which left them with no effect.
+inline void prefetch(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// Cache lines to request, one at a time, from inside the score micro-kernel (one per step along d):
+// the next key tile's K/V then streams in at the pace the current tile is computed, instead of a
+// burst of requests that fills the miss queue and stalls the core.
+struct PrefetchQueue {
+  const char* const* next = nullptr;
+  const char* const* end = nullptr;
+  void issue_one() {
+    if (next < end) prefetch(*next++);
+  }
+};
 
 // 2^x, exactly 0 for x < -126 (so -inf gives 0); about 2e-7 relative error (Cephes exp2f).
 inline vf exp2v(vf x) {
@@ -73,9 +94,10 @@ inline vf exp2v(vf x) {
 
 // St[x][·] = Σ_d krow[x][d] · Qt[d][·] for keys x < XB.
 template <int XB, int MV>
-inline void qk_block(const float* const* krow, int64_t dim, const float* qt, int64_t ld, float* st) {
+inline void qk_block(const float* const* krow, int64_t dim, const float* qt, int64_t ld, float* st, PrefetchQueue& pf) {
   vf c[XB][MV] = {};
   for (int64_t d = 0; d < dim; ++d) {
+    if constexpr (MV == 1) pf.issue_one();  // decode-sized tiles; wide (prefill) tiles compute long enough without
     vf b[MV];
     for (int j = 0; j < MV; ++j) b[j] = load(qt + d * ld + j * kLanes);
     for (int i = 0; i < XB; ++i) {
@@ -111,13 +133,14 @@ inline void pv_block(const float* const* vrow, int64_t d0, int64_t keys, const f
 
 // A remainder of fewer than XB rows of x, as blocks of decreasing size (each size at most once).
 template <int XB, int MV>
-inline void qk_tail(const float* const* krow, int64_t rest, int64_t dim, const float* qt, int64_t ld, float* st) {
+inline void qk_tail(const float* const* krow, int64_t rest, int64_t dim, const float* qt, int64_t ld, float* st,
+                    PrefetchQueue& pf) {
   if constexpr (XB > 0) {
     if (rest >= XB) {
-      qk_block<XB, MV>(krow, dim, qt, ld, st);
+      qk_block<XB, MV>(krow, dim, qt, ld, st, pf);
       krow += XB, st += XB * ld, rest -= XB;
     }
-    qk_tail<XB - 1, MV>(krow, rest, dim, qt, ld, st);
+    qk_tail<XB - 1, MV>(krow, rest, dim, qt, ld, st, pf);
   }
 }
 
@@ -138,11 +161,12 @@ template <int MV>
 constexpr int kBlockX = MV == 2 ? 6 : 8;
 
 template <int MV>
-void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st) {
+void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st,
+              PrefetchQueue& pf) {
   constexpr int XB = kBlockX<MV>;
   int64_t x = 0;
-  for (; x + XB <= keys; x += XB) qk_block<XB, MV>(krow + x, dim, qt, ld, st + x * ld);
-  qk_tail<XB - 1, MV>(krow + x, keys - x, dim, qt, ld, st + x * ld);
+  for (; x + XB <= keys; x += XB) qk_block<XB, MV>(krow + x, dim, qt, ld, st + x * ld, pf);
+  qk_tail<XB - 1, MV>(krow + x, keys - x, dim, qt, ld, st + x * ld, pf);
 }
 
 template <int MV>
@@ -155,10 +179,11 @@ void pv_panel(const float* const* vrow, int64_t dim, int64_t keys, const float* 
 }
 
 // The row vectors in panels of 16 rows, then one of 8 (rows are padded to a multiple of 8).
-void scores(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st) {
+void scores(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
+            PrefetchQueue& pf) {
   int64_t m = 0;
-  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m);
-  if (m < rows) qk_panel<1>(krow, keys, dim, qt + m, rows, st + m);
+  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m, pf);
+  if (m < rows) qk_panel<1>(krow, keys, dim, qt + m, rows, st + m, pf);
 }
 
 void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t rows,
@@ -201,10 +226,13 @@ struct Scratch {
   std::vector<float> qt, acc, st, m, l, alpha, kbuf, vbuf;
   std::vector<int32_t> qpos;
   std::vector<const float*> krow, vrow;
+  std::vector<const char*> lines;  // the next tile's cache lines, for PrefetchQueue
   Scratch(int64_t rows, int64_t dim, bool convert)
       : qt(rows * dim), acc(rows * dim), st(kKeyTile * rows), m(rows), l(rows), alpha(rows),
         kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
-        krow(kKeyTile), vrow(kKeyTile) {}
+        krow(kKeyTile), vrow(kKeyTile) {
+    lines.reserve(2 * kKeyTile * (dim * sizeof(float) / 64 + 1));
+  }
 };
 
 inline int64_t padded_rows(int64_t rows) { return (rows + kLanes - 1) / kLanes * kLanes; }
@@ -227,6 +255,24 @@ void locate_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t
       s.krow[i] = kd, s.vrow[i] = vd;
     }
   }
+}
+
+// Queues the cache lines of keys [p0, p0 + n) (K and V), to be requested while the current tile
+// computes: without it each tile's first touch of a row waits on memory, and the few misses a core
+// keeps in flight cap decode attention at a fraction of the memory bandwidth.
+template <typename q_t, typename kv_t>
+PrefetchQueue queue_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
+  const int32_t* table = P.tables + w.seq * P.table_stride;
+  const int64_t bytes = P.dim * static_cast<int64_t>(sizeof(kv_t));
+  s.lines.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = p0 + i;
+    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+    const char* key = reinterpret_cast<const char*>(P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h);
+    const char* val = reinterpret_cast<const char*>(P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h);
+    for (int64_t b = 0; b < bytes; b += 64) s.lines.push_back(key + b), s.lines.push_back(val + b);
+  }
+  return {s.lines.data(), s.lines.data() + s.lines.size()};
 }
 
 // Qt[d][m] = q[m][d] · scale · log2 e for row m = token × group + head; padded rows are 0 and see every key.
@@ -301,7 +347,9 @@ void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
   for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, end - p0);
     locate_rows(P, w, p0, n, s);
-    scores(s.krow.data(), n, P.dim, s.qt.data(), rows, s.st.data());
+    PrefetchQueue pf = queue_rows(P, w, p0 + n, std::min(kKeyTile, end - p0 - n), s);  // the next tile
+    scores(s.krow.data(), n, P.dim, s.qt.data(), rows, s.st.data(), pf);
+    while (pf.next < pf.end) pf.issue_one();  // what the score loop had no step left for
     softmax_step(s, p0, n, rows, p0 + n - 1 > first_row_pos);
     accumulate(s.vrow.data(), P.dim, n, s.st.data(), rows, s.alpha.data(), s.acc.data());
   }

@@ -21,6 +21,10 @@ serves every object request itself, because stock 0.8 cannot:
   directives dropped), and PUT (with the resourceVersion precondition);
 - finalizers: a DELETE marks `deletionTimestamp`; the object goes when the last finalizer does.
 
+For tests, `slow_lists` makes label-selected (non-watch) list requests of a resource take that long
+and `lists_in_flight` counts them while they are served: a slow API server on demand, for the
+operator's lists only (the test kubelet lists without a selector).
+
 Still missing, on purpose (the operator must not rely on them): garbage collection via
 ownerReferences, controllers (a Deployment makes no pods: the test kubelet plays that part), graceful
 pod termination (pods go at once), server-side apply, CRD schema defaulting/validation/pruning,
@@ -30,6 +34,7 @@ admission. Pods get `status.phase: Pending` on creation, as the real server does
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import datetime as dt
@@ -174,6 +179,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
     _rv: int = attrs.field(default=0, init=False)
     _events: list[tuple[int, kmock.resource, Manifest]] = attrs.field(factory=list, init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
+    slow_lists: dict[str, float] = attrs.field(factory=dict, init=False)  # plural -> seconds
+    lists_in_flight: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -201,7 +208,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             return await self._watch(raw, t, info)
         body = await self._body(raw)
         if raw.method == "GET":
-            result = self._list(t, info, q) if t.name is None else self._read(t)
+            result = await self._slow_list(t, info, q) if t.name is None else self._read(t)
             if "as=Table" in raw.headers.get("Accept", "") and t.subresource is None:
                 result = self._table(result)
         elif raw.method == "POST" and t.name is None:
@@ -279,6 +286,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
                  and field_match(q.get("fieldSelector"), i)]
         return {"apiVersion": t.api_version, "kind": f"{info.kind}List",
                 "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
+    async def _slow_list(self, t: Target, info: kmock.ResourceInfo, q: Any) -> Manifest:
+        if not q.get("labelSelector"):
+            return self._list(t, info, q)
+        self.lists_in_flight[t.plural] += 1
+        try:
+            await asyncio.sleep(self.slow_lists.get(t.plural, 0.0))
+            return self._list(t, info, q)
+        finally:
+            self.lists_in_flight[t.plural] -= 1
 
     def _read(self, t: Target) -> Manifest:
         obj = self._must_get(Target(t.group, t.version, t.plural, t.namespace, t.name))
@@ -575,6 +592,17 @@ class RunningEmulator:
     def position(self) -> int:
         """A marker for `events_since`: how many watch events the server has produced so far."""
         return len(self.emulator._events)
+
+    def slow_lists(self, plural: str, seconds: float) -> None:
+        """From now on, label-selected lists of `plural` take `seconds` (0: fast again)."""
+        async def set_() -> None:
+            self.emulator.slow_lists[plural] = seconds
+        asyncio.run_coroutine_threadsafe(set_(), self.loop).result(10)
+
+    def lists_in_flight(self, plural: str) -> int:
+        async def read() -> int:
+            return self.emulator.lists_in_flight[plural]
+        return asyncio.run_coroutine_threadsafe(read(), self.loop).result(10)
 
     def events_since(self, position: int, plural: str) -> list[Manifest]:
         """Watch events (`{"type", "object"}`) of one resource produced after `position`, in order."""

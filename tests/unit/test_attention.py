@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chariot.kernels as kernels
-from chariot.kernels import AttentionMetadata, paged_attention, write_kv
+from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
 from chariot.kernels.attention import AttentionBackend, FunctionBackend
 
 HEADS = [(4, 4), (4, 2), (4, 1), (8, 2), (6, 3)]  # (num_heads, num_kv_heads)
@@ -120,13 +120,18 @@ def _oracle(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_len: int) -
     return out.transpose(0, 1)[-query_len:]
 
 
-def _run_case(case: Case, strided_query: bool = False, device: str = "cpu") -> None:
+def _run_case(case: Case, strided_query: bool = False, device: str = "cpu", engine_layout: bool = False) -> None:
+    """`engine_layout`: caches from `empty_kv_cache` (head-major views on the CPU), else contiguous."""
     gen = torch.Generator().manual_seed(case.seed)
     tables = _block_tables(case, gen)
     num_blocks = max(max(t) for t in tables) + 1 + case.spare_blocks
     shape = (num_blocks, case.block_size, case.kv_heads, case.head_dim)
-    k_cache = torch.full(shape, FILL, dtype=case.dtype, device=device)
-    v_cache = torch.full(shape, FILL, dtype=case.dtype, device=device)
+    if engine_layout:
+        k_cache = empty_kv_cache(*shape, case.dtype, device).fill_(FILL)
+        v_cache = empty_kv_cache(*shape, case.dtype, device).fill_(FILL)
+    else:
+        k_cache = torch.full(shape, FILL, dtype=case.dtype, device=device)
+        v_cache = torch.full(shape, FILL, dtype=case.dtype, device=device)
 
     def rand(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(case.dtype)
@@ -167,11 +172,13 @@ def test_paged_attention_matches_sdpa(case: Case) -> None:
     _run_case(case)
 
 
+@pytest.mark.parametrize("engine_layout", [False, True], ids=["contiguous", "engine-layout"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fixed_mixed_batch(block_size: int, heads: int, kv_heads: int, dtype: torch.dtype) -> None:
-    """A deterministic batch covering every shape class at once, for each block size."""
+def test_fixed_mixed_batch(block_size: int, heads: int, kv_heads: int, dtype: torch.dtype, engine_layout: bool) -> None:
+    """A deterministic batch covering every shape class at once, for each block size, in a plain
+    contiguous cache and in the engine's (`empty_kv_cache`)."""
     seqs = (
         SeqCase(context=1, query=1),  # decode with a one-token context
         SeqCase(context=37, query=1),  # decode spanning several blocks
@@ -181,7 +188,7 @@ def test_fixed_mixed_batch(block_size: int, heads: int, kv_heads: int, dtype: to
         SeqCase(context=16, query=16),  # chunk aligned to block boundaries
     )
     case = Case(seqs, 2, block_size, heads, kv_heads, 64, dtype, spare_blocks=3, seed=block_size)
-    _run_case(case)
+    _run_case(case, engine_layout=engine_layout)
 
 
 def test_non_contiguous_query() -> None:
@@ -202,21 +209,24 @@ def test_decode_only_or_prefill_only(seqs: tuple[SeqCase, ...]) -> None:
     _run_case(Case(seqs, num_decodes, 4, 4, 2, 16, torch.float32, spare_blocks=2, seed=3))
 
 
+@pytest.mark.parametrize("engine_layout", [False, True], ids=["contiguous", "engine-layout"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_writes_exactly_the_given_slots(cache_dtype: torch.dtype) -> None:
+def test_write_kv_writes_exactly_the_given_slots(cache_dtype: torch.dtype, engine_layout: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim = 6, 4, 2, 8
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, -7.0, dtype=cache_dtype)
-    v_cache = torch.full(shape, 9.0, dtype=cache_dtype)
+    def make() -> torch.Tensor:
+        return empty_kv_cache(*shape, cache_dtype) if engine_layout else torch.empty(shape, dtype=cache_dtype)
+
+    k_cache, v_cache = make().fill_(-7.0), make().fill_(9.0)
     slots = torch.tensor([17, 0, 23, 5, 4, 11])  # unordered, across and inside blocks
     key = torch.randn(len(slots), kv_heads, head_dim, generator=gen)
     value = torch.randn(len(slots), kv_heads, head_dim, generator=gen)
 
     write_kv(key, value, k_cache, v_cache, slots)
 
-    flat_k = k_cache.view(-1, kv_heads, head_dim)
-    flat_v = v_cache.view(-1, kv_heads, head_dim)
+    flat_k = k_cache.reshape(-1, kv_heads, head_dim)  # a copy for the head-major view: read-only use
+    flat_v = v_cache.reshape(-1, kv_heads, head_dim)
     torch.testing.assert_close(flat_k[slots], key.to(cache_dtype), atol=0, rtol=0)
     torch.testing.assert_close(flat_v[slots], value.to(cache_dtype), atol=0, rtol=0)
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)

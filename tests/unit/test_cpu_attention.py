@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chariot.kernels import reference, select_backend
-from chariot.kernels.attention import AttentionMetadata
+from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 from chariot.kernels.cpu_attention import paged_attention
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
@@ -54,9 +54,9 @@ def sdpa_oracle(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = query.shape[1] // k_cache.shape[2]
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list, strict=True)):
         pos = torch.arange(s_len)
-        slots = meta.block_tables[i].long()[pos // block] * block + pos % block
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float().repeat_interleave(group, 1).transpose(0, 1)
-        v = v_cache.view(-1, *v_cache.shape[2:])[slots].float().repeat_interleave(group, 1).transpose(0, 1)
+        blocks, offsets = meta.block_tables[i].long()[pos // block], pos % block
+        k = k_cache[blocks, offsets].float().repeat_interleave(group, 1).transpose(0, 1)
+        v = v_cache[blocks, offsets].float().repeat_interleave(group, 1).transpose(0, 1)
         start = int(meta.query_start_loc[i])
         q = query[start : start + q_len].float().transpose(0, 1)
         mask = torch.arange(s_len).view(1, -1) <= torch.arange(s_len - q_len, s_len).view(-1, 1)
@@ -72,6 +72,7 @@ CASES = {
     "mixed": ([1, 1, 9, 1], [7, 31, 0, 2]),  # decode lengths after a chunk exercise the general path
     "single-token-prompt": ([1], [0]),
     "long-chunk-across-tiles": ([40], [21]),
+    "decodes-across-tiles": ([1, 1, 1], [63, 130, 257]),  # the next key tile is prefetched while one computes
 }
 
 
@@ -87,6 +88,21 @@ def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, d
     torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, scale), atol=2e-5, rtol=1e-5)
     if meta.num_decodes == sum(1 for q in q_lens if q == 1):  # the reference wants decodes first
         torch.testing.assert_close(ours, reference.paged_attention(query, k, v, meta, scale), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_head_major_cache_matches_sdpa(case: str) -> None:
+    """The engine's CPU cache (`empty_kv_cache`: a permuted view, KV heads outermost in each block)
+    gives the same attention, NaN-poisoned unused slots included."""
+    q_lens, ctx = CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, 8, 2, 64, 16, torch.float32, seed=len(case))
+    hk, hv = (empty_kv_cache(*k.shape, torch.float32) for _ in range(2))
+    hk.copy_(k), hv.copy_(v)
+    assert hk.stride() != k.stride() and hk.stride(-1) == 1
+    ours = paged_attention(query, hk, hv, meta, 0.125)
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, 0.125), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, paged_attention(query, k, v, meta, 0.125), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

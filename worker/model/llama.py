@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
-from chariot.kernels import AttentionMetadata, paged_attention, write_kv
+from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
 from chariot.worker.config import ModelConfig, RopeScaling
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -309,14 +309,14 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> list[KVCache]:
-    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim].
+    """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]
+    (`chariot.kernels.empty_kv_cache`: head-major in memory on the CPU).
 
     Left uninitialised: the attention contract (`chariot.kernels`) never reads a slot at or past a
     sequence's length (the kernel tests run on NaN-filled caches), and zero-filling a cache sized
     from free memory would cost seconds at start-up and commit all of its memory at once.
     """
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [
-        (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    def one() -> torch.Tensor:
+        return empty_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+
+    return [(one(), one()) for _ in range(num_layers)]
