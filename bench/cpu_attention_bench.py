@@ -6,6 +6,10 @@ kernel is the default CPU backend, so both run interleaved in one process (media
 runs) and the CPU model and flags are recorded with the numbers.
 
     python -m chariot.bench.cpu_attention_bench --out docs/img/cpu_attention_100m.json
+
+`--baseline-source` adds another revision of the kernel (e.g. `git show REV:kernels/csrc/paged_attention.cpp`),
+built beside the current one and timed in the same interleaved loop, with `--baseline-layout
+slot-major` for a kernel from before the CPU cache went head-major: a before/after in one run.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from chariot.bench.linear_bench import cpu_record, time_pair
+from chariot.bench.linear_bench import cpu_record, time_interleaved
 from chariot.kernels import cpu_attention, reference
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 
@@ -55,6 +59,11 @@ SHAPES = (
 )
 
 
+def slot_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache contents stored contiguously, [num_blocks, block_size, kv_heads, head_dim]."""
+    return cache.contiguous()
+
+
 def make_problem(shape: Shape, dtype: torch.dtype = torch.float32,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A random paged cache holding every sequence's context (blocks shuffled) and its new queries."""
@@ -80,20 +89,39 @@ def make_problem(shape: Shape, dtype: torch.dtype = torch.float32,
     return query, k_cache, v_cache, meta
 
 
-def measure(reps: int) -> list[dict[str, object]]:
+@dataclass(frozen=True)
+class Baseline:
+    """Another build of the kernel, run on caches in `layout` ("engine" or "slot-major")."""
+
+    kernel: cpu_attention.KernelFn
+    layout: str
+
+
+def measure(reps: int, baseline: Baseline | None = None) -> list[dict[str, object]]:
     rows = []
     with torch.inference_mode():
         for shape in SHAPES:
             q, k, v, meta = make_problem(shape)
-            err = (cpu_attention.paged_attention(q, k, v, meta, SCALE)
-                   - reference.paged_attention(q, k, v, meta, SCALE)).abs().max().item()
-            ref_s, cpu_s = time_pair(lambda: reference.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
-                                     lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
-                                     reps)
-            rows.append({"shape": shape.name, "reference_ms": ref_s * 1e3, "cpu_kernel_ms": cpu_s * 1e3,
-                         "speedup": ref_s / cpu_s, "max_abs_diff": err})
-            print(f"{shape.name:52s} reference {ref_s * 1e3:8.2f} ms  kernel {cpu_s * 1e3:8.2f} ms  "
-                  f"{ref_s / cpu_s:5.2f}x  (max |diff| {err:.1e})", flush=True)
+            fns = [lambda: reference.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
+                   lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE)]  # noqa: B023
+            if baseline:
+                bk, bv = (slot_major(k), slot_major(v)) if baseline.layout == "slot-major" else (k, v)
+                fns.append(lambda: cpu_attention.paged_attention(q, bk, bv, meta, SCALE,  # noqa: B023
+                                                                 kernel=baseline.kernel))
+            expected = reference.paged_attention(q, k, v, meta, SCALE)
+            errs = [(fn() - expected).abs().max().item() for fn in fns[1:]]
+            times = time_interleaved(fns, reps)
+            ref_s, cpu_s = times[:2]
+            row = {"shape": shape.name, "reference_ms": ref_s * 1e3, "cpu_kernel_ms": cpu_s * 1e3,
+                   "speedup": ref_s / cpu_s, "max_abs_diff": errs[0]}
+            line = (f"{shape.name:52s} reference {ref_s * 1e3:8.2f} ms  kernel {cpu_s * 1e3:8.2f} ms  "
+                    f"{ref_s / cpu_s:5.2f}x  (max |diff| {errs[0]:.1e})")
+            if baseline:
+                row.update(baseline_ms=times[2] * 1e3, speedup_vs_baseline=times[2] / cpu_s,
+                           baseline_max_abs_diff=errs[1])
+                line += f"  baseline {times[2] * 1e3:8.2f} ms ({times[2] / cpu_s:4.2f}x)"
+            rows.append(row)
+            print(line, flush=True)
     return rows
 
 
@@ -102,14 +130,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench/results/cpu_attention.json")
+    parser.add_argument("--baseline-source", type=Path, default=None,
+                        help="another revision of csrc/paged_attention.cpp to time against the current kernel")
+    parser.add_argument("--baseline-layout", choices=("engine", "slot-major"), default="engine",
+                        help="the cache layout the baseline runs on (slot-major: kernels before the head-major cache)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print("loading the CPU kernel (compiles on first use) ...", flush=True)
     cpu_attention.load_kernel()
+    baseline = None
+    if args.baseline_source:
+        print(f"loading the baseline kernel {args.baseline_source} ...", flush=True)
+        baseline = Baseline(cpu_attention.load_kernel(args.baseline_source.resolve()), args.baseline_layout)
     record = {"machine": cpu_record(), "reps": args.reps, "dtype": "float32",
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK},
-              "rows": measure(args.reps)}
+              "cache_layout": "engine (empty_kv_cache)",
+              "baseline": None if baseline is None else {"source": str(args.baseline_source),
+                                                         "layout": baseline.layout},
+              "rows": measure(args.reps, baseline)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")

@@ -17,7 +17,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -55,19 +55,24 @@ def cpu_record() -> dict[str, object]:
             "peak_gflops": peak_gflops(threads, flags, mhz)}
 
 
+def time_interleaved(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each of `fns`, run in turn (so drifts in machine speed hit all alike)."""
+    for _ in range(3):
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, samples in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+    return [statistics.median(samples) for samples in times]
+
+
 def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
     """Median seconds of `a` and `b`, run alternately."""
-    for _ in range(3):
-        a(), b()
-    ta, tb = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        ta.append(t1 - t0)
-        tb.append(time.perf_counter() - t1)
-    return statistics.median(ta), statistics.median(tb)
+    ta, tb = time_interleaved([a, b], reps)
+    return ta, tb
 
 
 def measure(reps: int, peak: float) -> list[dict[str, object]]:

@@ -11,8 +11,9 @@ It is compiled on first use against the installed torch (`torch.utils.cpp_extens
 isolated build environment and no second torch) with `-O3 -march=native -fopenmp` into a cache
 directory keyed by a hash of the source, the flags, torch's version and this CPU
 (`$CHARIOT_KERNEL_CACHE`, default `~/.cache/chariot/kernels`); later processes load the cached
-library directly, without a compiler. `write_kv` is the reference's `index_copy_` (a few per cent
-of an attention call; see `bench/cpu_attention_bench.py`). It is the default attention backend on a
+library directly, without a compiler. `write_kv` is the reference's (an `index_put_` by block and
+slot: tens of microseconds per layer, against milliseconds of attention; see
+`bench/cpu_attention_bench.py`). It is the default attention backend on a
 machine without CUDA whenever it builds (`kernels/__init__.py`).
 """
 
@@ -54,27 +55,27 @@ def _cpu_identity() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _digest() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+def _digest(source: Path = SOURCE) -> str:
+    h = hashlib.sha256(source.read_bytes())
     for part in (*FLAGS, torch.__version__, _cpu_identity()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
-def cache_dir() -> Path:
+def cache_dir(source: Path = SOURCE) -> Path:
     """Where this build lives: `$CHARIOT_KERNEL_CACHE` (default ~/.cache/chariot/kernels)/cpu_attention-<hash>."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "chariot" / "kernels")
-    return root / f"cpu_attention-{_digest()}"
+    return root / f"cpu_attention-{_digest(source)}"
 
 
-def _compile(name: str, build_dir: Path, namespace: str) -> None:
+def _compile(source: Path, name: str, build_dir: Path, namespace: str) -> None:
     from torch.utils.cpp_extension import load
 
     build_dir.mkdir(parents=True, exist_ok=True)
     _put_venv_on_path()  # torch runs `ninja` from PATH; the `ninja` wheel puts it beside this Python
     log.warning("compiling the CPU attention kernel (first use, ~%d s) into %s ...", COMPILE_SECONDS, build_dir)
     t0 = time.perf_counter()
-    load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+    load(name=name, sources=[str(source)], build_directory=str(build_dir), is_python_module=False,
          extra_cflags=[*FLAGS, f"-DCHARIOT_OPS_NAMESPACE={namespace}"], extra_ldflags=["-fopenmp"], verbose=False)
     log.warning("CPU attention kernel compiled in %.0f s", time.perf_counter() - t0)
 
@@ -87,17 +88,20 @@ def _put_venv_on_path() -> None:
 
 
 @cache
-def load_kernel() -> KernelFn:
-    """The compiled op (loaded from the cache, else built first); raises when it cannot be built."""
-    digest = _digest()
+def load_kernel(source: Path = SOURCE) -> KernelFn:
+    """The compiled op (loaded from the cache, else built first); raises when it cannot be built.
+
+    `source`: another revision of the kernel (the benchmark times one against the current kernel in
+    the same process; each build gets its own op namespace)."""
+    digest = _digest(source)
     name = f"chariot_cpu_attention_{digest}"
     namespace = f"chariot_cpu_{digest}"  # per build, so an edited source can load beside an old one
-    build_dir = cache_dir()
+    build_dir = cache_dir(source)
     library = build_dir / f"{name}.so"
     try:
         torch.ops.load_library(str(library))  # a finished earlier build: no compiler or ninja needed
     except (OSError, RuntimeError):
-        _compile(name, build_dir, namespace)  # loads the library too
+        _compile(source, name, build_dir, namespace)  # loads the library too
     kernel: KernelFn = getattr(torch.ops, namespace).paged_attention
     return kernel
 
@@ -119,15 +123,17 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernel: KernelFn | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (see `attention.py`).
 
     Output is contiguous, in the query's dtype; K/V may be fp32, bf16 or fp16 (computed in fp32).
+    `kernel`: a `load_kernel(source)` build to run instead of the current one.
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
-    load_kernel()(
+    (kernel or load_kernel())(
         _unit_stride(query),
         _unit_stride(k_cache),
         _unit_stride(v_cache),
