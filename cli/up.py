@@ -120,8 +120,9 @@ def print_endpoints(router_line: str, served: str, replicas: list[str], config: 
     grpc = re.search(r"grpc=(\S+)", router_line)
     http_addr = http.group(1) if http else "?"
     grpc_addr = grpc.group(1) if grpc else "?"
-    print(f"model        {served} ({config.model}), {config.pipeline_stages} stage(s) x {len(replicas)} replica(s), "
-          f"policy {config.policy}")
+    tp = f" x {config.tensor_parallel_size} tensor-parallel rank(s)" if config.tensor_parallel_size > 1 else ""
+    print(f"model        {served} ({config.model}), {config.pipeline_stages} stage(s){tp} x {len(replicas)} "
+          f"replica(s), policy {config.policy}")
     print(f"OpenAI HTTP  http://{http_addr}/v1   (e.g. curl http://{http_addr}/v1/completions "
           f"-d '{{\"model\": \"{served}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}')")
     print(f"gRPC         {grpc_addr}   (chariot.v1.Generation; `chariot generate --target {grpc_addr} \"Hello\"`)")

@@ -121,4 +121,6 @@ class EngineStats:
     bubble_fraction: float = 0.0  # share of stage time idle while work was in flight (pipeline bubbles)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since the engine started
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    tensor_parallel_size: int = 1
+    collective_s: float = 0.0  # seconds stage 0's leader spent in tensor-parallel collectives, since start
     extra: dict[str, float] = field(default_factory=dict)

@@ -31,6 +31,7 @@ chariot.batch.tokens                   histogram  {token}       chariot_batch_to
 chariot.stage.busy_time                counter    s             chariot_stage_busy_time_seconds_total
 chariot.stage.idle_time                counter    s             chariot_stage_idle_time_seconds_total
 chariot.pipeline.bubble_fraction       gauge      1             chariot_pipeline_bubble_fraction
+chariot.tensor_parallel.collective_time counter   s             chariot_tensor_parallel_collective_time_seconds_total
 chariot.prefix_cache.queries           counter    {token}       chariot_prefix_cache_queries_total
 chariot.prefix_cache.hits              counter    {token}       chariot_prefix_cache_hits_total
 =====================================  =========  ============  ==========================================
@@ -39,8 +40,9 @@ Attributes (Prometheus label in brackets): every point carries `component` (`rou
 `gen_ai.request.model` [`gen_ai_request_model`] when a model is known; `gen_ai.token.type`
 [`gen_ai_token_type`] = `input` | `output` on token usage; `outcome` on admissions (see
 `ADMISSION_OUTCOMES`); `kind` = `prefill` | `decode` | `total` on batch tokens; `stage` on the stage
-counters and the bubble gauge; `error.type` [`error_type`] on failed request durations. Request ids never
-become attributes (unbounded cardinality) — they go on spans.
+counters and the bubble gauge; `stage` and `shard` on the tensor-parallel collective time;
+`error.type` [`error_type`] on failed request durations. Request ids never become attributes
+(unbounded cardinality) — they go on spans.
 
 Buckets are set with Views. Latency histograms use `LATENCY_BUCKETS_S`: 10 ms steps from 10 ms to
 500 ms, so `histogram_quantile` interpolates within a 10 ms bucket and the P99 TBT is resolved to
@@ -203,6 +205,11 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.pipeline.bubble_fraction", "gauge", "1",
                    "Idle share of a stage's time over the recent window: idle / (busy + idle).",
                    "chariot_pipeline_bubble_fraction"),
+        MetricSpec("chariot.tensor_parallel.collective_time", "counter", "s",
+                   "Seconds a tensor-parallel rank spent in its stage's collectives (the all-reduces after "
+                   "o_proj and down_proj, the embedding's, the logits all-gather); its share of an "
+                   "iteration is its rate over the stage's busy-time rate.",
+                   "chariot_tensor_parallel_collective_time_seconds_total"),
         MetricSpec("chariot.prefix_cache.queries", "counter", "{token}",
                    "Prompt tokens looked up in the prefix cache when a request was admitted.",
                    "chariot_prefix_cache_queries_total"),
@@ -466,6 +473,7 @@ class Telemetry:
         self._retries = counter("chariot.router.retries")
         self._busy = counter("chariot.stage.busy_time")
         self._idle = counter("chariot.stage.idle_time")
+        self._collectives = counter("chariot.tensor_parallel.collective_time")
         self._prefix_queries = counter("chariot.prefix_cache.queries")
         self._prefix_hits = counter("chariot.prefix_cache.hits")
         for name, key in (
@@ -567,6 +575,11 @@ class Telemetry:
         with self._lock:
             window = self._stage_windows.setdefault(stage, _StageWindow())
             window.samples.append((self._clock(), max(busy_s, 0.0), max(idle_s, 0.0)))
+
+    def add_collective_time(self, stage: str | int, shard: str | int, seconds: float) -> None:
+        """Time tensor-parallel rank `shard` of `stage` spent in collectives since its last report."""
+        if seconds > 0:
+            self._collectives.add(seconds, self._attrs(None, stage=str(stage), shard=str(shard)))
 
     # ------------------------------------------------------------------------------------------- gauges
 

@@ -209,8 +209,9 @@ def spec_schema() -> Schema:
                          minimum=0, default=1),
         "parallelism": _obj("How one replica is split over processes.", {
             "pipeline": _int("Pipeline stages per replica (pods per group).", minimum=1, maximum=64, default=1),
-            "tensor": _int("Tensor-parallel ranks inside a stage; only 1 is supported today.", minimum=1,
-                           default=1),
+            "tensor": _int("Tensor-parallel ranks per stage: they share the stage pod, one process and "
+                           "`resources.gpusPerStage` GPUs each; must divide the model's attention heads.",
+                           minimum=1, maximum=16, default=1),
             "rendezvousTimeoutSeconds": _int(
                 "How long the stages of a group wait for each other to join before the group fails and is "
                 "recreated; long enough by default for a cold GPU node to scale up and pull the image.",
@@ -228,7 +229,9 @@ def spec_schema() -> Schema:
             "tbtMs": {"type": "number", "minimum": 1, "description": "Time-between-tokens SLO in milliseconds."},
         }, default={}),
         "resources": _obj("Per stage pod.", {
-            "gpusPerStage": _int("`nvidia.com/gpu` per stage pod; 0 runs on CPU.", minimum=0, maximum=16, default=1),
+            "gpusPerStage": _int("`nvidia.com/gpu` per tensor-parallel rank: a stage pod requests this × "
+                                 "`parallelism.tensor` (the same as per pod without tensor parallelism); 0 runs "
+                                 "on CPU.", minimum=0, maximum=16, default=1),
             "cpu": _quantity("CPU request (and limit) per stage pod.", "2"),
             "memory": _quantity("Memory request (and limit) per stage pod.", "8Gi"),
         }, default={}),

@@ -222,7 +222,9 @@ def engine_args(spec: Spec, source: ModelSource) -> list[str]:
         args += ["--tbt-slo-ms", f"{spec.tbt_slo_ms:g}", "--tune-profile", s.tune_profile]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
-    if spec.pipeline > 1:
+    if spec.tensor > 1:
+        args += ["--tensor-parallel-size", str(spec.tensor)]  # the pod starts its stage's T ranks
+    if spec.pipeline > 1 or spec.tensor > 1:
         args += ["--rendezvous-timeout", str(spec.rendezvous_timeout_s)]
     return args
 
@@ -244,12 +246,13 @@ def rendezvous_env(owner: Owner, spec: Spec, group: int, stage: int) -> list[Man
 
 
 def stage_resources(spec: Spec) -> Manifest:
+    """A stage pod runs its `parallelism.tensor` ranks, each with `gpusPerStage` GPUs (0: CPU)."""
     r = spec.resources
     requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
     limits: dict[str, Any] = {"memory": r.memory}
     if r.gpus_per_stage > 0:
-        requests["nvidia.com/gpu"] = r.gpus_per_stage
-        limits["nvidia.com/gpu"] = r.gpus_per_stage
+        requests["nvidia.com/gpu"] = r.gpus_per_stage * spec.tensor
+        limits["nvidia.com/gpu"] = r.gpus_per_stage * spec.tensor
     return {"requests": requests, "limits": limits}
 
 

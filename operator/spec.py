@@ -12,17 +12,31 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from chariot.contracts.parallelism import tensor_split_problem
 from chariot.contracts.policies import get_policy
 from chariot.operator import crd
 from chariot.operator.podtemplate import ROUTER, WORKER, PodTemplate, owned_field_problems
 
 MAX_POD_NAME = 63  # pod hostnames are DNS labels
-# (layers, max_position_embeddings) of `chariot make-model --preset`; tests check them against the presets
-# (the operator image must not need torch to validate a spec).
-PRESET_SHAPES: dict[str, tuple[int, int]] = {"tiny": (2, 2048), "small": (4, 4096), "100m": (8, 8192),
-                                             "llama3-8b": (32, 8192)}
+
+
+class PresetShape(NamedTuple):
+    """What the operator checks a spec against for `preset://` models."""
+
+    layers: int
+    max_position_embeddings: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+# The shapes of `chariot make-model --preset`; tests check them against the presets (the operator
+# image must not need torch to validate a spec).
+PRESET_SHAPES: dict[str, PresetShape] = {
+    "tiny": PresetShape(2, 2048, 4, 2, 128), "small": PresetShape(4, 4096, 8, 2, 688),
+    "100m": PresetShape(8, 8192, 16, 4, 2816), "llama3-8b": PresetShape(32, 8192, 32, 8, 14336)}
 
 
 @dataclass(frozen=True)
@@ -177,9 +191,6 @@ def _value_errors(schema: dict[str, Any], value: Any, path: str) -> list[FieldEr
 def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
     """Cross-field and not-yet-supported settings, each naming its field."""
     errors = []
-    if spec.tensor != 1:
-        errors.append(FieldError("spec.parallelism.tensor", f"tensor parallelism inside a stage is not supported "
-                                                             f"yet; must be 1, got {spec.tensor}"))
     s = spec.scheduler
     max_len = spec.model.max_model_len
     problem = None if s.token_budget is None or max_len is None else \
@@ -223,12 +234,18 @@ def tune_profile_errors(spec: Spec) -> list[FieldError]:
 
 
 def preset_errors(spec: Spec) -> list[FieldError]:
-    """For `preset://` models the shape is known here, so a pipeline longer than the model is caught early."""
+    """For `preset://` models the shape is known here, so a pipeline longer than the model or a tensor
+    parallelism that does not split it is caught early (other models: the worker refuses it at start,
+    and its message reaches `status.groups[].lastFailure`)."""
     if not spec.model.uri.startswith("preset://"):
         return []
     preset = spec.model.uri.removeprefix("preset://")
-    layers, max_len = PRESET_SHAPES[preset]
+    shape = PRESET_SHAPES[preset]
+    layers, max_len = shape.layers, shape.max_position_embeddings
     errors = []
+    split = tensor_split_problem(spec.tensor, shape.heads, shape.kv_heads, shape.intermediate)
+    if split is not None:
+        errors.append(FieldError("spec.parallelism.tensor", f"{split} ({spec.model.uri})"))
     if spec.pipeline > layers:
         errors.append(FieldError("spec.parallelism.pipeline", f"must be <= the {layers} layers of {spec.model.uri} "
                                                                f"(every stage needs a layer), got {spec.pipeline}"))

@@ -7,6 +7,7 @@ directory), `worker` (one pipeline stage) and `generate` (stream a completion). 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
@@ -84,14 +85,20 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from chariot.contracts.telemetry import setup_telemetry
+    from chariot.worker.pipeline.launcher import start_stage_shards, stop_children
     from chariot.worker.pipeline.stage import run_downstream_stage
     from chariot.worker.pipeline.transport import Topology
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
-    topo = Topology.from_env() if config.pipeline_stages > 1 or "RANK" in os.environ else None
-    if topo is not None and topo.world_size != config.pipeline_stages:
-        raise ConfigError("WORLD_SIZE", f"is {topo.world_size} but --stages is {config.pipeline_stages}")
+    topo = Topology.from_env() if config.world_size > 1 or "RANK" in os.environ else None
+    if topo is not None and config.tensor_parallel_size > 1 and topo.world_size == config.pipeline_stages:
+        # One process per stage was started (a pod on Kubernetes): it starts its stage's other ranks.
+        topo, shards = start_stage_shards(config, topo)
+        atexit.register(stop_children, shards)
+    if topo is not None and topo.world_size != config.world_size:
+        raise ConfigError("WORLD_SIZE", f"is {topo.world_size} but --stages {config.pipeline_stages} × "
+                                        f"--tensor-parallel-size {config.tensor_parallel_size} is {config.world_size}")
     served = args.served_model_name or Path(config.model).name
     telemetry = setup_telemetry("chariot-worker", "worker", args.otlp_endpoint, model=served)
     metrics_port = telemetry.start_metrics_server(args.metrics_host, args.metrics_port)

@@ -183,6 +183,8 @@ class EngineConfig:
     attention work (`scheduler.base.chunk_tokens`); off, chunks are sized by tokens alone.
     `rendezvous_timeout_s` bounds how long the stages of a pipeline group wait for each other to join
     (on a cluster: node scale-up, image pulls, model downloads of the slowest stage).
+    `tensor_parallel_size` shards every stage over that many ranks (`model/parallel.py`): a group
+    is `pipeline_stages × tensor_parallel_size` processes, global rank = stage × T + shard.
     `prefix_caching` lets a prompt reuse the KV of full blocks another request already computed for the
     same leading tokens (`block_manager`); benchmarks that measure compute cost turn it off.
     """
@@ -192,6 +194,7 @@ class EngineConfig:
     token_budget: int | None = None
     max_batch_size: int = 128
     pipeline_stages: int = 1
+    tensor_parallel_size: int = 1
     dtype: str = "auto"
     block_size: int = 16
     kv_cache_tokens: int | None = None
@@ -212,6 +215,7 @@ class EngineConfig:
             raise ConfigError("dtype", f"must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _positive("max_batch_size", self.max_batch_size)
         _positive("pipeline_stages", self.pipeline_stages)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("block_size", self.block_size)
         if self.token_budget is not None:
             _positive("token_budget", self.token_budget)
@@ -227,6 +231,11 @@ class EngineConfig:
             raise ConfigError("rendezvous_timeout_s", f"must be in (0, 86400], got {self.rendezvous_timeout_s}")
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes in one group: every stage's tensor-parallel ranks."""
+        return self.pipeline_stages * self.tensor_parallel_size
 
     def resolved_max_model_len(self, model: ModelConfig) -> int:
         if self.max_model_len is None:
@@ -286,8 +295,10 @@ class ResolvedConfig:
         import torch
 
         from chariot.worker.model.loader import split_layers
+        from chariot.worker.model.parallel import Shard
 
         model = ModelConfig.from_dir(config.model)
+        Shard(0, config.tensor_parallel_size).check(model)
         max_len = config.resolved_max_model_len(model)
         split = list(config.layer_split) if config.layer_split and config.pipeline_stages > 1 else None
         ranges = split_layers(model.num_layers, config.pipeline_stages, split)
@@ -297,6 +308,10 @@ class ResolvedConfig:
     @property
     def num_stages(self) -> int:
         return len(self.layer_ranges)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.tensor_parallel_size
 
 
 @cache

@@ -87,11 +87,17 @@ class Engine:
 
     def _make_executor(self, topology: Topology | None, progress: bool, peer_check: PeerCheck | None,
                        ) -> tuple[Executor, int]:
-        stages = self.config.pipeline_stages
-        if stages > 1 and (topology is None or topology.rank != 0):
-            raise ConfigError("pipeline_stages", f"a pipelined engine runs on rank 0 of a group of {stages} stages")
-        runtime = build_stage_runtime(self.resolved, topology if stages > 1 else None, progress, peer_check)
-        executor: Executor = LocalExecutor(runtime.runner) if runtime.link is None else PipelineExecutor(runtime)
+        stages, world = self.config.pipeline_stages, self.config.world_size
+        if world > 1 and (topology is None or topology.rank != 0):
+            raise ConfigError("pipeline_stages", f"a pipelined or tensor-parallel engine runs on rank 0 of its group "
+                                                 f"of {world} ranks")
+        runtime = build_stage_runtime(self.resolved, topology if world > 1 else None, progress, peer_check)
+        self._collectives = runtime.runner.stage.tp
+        executor: Executor
+        if stages == 1:
+            executor = LocalExecutor(runtime.runner, runtime.close if runtime.link is not None else None)
+        else:
+            executor = PipelineExecutor(runtime)
         return executor, runtime.kv_cache.num_blocks
 
     # ---- requests ----------------------------------------------------------------------------
@@ -323,4 +329,6 @@ class Engine:
             bubble_fraction=self.executor.bubble_fraction(),
             prefix_cache_queries=self.scheduler.prefix_query_tokens,
             prefix_cache_hits=self.scheduler.prefix_hit_tokens,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            collective_s=self._collectives.all_reduce_s,
         )

@@ -10,7 +10,8 @@ it; on the last stage it also computes logits for the sampled rows only and samp
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from chariot.worker.model.llama import LlamaStage
 from chariot.worker.sampler import LogitAdjustments, Sampler, SamplerOutput, SamplingColumns
 from chariot.worker.scheduler.output import SchedulerOutput
 from chariot.worker.sequence import Sequence
+
+if TYPE_CHECKING:
+    from chariot.worker.pipeline.tensor import TensorTeam
 
 
 class InputBuilder:
@@ -77,14 +81,16 @@ class InputBuilder:
 
 class ModelRunner:
     """Executes micro-batches on one model stage with its own KV cache; samples if it has a sampler
-    (the last stage)."""
+    (the last stage's leader). With tensor parallelism (`team`) the stage is this rank's shard, and
+    `run` on the leader first hands the micro-batch to the followers (`pipeline/tensor.py`)."""
 
     def __init__(self, stage: LlamaStage, kv_cache: KVCache, sampler: Sampler | None,
-                 device: torch.device) -> None:
+                 device: torch.device, team: TensorTeam | None = None) -> None:
         self.stage = stage
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
+        self.team = team
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -100,28 +106,45 @@ class ModelRunner:
         ids = inp.input_ids if hidden_states is None else None
         return self.stage(inp.positions, self.kv_caches, inp.attn, input_ids=ids, hidden_states=hidden_states)
 
+    def run(self, mb: MicroBatch, hidden_states: torch.Tensor | None = None) -> tuple[ModelInput, torch.Tensor]:
+        """Decode and run one micro-batch (a tensor-parallel leader shares it with its followers first)."""
+        if self.team is not None:
+            self.team.share(mb, hidden_states)
+        inp = self.decode(mb)
+        return inp, self.forward(inp, hidden_states)
+
     @torch.inference_mode()
     def sample(self, inp: ModelInput, hidden_states: torch.Tensor) -> SamplerOutput:
-        """Last stage: logits for the sampled rows only, then token ids [N] (and logprobs if asked)."""
-        if inp.sampling is None or self.sampler is None:
-            return SamplerOutput(torch.empty(0, dtype=torch.long))
+        """Last stage: logits for the sampled rows only, then token ids [N] (and logprobs if asked).
+
+        Every rank of a tensor-parallel last stage computes its part of the logits (they are
+        gathered); only the leader, which has the sampler, samples."""
+        none = SamplerOutput(torch.empty(0, dtype=torch.long))
+        if not self.stage.is_last or inp.sample_indices.numel() == 0:
+            return none
+        if self.sampler is None and self.team is None:
+            return none
         logits = self.stage.compute_logits(hidden_states[inp.sample_indices])
+        if self.sampler is None or inp.sampling is None:
+            return none
         return self.sampler(logits, inp.sampling)
 
     def execute(self, mb: MicroBatch) -> SamplerOutput:
-        """Single-process path: all layers here; returns the sampled tokens."""
-        inp = self.decode(mb)
-        return self.sample(inp, self.forward(inp))
+        """Single-stage path: all layers here (shared with the tensor-parallel followers, if any);
+        returns the sampled tokens."""
+        return self.sample(*self.run(mb))
 
 
 class LocalExecutor:
-    """Executor for a single-process engine: one batch at a time, executed on submit."""
+    """Executor for a single-stage engine: one batch at a time, executed on submit. `on_shutdown`
+    (tensor parallelism) releases the followers and leaves the process group."""
 
     max_in_flight = 1
     failed: str | None = None
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, on_shutdown: Callable[[], None] | None = None) -> None:
         self.runner = runner
+        self.on_shutdown = on_shutdown
         self._results: deque[SamplerOutput] = deque()
 
     def submit(self, mb: MicroBatch) -> None:
@@ -135,3 +158,6 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         self._results.clear()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+            self.on_shutdown = None

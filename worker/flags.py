@@ -32,6 +32,8 @@ def add_engine_flags(p: argparse.ArgumentParser, model_required: bool = True) ->
                         "capped at what --max-batch-size sequences of --max-model-len tokens can use)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--stages", type=int, default=1, help="pipeline stages in this group")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks each stage is sharded over (one process and device each; default 1)")
     g.add_argument("--layer-split", default=None, help="layers per stage, comma separated (e.g. 5,3)")
     g.add_argument("--stage-timeout", type=float, default=15.0,
                    help="seconds before a silent pipeline stage is declared dead")
@@ -58,7 +60,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
                                args.tune_profile, args.max_model_len)
     return EngineConfig(
         model=args.model, policy=args.policy, token_budget=budget, max_batch_size=args.max_batch_size,
-        pipeline_stages=args.stages, dtype=args.dtype, block_size=args.block_size,
+        pipeline_stages=args.stages, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+        block_size=args.block_size,
         kv_cache_tokens=args.kv_cache_tokens, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len, device=args.device, seed=args.engine_seed, layer_split=split,
         stage_timeout_s=args.stage_timeout, rendezvous_timeout_s=args.rendezvous_timeout,
@@ -72,6 +75,7 @@ def config_to_argv(c: EngineConfig) -> list[str]:
     argv = ["--model", c.model, "--policy", c.policy, "--max-batch-size", str(c.max_batch_size),
             "--dtype", c.dtype, "--block-size", str(c.block_size),
             "--kv-cache-memory-fraction", str(c.kv_cache_memory_fraction), "--stages", str(c.pipeline_stages),
+            "--tensor-parallel-size", str(c.tensor_parallel_size),
             "--stage-timeout", str(c.stage_timeout_s), "--rendezvous-timeout", str(c.rendezvous_timeout_s),
             "--device", c.device, "--engine-seed", str(c.seed)]
     optional = {"--token-budget": c.token_budget, "--kv-cache-tokens": c.kv_cache_tokens,

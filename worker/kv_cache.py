@@ -17,11 +17,13 @@ from chariot.contracts.errors import ConfigError
 from chariot.worker.config import ModelConfig, ResolvedConfig
 from chariot.worker.model.llama import KVCache as LayerCache
 from chariot.worker.model.llama import allocate_kv_caches
+from chariot.worker.model.parallel import NO_SHARD, Shard
 
 
-def bytes_per_token(model: ModelConfig, num_layers: int, dtype: torch.dtype) -> int:
-    """K and V for one token across `num_layers` layers."""
-    return 2 * num_layers * model.kv_size * torch.empty(0, dtype=dtype).element_size()
+def bytes_per_token(model: ModelConfig, num_layers: int, dtype: torch.dtype, shard: Shard = NO_SHARD) -> int:
+    """K and V for one token across `num_layers` layers, of the KV heads tensor-parallel `shard` stores."""
+    kv_size = len(shard.kv_heads(model)) * model.head_dim
+    return 2 * num_layers * kv_size * torch.empty(0, dtype=dtype).element_size()
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -42,7 +44,7 @@ class KVCache:
         self.block_size = block_size
 
     @staticmethod
-    def blocks_that_fit(resolved: ResolvedConfig, num_layers: int) -> int:
+    def blocks_that_fit(resolved: ResolvedConfig, num_layers: int, shard: Shard = NO_SHARD) -> int:
         """Blocks for a stage of `num_layers` layers; raises ConfigError (naming the knob) unless
         they hold at least one sequence of `max_model_len` tokens plus the watermark."""
         config = resolved.engine
@@ -50,7 +52,9 @@ class KVCache:
             tokens, field = config.kv_cache_tokens, "kv_cache_tokens"
         else:
             budget = int(free_device_memory(resolved.device) * config.kv_cache_memory_fraction)
-            tokens = budget // bytes_per_token(resolved.model, num_layers, resolved.dtype)
+            if resolved.device.type == "cpu":
+                budget //= shard.size  # the ranks of a stage share one machine's memory
+            tokens = budget // bytes_per_token(resolved.model, num_layers, resolved.dtype, shard)
             field = "kv_cache_memory_fraction"
         blocks = tokens // config.block_size
         needed = -(-resolved.max_model_len // config.block_size)
@@ -76,8 +80,9 @@ class KVCache:
         return int(t.item())
 
     @classmethod
-    def allocate(cls, resolved: ResolvedConfig, num_layers: int, num_blocks: int) -> KVCache:
+    def allocate(cls, resolved: ResolvedConfig, num_layers: int, num_blocks: int, shard: Shard = NO_SHARD,
+                 ) -> KVCache:
         block_size = resolved.engine.block_size
         layers = allocate_kv_caches(resolved.model, num_layers, num_blocks, block_size, resolved.dtype,
-                                    resolved.device)
+                                    resolved.device, shard)
         return cls(layers, num_blocks, block_size)

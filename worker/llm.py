@@ -31,6 +31,7 @@ class LLM:
         token_budget: int | None = None,
         max_batch_size: int = 128,
         pipeline_stages: int = 1,
+        tensor_parallel_size: int = 1,
         dtype: str = "auto",
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
@@ -43,12 +44,13 @@ class LLM:
             token_budget=token_budget,
             max_batch_size=max_batch_size,
             pipeline_stages=pipeline_stages,
+            tensor_parallel_size=tensor_parallel_size,
             dtype=dtype,
             block_size=block_size,
             kv_cache_tokens=kv_cache_tokens,
             **engine_kwargs,
         )
-        self.pipeline = LocalPipeline(self.config) if pipeline_stages > 1 else None
+        self.pipeline = LocalPipeline(self.config) if self.config.world_size > 1 else None
         try:
             topology = self.pipeline.topology if self.pipeline else None
             check = self.pipeline.startup_problem if self.pipeline else None

@@ -2,9 +2,9 @@
 
 An `EngineMetrics` instance is the AsyncEngine's step observer (it runs on the engine thread) and
 reads only what a step hands it — the `StepResult` and the outputs sent to the fronts, never the
-engine: per iteration it records batch composition, load gauges, prefix-cache lookups and stage-0
-busy/idle time; per finished request its worker-measured TTFT, TBT gaps, queue delay, duration and
-token usage.
+engine: per iteration it records batch composition, load gauges, prefix-cache lookups, stage-0
+busy/idle time and tensor-parallel collective time; per finished request its worker-measured TTFT,
+TBT gaps, queue delay, duration and token usage.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class EngineMetrics:
     def __init__(self, telemetry: Telemetry) -> None:
         self.telemetry = telemetry
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) last recorded
+        self._collective_seen = 0.0  # stage 0 leader's cumulative collective seconds last recorded
 
     def __call__(self, result: StepResult, outputs: Sequence[RequestOutput]) -> None:
         tel = self.telemetry
@@ -33,6 +34,9 @@ class EngineMetrics:
         tel.set_engine_state(running=load.num_running, waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
                              kv_blocks_used=load.num_blocks - load.num_free_blocks, kv_blocks_total=load.num_blocks)
         self._record_prefix_cache(load.prefix_cache_queries, load.prefix_cache_hits)
+        if load.collective_s > self._collective_seen:
+            tel.add_collective_time(0, 0, load.collective_s - self._collective_seen)
+            self._collective_seen = load.collective_s
         stage = result.stage_time
         if stage is not None and (stage.busy_s > 0 or stage.idle_s > 0):
             tel.add_stage_time(stage.stage, stage.busy_s, stage.idle_s)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from chariot.contracts.errors import ConfigError
+from chariot.contracts.errors import ConfigError, PipelineError
 from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.model.loader import load_stage
+from chariot.worker.model.parallel import SINGLE, Shard
+from chariot.worker.pipeline.tensor import RankPlace, TensorTeam
 from chariot.worker.pipeline.transport import PeerCheck, StageLink, Topology
 from chariot.worker.sampler import Sampler
 from chariot.worker.warmup import warm_up
@@ -27,27 +29,45 @@ from chariot.worker.warmup import warm_up
 log = logging.getLogger(__name__)
 
 STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"
+LOCAL_RANK_ENV = "LOCAL_RANK"
 
 
 @dataclass(frozen=True)
 class StageRuntime:
-    """One stage's executable state; `link` is None for a single process."""
+    """One rank's executable state: `rank` is its pipeline stage; `link` is None for a single
+    process, `team` None without tensor parallelism."""
 
     resolved: ResolvedConfig
     rank: int
     runner: ModelRunner
     kv_cache: KVCache
     link: StageLink | None
+    team: TensorTeam | None = None
 
     @property
     def is_last(self) -> bool:
         return self.rank == self.resolved.num_stages - 1
+
+    @property
+    def is_leader(self) -> bool:
+        """The rank of its stage that talks to the other stages (every rank, without tensor parallelism)."""
+        return self.team is None or self.team.place.is_leader
 
     def pipeline_link(self) -> StageLink:
         """The link to the neighbouring stages (a pipeline stage only)."""
         if self.link is None:
             raise RuntimeError("a single-process runtime has no pipeline link")
         return self.link
+
+    def close(self, release_followers: bool = True) -> None:
+        """Leave the group: a leader first releases its tensor-parallel followers."""
+        if self.team is not None and self.team.place.is_leader and release_followers:
+            try:
+                self.team.release()
+            except PipelineError as exc:
+                log.warning("releasing the tensor-parallel ranks: %s", exc)
+        if self.link is not None:
+            self.link.close()
 
 
 def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, progress: bool = True,
@@ -59,29 +79,48 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
     The attention backend is selected first, so that a kernel compiled on first use (the C++ CPU
     kernel, ~25 s) is built before the stages meet, not inside the first micro-batch where a peer
     would time out waiting for it."""
-    rank = _rank(resolved, topology)
+    place = _place(resolved, topology)
+    resolved = _rank_device(resolved, place)
+    rank, engine = place.stage, resolved.engine
     log.info("stage %d attention backend: %s", rank, active_backend().name)
     if topology is not None:
-        pin_stage_cpus(rank)
+        pin_stage_cpus(topology.rank)
     first, last = resolved.layer_ranges[rank]
-    local_blocks = KVCache.blocks_that_fit(resolved, last - first)
-    link = None if topology is None else StageLink(topology, resolved.device, resolved.engine.stage_timeout_s,
-                                                   peer_check, resolved.engine.rendezvous_timeout_s)
+    shard = Shard(place.shard, place.tensor_parallel_size)
+    local_blocks = KVCache.blocks_that_fit(resolved, last - first, shard)
+    link = None if topology is None else StageLink(topology, resolved.device, engine.stage_timeout_s, peer_check,
+                                                   engine.rendezvous_timeout_s, place.tensor_parallel_size)
     num_blocks = local_blocks if link is None else KVCache.agree(local_blocks, link.device)
-    stage = load_stage(resolved.engine.model, (first, last), resolved.dtype, resolved.device, progress=progress)
-    kv_cache = KVCache.allocate(resolved, last - first, num_blocks)
-    sampler = Sampler(resolved.engine.seed) if rank == resolved.num_stages - 1 else None
-    runner = ModelRunner(stage, kv_cache, sampler, resolved.device)
+    team = None
+    if topology is not None and place.tensor_parallel_size > 1:
+        team = TensorTeam.form(topology, place.tensor_parallel_size, resolved.device, engine.stage_timeout_s,
+                               resolved.model.hidden_size, resolved.dtype)
+    tp = team.collectives if team is not None else SINGLE
+    stage = load_stage(engine.model, (first, last), resolved.dtype, resolved.device, progress=progress, tp=tp)
+    kv_cache = KVCache.allocate(resolved, last - first, num_blocks, shard)
+    samples = rank == resolved.num_stages - 1 and place.is_leader
+    runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team)
     warm_up(runner, resolved, rank)
-    return StageRuntime(resolved, rank, runner, kv_cache, link)
+    return StageRuntime(resolved, rank, runner, kv_cache, link, team)
 
 
-def _rank(resolved: ResolvedConfig, topology: Topology | None) -> int:
-    """This process's stage; the topology must match the configured number of stages."""
+def _place(resolved: ResolvedConfig, topology: Topology | None) -> RankPlace:
+    """This process's stage and shard; the topology must match the configured group size."""
+    tp = resolved.tensor_parallel_size
     world = 1 if topology is None else topology.world_size
-    if world != resolved.num_stages:
-        raise ConfigError("pipeline_stages", f"is {resolved.num_stages} but the group has {world} stage(s)")
-    return 0 if topology is None else topology.rank
+    if world != resolved.num_stages * tp:
+        raise ConfigError("pipeline_stages", f"{resolved.num_stages} stage(s) × tensor_parallel_size {tp} need "
+                                             f"{resolved.num_stages * tp} rank(s), but the group has {world}")
+    return RankPlace.of(0 if topology is None else topology.rank, tp)
+
+
+def _rank_device(resolved: ResolvedConfig, place: RankPlace) -> ResolvedConfig:
+    """With tensor parallelism on GPUs each rank takes its own device: `cuda:$LOCAL_RANK` (set by the
+    launchers: the shard inside a pod, the global rank on one machine), else `cuda:<shard>`."""
+    if resolved.device.type != "cuda" or resolved.device.index is not None or place.tensor_parallel_size == 1:
+        return resolved
+    index = int(os.environ.get(LOCAL_RANK_ENV, place.shard))
+    return replace(resolved, device=torch.device("cuda", index))
 
 
 def pin_stage_cpus(rank: int) -> None:

@@ -178,3 +178,38 @@ def test_a_worker_that_cannot_start_says_why_and_the_router_stays_alive(deployme
     finally:
         cluster.kubectl("delete", "mdep", name, "-n", cluster.namespace, "--wait=false")
         cluster.wait_for(f"{name} deleted", lambda: cluster.get(crd.KIND, name) is None, timeout=60)
+
+
+def test_two_stages_of_two_tensor_parallel_ranks_serve_tokens(deployment: Deployment) -> None:
+    """`parallelism: {pipeline: 2, tensor: 2}`: 2 stage pods per group, each told to run 2 ranks (the
+    worker in the pod starts its stage's second rank itself: 4 processes, gloo on loopback), and a
+    completion streams through the router. (CPU pods: `gpusPerStage: 0`; the GPU requests of such a
+    pod are checked in tests/unit/test_render.py and the operator e2e.)"""
+    cluster, runtime, name = deployment.cluster, deployment.runtime, "tp"
+    manifest = json.loads(json.dumps(MANIFEST))
+    manifest["metadata"]["name"] = name
+    manifest["spec"]["parallelism"] = {"pipeline": 2, "tensor": 2}
+    cluster.apply(manifest)
+    try:
+        try:
+            cluster.wait_ready(name, timeout=240)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- pod logs ---\n{runtime.logs()}") from None
+        stages = sorted(p["metadata"]["name"] for p in cluster.list(
+            "Pod", f"chariot.dev/deployment={name},app.kubernetes.io/component=worker"))
+        assert stages == [f"{name}-g0-s0", f"{name}-g0-s1"]
+        for pod in stages:
+            args = cluster.get("Pod", pod)["spec"]["containers"][0]["args"]
+            assert args[args.index("--tensor-parallel-size") + 1] == "2"
+        (router,) = [p["metadata"]["name"] for p in cluster.list(
+            "Pod", f"chariot.dev/deployment={name},app.kubernetes.io/component=router")]
+        body = json.dumps({"model": name, "prompt": "The quick brown fox", "max_tokens": 6,
+                           "temperature": 0.0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{runtime.port(router, 8000)}/v1/completions",
+                                         data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            choice = json.loads(resp.read())["choices"][0]
+        assert choice["text"] and choice["finish_reason"] in ("length", "stop"), choice
+    finally:
+        cluster.kubectl("delete", "mdep", name, "-n", cluster.namespace, "--wait=false")
+        cluster.wait_for(f"{name} deleted", lambda: cluster.get(crd.KIND, name) is None, timeout=60)

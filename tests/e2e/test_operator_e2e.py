@@ -226,9 +226,29 @@ def test_pod_templates_reach_the_stage_pods_and_the_router(cluster: Cluster) -> 
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
 
 
+def test_two_stages_of_two_tensor_parallel_ranks_make_two_pods_of_two_gpus(cluster: Cluster) -> None:
+    """`kubectl apply` of `parallelism: {pipeline: 2, tensor: 2}` (GPU stages): 2 stage pods per group,
+    each requesting 2 GPUs and told to run 2 ranks; the group becomes Ready. (The fake runtime runs
+    no process; tests/e2e/test_local_e2e.py serves tokens from such a deployment on the CPU.)"""
+    manifest = example("tp")
+    manifest["spec"]["parallelism"] = {"pipeline": 2, "tensor": 2}
+    manifest["spec"]["resources"] = {**manifest["spec"].get("resources", {}), "gpusPerStage": 1}
+    cluster.apply(manifest)
+    cluster.wait_ready("tp")
+    stage_pods = pods(cluster, "tp")
+    assert sorted(stage_pods) == ["tp-g0-s0", "tp-g0-s1"]
+    for pod in stage_pods.values():
+        (worker,) = pod["spec"]["containers"]
+        assert worker["resources"]["requests"]["nvidia.com/gpu"] == 2
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert worker["args"][worker["args"].index("--tensor-parallel-size") + 1] == "2"
+    cluster.kubectl("delete", "mdep", "tp", "-n", cluster.namespace, "--wait=false")
+    cluster.wait_for("tp deleted", lambda: cluster.get(crd.KIND, "tp") is None)
+
+
 def test_invalid_spec_is_reported_by_field_and_applies_nothing(cluster: Cluster) -> None:
     bad = example("bad")
-    bad["spec"]["parallelism"] = {"pipeline": 2, "tensor": 2}
+    bad["spec"]["parallelism"] = {"pipeline": 2, "tensor": 3}  # preset://tiny has 4 attention heads
     cluster.apply(bad)
     cond = cluster.wait_for("Ready=False", lambda: cluster.condition("bad", "Ready").get("status") == "False"
                             and cluster.condition("bad", "Ready"))

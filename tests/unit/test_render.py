@@ -84,6 +84,30 @@ def test_stage_zero_is_probed_over_grpc_health_and_other_stages_over_metrics() -
     assert {p["name"] for p in stage2["ports"]} == {"metrics"}
 
 
+@pytest.mark.parametrize(("tensor", "gpus"), [(2, 1), (4, 1), (2, 2)])
+def test_a_stage_pod_gets_a_device_per_tensor_parallel_rank_and_starts_its_ranks(tensor: int, gpus: int) -> None:
+    """The pod counts stages in its rendezvous env (RANK = stage, WORLD_SIZE = P) and is told T: the
+    worker starts the stage's other T-1 ranks itself (ranks stage × T + k of P × T)."""
+    raw = {"model": {"uri": "pvc://models/llama-3"}, "parallelism": {"pipeline": 2, "tensor": tensor},
+           "resources": {"gpusPerStage": gpus}}
+    spec = parse_spec(raw, OWNER.name)
+    for stage, pod in enumerate(render.group_pods(OWNER, spec, "img", 0, "h")):
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == tensor * gpus
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == tensor * gpus
+        args = container["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == str(tensor)
+        assert args[args.index("--stages") + 1] == "2"
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(stage), "2")
+
+
+def test_tensor_parallelism_that_does_not_split_a_preset_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidSpec, match=r"spec\.parallelism\.tensor.*attention heads \(4\), got 3"):
+        parse_spec({"model": {"uri": "preset://tiny"}, "parallelism": {"tensor": 3}}, "x")
+    assert parse_spec({"model": {"uri": "preset://tiny"}, "parallelism": {"tensor": 4}}, "x").tensor == 4
+
+
 def test_cpu_stages_get_no_gpu_and_run_on_cpu() -> None:
     spec = spec_of(2, resources={"gpusPerStage": 0, "cpu": 4, "memory": "2Gi"})
     container = render.stage_pod(OWNER, spec, "img", 0, 1)["spec"]["containers"][0]
@@ -264,7 +288,8 @@ def test_defaults_match_the_crd() -> None:
 
 
 @pytest.mark.parametrize(("change", "field"), [
-    ({"parallelism": {"tensor": 2}}, "spec.parallelism.tensor"),
+    ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),  # preset://tiny has 4 attention heads
+    ({"parallelism": {"tensor": 0}}, "spec.parallelism.tensor"),
     ({"parallelism": {"pipeline": 0}}, "spec.parallelism.pipeline"),
     ({"parallelism": {"pipeline": 3}}, "spec.parallelism.pipeline"),  # preset://tiny has 2 layers
     ({"replicas": -1}, "spec.replicas"),
@@ -305,7 +330,8 @@ def test_names_that_cannot_become_pod_hostnames_are_rejected(name: str) -> None:
 def test_preset_shapes_match_make_model() -> None:
     from chariot.worker.model.make_model import PRESETS
 
-    assert {k: (p.num_layers, p.max_position_embeddings) for k, p in PRESETS.items()} == PRESET_SHAPES
+    assert {k: (p.num_layers, p.max_position_embeddings, p.num_heads, p.num_kv_heads, p.intermediate_size)
+            for k, p in PRESETS.items()} == PRESET_SHAPES
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -528,7 +554,7 @@ def test_a_second_pass_changes_nothing() -> None:
 def test_an_invalid_spec_writes_only_status() -> None:
     kube = MemoryKube()
     kube.objects[("ModelDeployment", "prod", "llama")] = mdep({"model": {"uri": "preset://tiny"},
-                                                               "parallelism": {"tensor": 4}})
+                                                               "parallelism": {"tensor": 3}})
     outcome = Controller(kube, Settings(), clock=lambda: 0.0).reconcile("prod", "llama")
     assert outcome.invalid is not None and "spec.parallelism.tensor" in outcome.message
     assert [k for k, _, _ in kube.objects] == ["ModelDeployment"]
@@ -543,7 +569,7 @@ def test_outcomes_map_to_kopf_errors() -> None:
     assert temporary.value.delay == 3.0
     with pytest.raises(kopf.PermanentError, match=r"spec\.parallelism\.tensor"):
         try:
-            parse_spec({"model": {"uri": "/m"}, "parallelism": {"tensor": 2}}, "x")
+            parse_spec({"model": {"uri": "preset://tiny"}, "parallelism": {"tensor": 3}}, "x")
         except InvalidSpec as exc:
             raise_for(Outcome(False, str(exc), invalid=exc))
 

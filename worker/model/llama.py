@@ -5,11 +5,17 @@ model: the first stage embeds token ids, the last one owns the final norm and th
 every stage runs its layers over one flattened varlen batch whose attention goes through the paged
 KV cache (`chariot.kernels`). q/k/v and gate/up are fused into single matmuls (their checkpoint
 tensors are copied into row slices at load time), which matters for CPU speed.
+
+With tensor parallelism (`parallel.py`) a stage is one rank's shard of those layers: its heads, KV
+heads, MLP columns and vocabulary rows, with one all-reduce after o_proj and one after down_proj.
+`Collectives` with one rank (the default) makes every collective a no-op.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +24,7 @@ from torch import nn
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
 from chariot.worker.config import ModelConfig, RopeScaling
+from chariot.worker.model.parallel import NO_SHARD, SINGLE, Collectives, Shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -93,16 +100,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention with fused q/k/v, RoPE, and the paged KV cache."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: Collectives = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = len(tp.shard.heads(config))
+        self.num_kv_heads = len(tp.shard.kv_heads(config))
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size, self.kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         o_bias = config.qkv_bias and config.architecture != "Qwen2ForCausalLM"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)  # row-parallel: bias on rank 0 only
 
     def forward(
         self,
@@ -119,32 +127,52 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward with gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: Collectives = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = len(tp.shard.mlp(config))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary rows: ids outside them give zeros, and the
+    all-reduce adds the one rank that holds each id."""
+
+    def __init__(self, config: ModelConfig, tp: Collectives = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.first = tp.shard.vocab(config).start
+        self.weight = nn.Parameter(torch.empty(tp.shard.vocab_rows(config), config.hidden_size))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(h.masked_fill(outside.unsqueeze(-1), 0))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: Collectives = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(
         self,
@@ -161,19 +189,21 @@ class DecoderLayer(nn.Module):
 class LlamaStage(nn.Module):
     """Layers [start, end) of a Llama-family model, plus the embedding / head when at the ends."""
 
-    def __init__(self, config: ModelConfig, start: int = 0, end: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, start: int = 0, end: int | None = None, tp: Collectives = SINGLE) -> None:
         super().__init__()
         end = config.num_layers if end is None else end
         if not 0 <= start < end <= config.num_layers:
             raise ConfigError(
                 "layer_range", f"must satisfy 0 <= start < end <= {config.num_layers}, got [{start}, {end})"
             )
-        self.config, self.start, self.end = config, start, end
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if start == 0 else None
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(start, end))
+        tp.shard.check(config)
+        self.config, self.start, self.end, self.tp = config, start, end, tp
+        self.embed_tokens = VocabEmbedding(config, tp) if start == 0 else None
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(start, end))
         last = end == config.num_layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        vocab_rows = tp.shard.vocab_rows(config)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_rows, bias=False) if last else None
         self.rotary = RotaryTable(config)
         self.requires_grad_(False)
         self.tie_weights()
@@ -219,7 +249,8 @@ class LlamaStage(nn.Module):
         """Final norm + LM head over the rows to sample: [N, hidden] → [N, vocab] float32."""
         if self.norm is None or self.lm_head is None:
             raise RuntimeError(f"stage [{self.start}, {self.end}) is not the last stage")
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.tp.all_gather_last(self.lm_head(self.norm(hidden)))
+        return logits[:, : self.config.vocab_size].float()  # vocabulary-parallel padding dropped
 
     def weight_names(self) -> list[str]:
         """The checkpoint (Hugging Face) tensor names this stage needs, in load order."""
@@ -235,12 +266,49 @@ class LlamaStage(nn.Module):
         return names
 
     @torch.no_grad()
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy one checkpoint tensor into its (possibly fused) parameter slice."""
+    def load_weight(self, name: str, source: torch.Tensor | TensorSlice) -> None:
+        """Copy this rank's part of one checkpoint tensor into its (possibly fused) parameter slice.
+
+        `source` is the tensor or a lazy safetensors slice of it (`get_slice`): with tensor
+        parallelism only this rank's shard is read."""
         target = self._target(name)
-        if target.shape != tensor.shape:
-            raise ModelLoadError(f"tensor {name!r}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
-        target.copy_(tensor)
+        if name.endswith("o_proj.bias") and self.tp.shard.rank > 0:
+            target.zero_()  # a row-parallel bias is added once, after the all-reduce: by rank 0
+            return
+        full = tuple(source.get_shape()) if isinstance(source, TensorSlice) else tuple(source.shape)
+        cut = self._shard_of(name)
+        expected = list(target.shape)
+        if cut.rows is not None:
+            expected[0] = cut.full_rows
+        if cut.cols is not None:
+            expected[1] = cut.full_cols
+        if tuple(expected) != full:
+            raise ModelLoadError(f"tensor {name!r}: expected shape {tuple(expected)}, got {full}")
+        tensor = cut.read(source)
+        target[: tensor.shape[0]].copy_(tensor)
+        if tensor.shape[0] < target.shape[0]:
+            target[tensor.shape[0] :].zero_()  # vocabulary-parallel padding rows
+
+    def _shard_of(self, name: str) -> _Cut:
+        """Which rows / columns of checkpoint tensor `name` this rank holds (all, without TP)."""
+        cfg, shard, d = self.config, self.tp.shard, self.config.head_dim
+        if self.tp.size == 1:
+            return _Cut()
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            vocab = shard.vocab(cfg)
+            return _Cut(rows=vocab, full_rows=cfg.vocab_size)
+        sub = name.split(".")[-2]
+        heads, kv, mlp = shard.heads(cfg), shard.kv_heads(cfg), shard.mlp(cfg)
+        q_rows, kv_rows = range(heads.start * d, heads.stop * d), range(kv.start * d, kv.stop * d)
+        cuts = {"q_proj": _Cut(rows=q_rows, full_rows=cfg.num_heads * d),
+                "k_proj": _Cut(rows=kv_rows, full_rows=cfg.num_kv_heads * d),
+                "v_proj": _Cut(rows=kv_rows, full_rows=cfg.num_kv_heads * d),
+                "gate_proj": _Cut(rows=mlp, full_rows=cfg.intermediate_size),
+                "up_proj": _Cut(rows=mlp, full_rows=cfg.intermediate_size),
+                "down_proj": _Cut(cols=mlp, full_cols=cfg.intermediate_size)}
+        if sub == "o_proj" and name.endswith(".weight"):
+            return _Cut(cols=q_rows, full_cols=cfg.num_heads * d)
+        return cuts.get(sub, _Cut())
 
     def _target(self, name: str) -> torch.Tensor:
         if name == "model.embed_tokens.weight":
@@ -261,7 +329,7 @@ class LlamaStage(nn.Module):
             raise ModelLoadError(f"tensor {name!r} belongs to a layer outside [{self.start}, {self.end})")
         layer = self.layers[index - self.start]
         sub, kind = ".".join(parts[3:-1]), parts[-1]
-        fused = _fused_slices(self.config).get(sub)
+        fused = _fused_slices(layer).get(sub)
         if fused is not None:
             fused_name, lo, hi = fused
             return layer.get_parameter(f"{fused_name}.{kind}")[lo:hi]
@@ -271,15 +339,43 @@ class LlamaStage(nn.Module):
             raise ModelLoadError(f"tensor {name!r} is not a parameter of this model") from exc
 
 
+@runtime_checkable
+class TensorSlice(Protocol):
+    """A safetensors slice (`safe_open(...).get_slice(name)`): shape known, data read on indexing."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Rows and/or columns of a checkpoint tensor (None: all), and that tensor's full extent there."""
+
+    rows: range | None = None
+    cols: range | None = None
+    full_rows: int = 0
+    full_cols: int = 0
+
+    def read(self, source: torch.Tensor | TensorSlice) -> torch.Tensor:
+        rows = slice(None) if self.rows is None else slice(self.rows.start, self.rows.stop)
+        if self.cols is None:
+            return source[rows] if self.rows is not None else source[:]
+        return source[rows, self.cols.start : self.cols.stop]
+
+
 def _weight(module: nn.Module | None, name: str) -> torch.Tensor:
     if module is None:
         raise ModelLoadError(f"tensor {name!r} is not held by this stage")
     return module.get_parameter("weight")
 
 
-def _fused_slices(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """Checkpoint sub-module → (fused parameter's module, row slice)."""
-    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+def _fused_slices(layer: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint sub-module → (fused parameter's module, row slice), at this rank's sizes."""
+    attn, mlp = layer.get_submodule("self_attn"), layer.get_submodule("mlp")
+    if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
+        raise ModelLoadError(f"layer {layer!r} is not a decoder layer")
+    q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
     return {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
         "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
@@ -308,15 +404,18 @@ def allocate_kv_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    shard: Shard = NO_SHARD,
 ) -> list[KVCache]:
     """One (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]
-    (`chariot.kernels.empty_kv_cache`: head-major in memory on the CPU).
+    (`chariot.kernels.empty_kv_cache`: head-major in memory on the CPU); kv_heads are the ones
+    tensor-parallel rank `shard` stores.
 
     Left uninitialised: the attention contract (`chariot.kernels`) never reads a slot at or past a
     sequence's length (the kernel tests run on NaN-filled caches), and zero-filling a cache sized
     from free memory would cost seconds at start-up and commit all of its memory at once.
     """
     def one() -> torch.Tensor:
-        return empty_kv_cache(num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype, device)
+        kv_heads = len(shard.kv_heads(config))
+        return empty_kv_cache(num_blocks, block_size, kv_heads, config.head_dim, dtype, device)
 
     return [(one(), one()) for _ in range(num_layers)]

@@ -23,6 +23,7 @@ from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.worker.config import ModelConfig
 from chariot.worker.model import cpu_linear
 from chariot.worker.model.llama import LlamaStage
+from chariot.worker.model.parallel import SINGLE, Collectives
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,8 +36,10 @@ def load_stage(
     device: torch.device | str = "cpu",
     progress: bool = True,
     pack_linears: bool = True,
+    tp: Collectives = SINGLE,
 ) -> LlamaStage:
-    """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`.
+    """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`; with
+    tensor parallelism (`tp`), this rank's shard of them, reading only that shard of each tensor.
 
     On the CPU its linear layers are then packed for oneDNN (`cpu_linear.py`) unless `pack_linears`
     is False (the unpacked `nn.Linear` weights are what tests inspect)."""
@@ -44,7 +47,7 @@ def load_stage(
     config = ModelConfig.from_dir(path)
     start, end = layer_range
     with torch.device("meta"):
-        stage = LlamaStage(config, start, end)
+        stage = LlamaStage(config, start, end, tp)
     stage = stage.to(dtype=dtype).to_empty(device=device)
     stage.tie_weights()
     plan = _plan_reads(path, stage.weight_names())
@@ -115,6 +118,8 @@ def _read_index(index_path: Path) -> dict[str, str]:
 def _read_tensors(stage: LlamaStage, plan: dict[Path, list[str]], progress: bool) -> None:
     total = sum(len(names) for names in plan.values())
     desc = f"Loading layers [{stage.start}, {stage.end})"
+    if stage.tp.size > 1:
+        desc += f", tensor-parallel shard {stage.tp.shard.rank + 1}/{stage.tp.size}"
     with tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=not progress) as bar:
         for file, names in plan.items():
             with _open_safetensors(file) as handle:
@@ -122,7 +127,8 @@ def _read_tensors(stage: LlamaStage, plan: dict[Path, list[str]], progress: bool
                 for name in names:
                     if name not in available:
                         raise ModelLoadError(f"{file}: missing tensor {name!r}")
-                    stage.load_weight(name, handle.get_tensor(name))
+                    sharded = stage.tp.size > 1
+                    stage.load_weight(name, handle.get_slice(name) if sharded else handle.get_tensor(name))
                     bar.update()
 
 

@@ -33,6 +33,7 @@ class PipelineExecutor:
     """Executor for stage 0 of a P-stage pipeline (see `chariot.worker.engine.Executor`)."""
 
     def __init__(self, runtime: StageRuntime, heartbeat_s: float | None = None) -> None:
+        self.runtime = runtime
         self.runner = runtime.runner
         self.link = runtime.pipeline_link()
         self.world = runtime.resolved.num_stages
@@ -59,7 +60,7 @@ class PipelineExecutor:
         with self._lock:
             self._raise_if_failed()
             t0 = time.perf_counter()
-            hidden = self.runner.forward(self.runner.decode(mb))
+            _, hidden = self.runner.run(mb)
             self.clock.busy_s += time.perf_counter() - t0
             header = wire.Header(wire.Kind.BATCH, self._next_id, mb.layout)
             raw = wire.encode_header(header, self.clock.stamp(self.counters))
@@ -107,7 +108,7 @@ class PipelineExecutor:
                     self.link.send([wire.encode_header(wire.Header(wire.Kind.SHUTDOWN, 0))], 1)
                 except PipelineError as exc:
                     log.warning("shutdown: %s", exc)
-            self.link.close()
+            self.runtime.close(release_followers=self.failed is None)
 
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,12 +28,54 @@ def start_group(index: int, config: EngineConfig, served: str, engine_core: str 
     """Every stage of pipeline group `index` as supervised local processes (stage 0's gRPC on `port`,
     0 = a free one; metrics on free ports; rendezvous on loopback); returns (all its children, its
     stage 0)."""
-    topo = Topology(0, config.pipeline_stages, "127.0.0.1", free_port())
+    topo = Topology(0, config.world_size, "127.0.0.1", free_port())
     cmd = [*worker_command(config), "--port", str(port), "--metrics-port", "0", "--served-model-name", served,
            "--engine-core", engine_core]
-    children = [spawn(f"replica {index} stage {rank}", cmd, stage_env(topo, rank), WORKER_READY_PREFIX)
-                for rank in range(config.pipeline_stages)]
+    children = [spawn(f"replica {index} {rank_name(config, rank)}", cmd, rank_env(config, topo, rank),
+                      WORKER_READY_PREFIX) for rank in range(config.world_size)]
     return children, children[0]
+
+
+def rank_env(config: EngineConfig, topo: Topology, rank: int) -> dict[str, str]:
+    """The rendezvous environment of global `rank`; with tensor parallelism also its device index
+    on this machine (`LOCAL_RANK`, one device per rank)."""
+    env = stage_env(topo, rank)
+    if config.tensor_parallel_size > 1:
+        env["LOCAL_RANK"] = str(rank)
+    return env
+
+
+def rank_name(config: EngineConfig, rank: int) -> str:
+    """'stage S' for a stage's leader, 'stage S shard K' for a tensor-parallel follower (global `rank`)."""
+    t = config.tensor_parallel_size
+    return f"stage {rank // t}" if rank % t == 0 else f"stage {rank // t} shard {rank % t}"
+
+
+def start_stage_shards(config: EngineConfig, stage_topo: Topology) -> tuple[Topology, list[subprocess.Popen[bytes]]]:
+    """This process is stage `stage_topo.rank` of a group whose environment counts stages (one pod
+    per stage on Kubernetes): start the stage's tensor-parallel followers as child processes and
+    return this process's own place in the group of P × T ranks. Each rank's `LOCAL_RANK` is its
+    shard, i.e. its GPU within the pod; the children die with this process."""
+    t = config.tensor_parallel_size
+    topo = Topology(stage_topo.rank * t, stage_topo.world_size * t, stage_topo.master_addr, stage_topo.master_port)
+    cmd = [*worker_command(config), "--metrics-port", "0"]
+    children = []
+    for shard in range(1, t):
+        env = stage_env(topo, topo.rank + shard)
+        env["LOCAL_RANK"] = str(shard)
+        children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+    os.environ["LOCAL_RANK"] = "0"
+    return topo, children
+
+
+def stop_children(children: list[subprocess.Popen[bytes]], timeout: float = 10.0) -> None:
+    """Wait for child ranks to exit (they follow their leader's shutdown), killing stragglers."""
+    for child in children:
+        try:
+            child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -41,14 +84,16 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
 
 
 class LocalPipeline:
-    """Stages 1..P-1 of one group as child processes; the caller is stage 0."""
+    """Ranks 1..P×T-1 of one group as child processes (downstream stages and tensor-parallel
+    followers); the caller is rank 0 (stage 0's leader)."""
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
-        self.topology = Topology(0, config.pipeline_stages, host, free_port(host))
+        self.config = config
+        self.topology = Topology(0, config.world_size, host, free_port(host))
         cmd = [*worker_command(config), "--metrics-port", "0"]
         logdir, port = Path(tempfile.gettempdir()), self.topology.master_port
-        self.logs = [logdir / f"chariot-{port}-stage{r}.log" for r in range(1, config.pipeline_stages)]
-        self.procs = [_spawn(cmd, stage_env(self.topology, rank), log)
+        self.logs = [logdir / f"chariot-{port}-rank{r}.log" for r in range(1, config.world_size)]
+        self.procs = [_spawn(cmd, rank_env(config, self.topology, rank), log)
                       for rank, log in enumerate(self.logs, start=1)]
 
     def startup_problem(self) -> str | None:
@@ -57,7 +102,7 @@ class LocalPipeline:
             code = proc.poll()
             if code is not None:
                 tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                return f"stage {rank} exited with code {code} ({' | '.join(tail)}; log: {log})"
+                return f"{rank_name(self.config, rank)} exited with code {code} ({' | '.join(tail)}; log: {log})"
         return None
 
     @property

@@ -56,20 +56,62 @@ class StageClock:
 def run_downstream_stage(
     config: EngineConfig, topo: Topology, progress: bool = True, telemetry: Telemetry | None = None
 ) -> int:
-    """Loop of stages 1..P-1 until shutdown (exit 0) or a broken pipeline (exit 1)."""
+    """Loop of every rank but the group's rank 0 until shutdown (exit 0) or a broken pipeline (exit 1):
+    the leaders of stages 1..P-1 serve the pipeline, tensor-parallel followers their leader."""
     runtime = build_stage_runtime(ResolvedConfig.resolve(config), topo, progress)
+    collectives = CollectiveReport(runtime, telemetry)
+    if not runtime.is_leader:
+        return _follow(runtime, collectives)
     link = runtime.pipeline_link()
-    log.info("stage %d/%d ready: layers loaded, %d KV blocks", topo.rank, topo.world_size,
+    log.info("stage %d/%d ready: layers loaded, %d KV blocks", runtime.rank, runtime.resolved.num_stages,
              runtime.kv_cache.num_blocks)
-    clock = StageClock(topo.rank)
+    clock = StageClock(runtime.rank)
     try:
         while _serve_one(runtime, link, clock):
+            collectives.report()
             if telemetry is not None:
                 clock.report(telemetry)
     except PipelineError as exc:
         log.error("%s", exc)
         return 1
-    link.close()
+    runtime.close()
+    return 0
+
+
+class CollectiveReport:
+    """Exports the time this rank spent in tensor-parallel collectives since the last report."""
+
+    def __init__(self, runtime: StageRuntime, telemetry: Telemetry | None) -> None:
+        self.tp, self.telemetry = runtime.runner.stage.tp, telemetry
+        self.stage, self.shard = runtime.rank, self.tp.shard.rank
+        self.seen = 0.0
+
+    def report(self) -> None:
+        total = self.tp.all_reduce_s
+        if self.telemetry is not None and total > self.seen:
+            self.telemetry.add_collective_time(self.stage, self.shard, total - self.seen)
+            self.seen = total
+
+
+def _follow(runtime: StageRuntime, collectives: CollectiveReport) -> int:
+    """A tensor-parallel follower: run every micro-batch its stage's leader shares, until shutdown."""
+    team, runner = runtime.team, runtime.runner
+    if team is None:
+        raise RuntimeError("only a tensor-parallel follower follows a leader")
+    log.info("stage %d tensor-parallel rank %d/%d ready", runtime.rank, team.place.shard + 1,
+             team.place.tensor_parallel_size)
+    try:
+        while (message := team.receive()) is not None:
+            mb, hidden = message
+            inp = runner.decode(mb)
+            out = runner.forward(inp, hidden)
+            if runtime.is_last:
+                runner.sample(inp, out)  # this rank's share of the gathered logits
+            collectives.report()
+    except PipelineError as exc:
+        log.error("%s", exc)
+        return 1
+    runtime.close()
     return 0
 
 
@@ -90,8 +132,7 @@ def _serve_one(rt: StageRuntime, link: StageLink, clock: StageClock) -> bool:
     mb = MicroBatch(header.layout, link.recv((header.layout.payload_len,), torch.long, rank - 1))
     hidden = link.recv((header.layout.num_tokens, rt.resolved.model.hidden_size), rt.resolved.dtype, rank - 1)
     t1 = time.perf_counter()
-    inp = rt.runner.decode(mb)
-    hidden = rt.runner.forward(inp, hidden.to(rt.resolved.device))
+    inp, hidden = rt.runner.run(mb, hidden.to(rt.resolved.device))
     max_batch = rt.resolved.engine.max_batch_size
     if rt.is_last:
         tokens = rt.runner.sample(inp, hidden)

@@ -107,13 +107,20 @@ def rendezvous(topo: Topology, timeout: datetime.timedelta, peer_check: PeerChec
 
 
 class StageLink:
-    """This stage's sends and receives; owns the process group for its lifetime."""
+    """This stage's sends and receives; owns the process group for its lifetime.
+
+    Peers are named by pipeline stage; with tensor parallelism a stage's messages go to and from
+    its leader (global rank stage × `tensor_parallel_size`), the only rank of a stage that talks to
+    other stages."""
 
     def __init__(self, topo: Topology, device: torch.device, timeout_s: float,
-                 peer_check: PeerCheck | None = None, join_timeout_s: float = 180.0) -> None:
+                 peer_check: PeerCheck | None = None, join_timeout_s: float = 180.0,
+                 tensor_parallel_size: int = 1) -> None:
         if dist.is_initialized():
             raise PipelineError("a torch.distributed process group already exists in this process")
         self.topo = topo
+        self.tensor_parallel_size = tensor_parallel_size
+        self.stage = topo.rank // tensor_parallel_size
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device  # tensors cross the wire from here (cuda for nccl, cpu for gloo)
         join_timeout = datetime.timedelta(seconds=max(timeout_s, join_timeout_s))
@@ -128,7 +135,7 @@ class StageLink:
         self._reap()
         wire = [t.to(self.device).contiguous() for t in tensors]
         for t in wire:
-            work = self._start(partial(dist.isend, t, dst), dst, "send to")
+            work = self._start(partial(dist.isend, t, dst * self.tensor_parallel_size), dst, "send to")
             self._sends.append((work, wire))
         while len(self._sends) > MAX_PENDING_SENDS:
             self._wait(self._sends.popleft()[0], dst, "send to")
@@ -136,7 +143,7 @@ class StageLink:
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, timeout: datetime.timedelta | None = None,
              ) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        work = self._start(lambda: dist.irecv(buf, src), src, "receive from")
+        work = self._start(lambda: dist.irecv(buf, src * self.tensor_parallel_size), src, "receive from")
         self._wait(work, src, "receive from", timeout)
         return buf
 
@@ -160,7 +167,7 @@ class StageLink:
         except RuntimeError as exc:
             raise self._broken(peer, what, exc) from exc
         if work is None:
-            raise PipelineError(f"pipeline stage {self.topo.rank} cannot {what} stage {peer}")
+            raise PipelineError(f"pipeline stage {self.stage} cannot {what} stage {peer}")
         return work
 
     def _broken(self, peer: int, what: str, exc: BaseException, limit: datetime.timedelta | None = None,
@@ -170,7 +177,7 @@ class StageLink:
         connection lost"), with the transport's own first line."""
         who = f"stage {peer}" if peer >= 0 else "a peer stage"
         detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        me = f"pipeline stage {self.topo.rank}"
+        me = f"pipeline stage {self.stage}"
         if limit is not None and _is_timeout(exc):
             return PipelineError(f"{me}: no answer from {who} within {limit.total_seconds():.0f}s "
                                  f"(waiting to {what} it): {detail}")
