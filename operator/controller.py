@@ -44,6 +44,7 @@ from chariot.operator.render import (
     scale_selector,
     shared_object_names,
     shared_objects,
+    stage_pod,
     with_applied_hash,
 )
 from chariot.operator.spec import InvalidSpec, Spec, parse_spec
@@ -156,9 +157,14 @@ class Controller:
 
     def _execute(self, owner: Owner, spec: Spec, image: str, hash_: str, plan: Plan, pods: list[PodState]) -> None:
         for pod in pods:
-            if pod.group in plan.delete and not pod.terminating:
+            if (pod.group in plan.delete or pod.name in plan.delete_pods) and not pod.terminating:
                 log.info("%s/%s: deleting pod %s", owner.namespace, owner.name, pod.name)
                 self.kube.delete(Ref("Pod", owner.namespace, pod.name))
+        for g, stages in plan.create_stages.items():
+            log.info("%s/%s: group %d has not started: recreating stage pod(s) %s", owner.namespace, owner.name, g,
+                     ", ".join(map(str, stages)))
+            for s in stages:
+                self.kube.create(Ref("Pod", owner.namespace), stage_pod(owner, spec, image, g, s, hash_))
         for g in plan.create:
             log.info("%s/%s: creating group %d (%d stages, config %s)", owner.namespace, owner.name, g,
                      spec.pipeline, hash_)

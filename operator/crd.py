@@ -275,6 +275,8 @@ def _group_status() -> Schema:
         "readySince": _str("When the group last became Ready.", format="date-time"),
         "lastFailure": _str("Why the group was last restarted."),
         "message": _str("Why the group is in this phase."),
+        "started": {"type": "boolean", "description": "All stage pods of this incarnation of the group were "
+                    "Running at once: from then on a failed pod restarts the whole group; before, only that pod."},
     }, required=["index", "phase"])
 
 

@@ -5,9 +5,12 @@ operator, and as a function of (spec, observed pods, previous status, now) they 
 every case without a cluster; the controller only executes the returned `Plan`.
 
 Rules (DESIGN.md §6):
-- a group is `P` pods sharing one configuration hash; if any pod of a group failed or vanished, the
-  whole group is deleted and recreated after a backoff (`base * 2^(restarts-1)`, capped), as
-  LeaderWorkerSet's RecreateGroupOnPodRestart does; a group that stays Ready for `reset_after_s`
+- a group is `P` pods sharing one configuration hash; once the group has *started* (all its stage
+  pods seen Running at once, recorded in its status), a pod that failed or vanished takes the whole group down: it
+  is deleted and recreated after a backoff (`base * 2^(restarts-1)`, capped), as LeaderWorkerSet's
+  RecreateGroupAfterStart does; before that, only the failed or missing stage pods are replaced
+  (after the same backoff), so a stage that cannot start (an image pull, a node that never comes)
+  does not take down stages that are still loading; a group that stays Ready for `reset_after_s`
   forgets its restarts;
 - pods are never reused across configurations: a group whose pods carry an old hash is replaced —
   at once if it is not serving anyway; a serving one, with `rollout.maxSurge` S > 0, only after an
@@ -105,10 +108,13 @@ class GroupStatus:
     ready_since: float | None = None
     last_failure: str = ""
     message: str = ""
+    started: bool = False
+    """All stage pods of this incarnation of the group have been seen Running at once."""
 
     def to_dict(self) -> Manifest:
         out: Manifest = {"index": self.index, "phase": self.phase, "pods": self.pods, "readyPods": self.ready_pods,
-                         "configHash": self.config_hash, "restarts": self.restarts, "message": self.message}
+                         "configHash": self.config_hash, "restarts": self.restarts, "message": self.message,
+                         "started": self.started}
         if self.restart_after is not None:
             out["restartAfter"] = format_time(self.restart_after)
         if self.ready_since is not None:
@@ -123,7 +129,7 @@ class GroupStatus:
                    ready_pods=raw.get("readyPods", 0), config_hash=raw.get("configHash", ""),
                    restarts=raw.get("restarts", 0), restart_after=parse_time(raw.get("restartAfter")),
                    ready_since=parse_time(raw.get("readySince")), last_failure=raw.get("lastFailure", ""),
-                   message=raw.get("message", ""))
+                   message=raw.get("message", ""), started=bool(raw.get("started", False)))
 
 
 @dataclass
@@ -133,6 +139,8 @@ class Plan:
 
     create: list[int] = field(default_factory=list)
     delete: list[int] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)  # single pods of groups that have not started
+    create_stages: dict[int, list[int]] = field(default_factory=dict)  # group -> the stage pods to (re)create
     statuses: dict[int, GroupStatus] = field(default_factory=dict)  # by group index
     removed: set[int] = field(default_factory=set)  # groups scaled away: deleted, not reported
     requeue_after: float | None = None
@@ -186,6 +194,11 @@ def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previou
             plan.create.append(g)
         elif action == "delete":
             plan.delete.append(g)
+        elif action == "replace":
+            plan.delete_pods += [p.name for p in by_group[g] if p.failed]
+        elif action == "fill":
+            present = {p.stage for p in by_group[g]}
+            plan.create_stages[g] = [s for s in range(spec.pipeline) if s not in present]
     rolling = [g for g in indexes if g in outdated and planned[g][1] == "roll"]
     _roll(plan, spec, members, rolling, current_hash)
     _surge(plan, spec, members, rolling, set(indexes), current_hash)
@@ -252,6 +265,8 @@ def _plan_group(spec: Spec, current_hash: str, pods: list[PodState], prev: Group
                 backoff: Backoff) -> tuple[GroupStatus, str | None]:
     base = replace(prev, pods=len(pods), ready_pods=sum(p.ready for p in pods),
                    config_hash=pods[0].config_hash if pods else prev.config_hash)
+    if len(pods) == spec.pipeline and all(p.phase == "Running" for p in pods):
+        base = replace(base, started=True)  # recorded in status: a pod failing later finds it set
     if any(p.terminating for p in pods):
         return replace(base, phase="Terminating", message="waiting for the old pods to terminate"), None
     if not pods:
@@ -259,7 +274,7 @@ def _plan_group(spec: Spec, current_hash: str, pods: list[PodState], prev: Group
             return replace(base, phase="BackingOff", message=f"{prev.last_failure}; restart {prev.restarts} backing "
                                                              f"off until {format_time(prev.restart_after)}"), None
         return replace(base, phase="Pending", config_hash=current_hash, restart_after=None, ready_since=None,
-                       message="creating the group's pods"), "create"
+                       started=False, message="creating the group's pods"), "create"
     stale = any(p.config_hash != current_hash for p in pods)
     complete = sorted(p.stage for p in pods) == list(range(spec.pipeline)) or stale
     ready = complete and all(p.ready for p in pods) and not any(p.failed for p in pods)
@@ -269,7 +284,9 @@ def _plan_group(spec: Spec, current_hash: str, pods: list[PodState], prev: Group
         return replace(base, phase="Terminating", ready_since=None,
                        message=f"replacing the group with configuration {current_hash}"), "delete"
     if not complete or any(p.failed for p in pods):
-        return _gang_restart(base, spec, pods, now, backoff), "delete"
+        if base.started:
+            return _gang_restart(base, spec, pods, now, backoff), "delete"
+        return _replace_stages(base, spec, pods, now, backoff)
     if ready:
         return _ready(base, now, backoff), None
     running = all(p.phase == "Running" for p in pods)
@@ -300,13 +317,29 @@ def _gang_restart(base: GroupStatus, spec: Spec, pods: list[PodState], now: floa
                            f"{backoff.delay(restarts):g}s")
 
 
+def _replace_stages(base: GroupStatus, spec: Spec, pods: list[PodState], now: float, backoff: Backoff,
+                    ) -> tuple[GroupStatus, str | None]:
+    """A group that has not started: delete its failed pods at once (counted as one restart, with
+    backoff), and recreate the missing stages once the backoff has passed; the other pods keep
+    waiting for them at the rendezvous."""
+    if any(p.failed for p in pods) or base.restart_after is None:
+        status = _gang_restart(base, spec, pods, now, backoff)
+        message = status.message.replace("recreating the whole group", "replacing only those pods (the group "
+                                                                       "has not started)")
+        return replace(status, message=message), "replace"
+    if now < base.restart_after:
+        return replace(base, phase="BackingOff", message=f"{base.last_failure}; replacing the pod(s) after "
+                                                         f"{format_time(base.restart_after)}"), None
+    return replace(base, phase="Pending", restart_after=None, message="recreating the missing stage pods"), "fill"
+
+
 def _collect_waits(plan: Plan, now: float) -> None:
     for g in plan.groups:
         if g.phase == "BackingOff" and g.restart_after is not None:
             plan.wait(f"group {g.index} backing off", after=max(g.restart_after - now, 0.0))
         elif g.phase != "Ready":
             plan.wait(f"group {g.index} is {g.phase}")
-    if plan.create or plan.delete:
+    if plan.create or plan.delete or plan.delete_pods or plan.create_stages:
         plan.wait("pods changed")
 
 

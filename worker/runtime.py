@@ -98,6 +98,8 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
     tp = team.collectives if team is not None else SINGLE
     stage = load_stage(engine.model, (first, last), resolved.dtype, resolved.device, progress=progress, tp=tp)
     kv_cache = KVCache.allocate(resolved, last - first, num_blocks, shard)
+    if team is not None:
+        team.wait_for_peers()
     samples = rank == resolved.num_stages - 1 and place.is_leader
     runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team)
     warm_up(runner, resolved, rank)

@@ -351,28 +351,62 @@ def test_plan_creates_missing_groups_and_reports_them_pending() -> None:
     assert [g.phase for g in plan.groups] == ["Ready", "Pending", "Pending"]
 
 
-def test_plan_gang_restarts_a_group_with_a_failed_or_missing_pod_then_backs_off() -> None:
+def test_plan_gang_restarts_a_started_group_with_a_failed_or_missing_pod_then_backs_off() -> None:
     spec = spec_of(3, 2)
     pods = pod_states(spec, range(2))
+    started = {g: GroupStatus(g, "Ready", started=True) for g in range(2)}
     failed = [p if p.name != "llama-g1-s2" else PodState(p.name, 1, 2, "h", "Failed", False, False) for p in pods]
-    plan = plan_groups(spec, "h", failed, {}, 1000.0, BACKOFF)
+    plan = plan_groups(spec, "h", failed, started, 1000.0, BACKOFF)
     assert plan.delete == [1] and plan.groups[1].phase == "Restarting" and plan.groups[1].restarts == 1
-    assert "llama-g1-s2 failed" in plan.groups[1].message
+    assert "llama-g1-s2 failed" in plan.groups[1].message and plan.delete_pods == []
     why = "chariot: stage 2: warm-up forward pass failed"
     told = [p if p.name != "llama-g1-s2" else PodState(p.name, 1, 2, "h", "Failed", False, False, why) for p in pods]
-    plan = plan_groups(spec, "h", told, {}, 1000.0, BACKOFF)
+    plan = plan_groups(spec, "h", told, started, 1000.0, BACKOFF)
     assert plan.groups[1].last_failure == "pod llama-g1-s2 failed: chariot: stage 2: warm-up forward pass failed"
     vanished = [p for p in pods if p.name != "llama-g0-s1"]
-    plan = plan_groups(spec, "h", vanished, {}, 1000.0, BACKOFF)
+    plan = plan_groups(spec, "h", vanished, started, 1000.0, BACKOFF)
     assert plan.delete == [0] and "stage 1 vanished" in plan.groups[0].last_failure
-    # Pods gone: wait out the backoff (5 s for the first restart), then recreate.
+    # Pods gone: wait out the backoff (5 s for the first restart), then recreate, not started yet.
     previous = {0: plan.groups[0]}
     later = [p for p in pods if p.group == 1]
     waiting = plan_groups(spec, "h", later, previous, 1003.0, BACKOFF)
     assert waiting.create == [] and waiting.groups[0].phase == "BackingOff"
     assert waiting.requeue_after == pytest.approx(2.0)
     after = plan_groups(spec, "h", later, previous, 1005.5, BACKOFF)
-    assert after.create == [0] and after.groups[0].restarts == 1
+    assert after.create == [0] and after.groups[0].restarts == 1 and not after.groups[0].started
+
+
+def test_a_group_is_started_once_all_its_pods_run_at_once() -> None:
+    spec = spec_of(2, 1)
+    loading = [PodState("llama-g0-s0", 0, 0, "h", "Running", False, False),
+               PodState("llama-g0-s1", 0, 1, "h", "Pending", False, False)]
+    assert not plan_groups(spec, "h", loading, {}, 0.0, BACKOFF).groups[0].started
+    running = plan_groups(spec, "h", pod_states(spec, [0], ready=False), {}, 0.0, BACKOFF).groups[0]
+    assert running.started and running.to_dict()["started"] is True
+    assert GroupStatus.from_dict(running.to_dict()).started
+
+
+def test_before_the_group_started_only_the_failed_pod_is_replaced_after_backoff() -> None:
+    """LeaderWorkerSet's RecreateGroupAfterStart: stage 1 fails while stage 0 is still loading (not
+    every pod has run yet): only stage 1 is deleted, and recreated once the backoff has passed; stage
+    0 keeps waiting at the rendezvous. A pod that vanishes before the start is replaced the same way."""
+    spec = spec_of(2, 1)
+    loading = [PodState("llama-g0-s0", 0, 0, "h", "Pending", False, False),
+               PodState("llama-g0-s1", 0, 1, "h", "Failed", False, False, "chariot: cannot pull")]
+    plan = plan_groups(spec, "h", loading, {}, 1000.0, BACKOFF)
+    assert (plan.delete, plan.delete_pods, plan.create_stages) == ([], ["llama-g0-s1"], {})
+    status = plan.groups[0]
+    assert (status.phase, status.restarts, status.restart_after) == ("Restarting", 1, 1005.0)
+    assert "replacing only those pods" in status.message and "cannot pull" in status.last_failure
+    alone = [loading[0]]  # the failed pod is gone; stage 0 still loading
+    waiting = plan_groups(spec, "h", alone, {0: status}, 1002.0, BACKOFF)
+    assert waiting.groups[0].phase == "BackingOff" and not waiting.create_stages and not waiting.delete_pods
+    refill = plan_groups(spec, "h", alone, {0: status}, 1006.0, BACKOFF)
+    assert refill.create_stages == {0: [1]} and refill.create == [] and refill.delete == []
+    assert refill.groups[0].restarts == 1 and refill.groups[0].restart_after is None
+    vanished = plan_groups(spec, "h", alone, {0: GroupStatus(0, "Pending")}, 2000.0, BACKOFF)
+    assert vanished.delete_pods == [] and vanished.groups[0].restart_after == 2005.0
+    assert "stage 1 vanished" in vanished.groups[0].last_failure
 
 
 def test_backoff_doubles_and_is_capped() -> None:
@@ -443,7 +477,8 @@ def test_a_surge_group_that_fails_is_gang_restarted_and_old_groups_keep_serving(
     old = pod_states(spec, range(1), h="old")
     crashed = [PodState("llama-g1-s0", 1, 0, "new", "Failed", False, False, "chariot: boom"),
                PodState("llama-g1-s1", 1, 1, "new", "Running", False, False)]
-    plan = plan_groups(spec, "new", old + crashed, {}, 100.0, BACKOFF)
+    started = {1: GroupStatus(1, "Starting", started=True)}  # both its pods had been running
+    plan = plan_groups(spec, "new", old + crashed, started, 100.0, BACKOFF)
     assert plan.delete == [1] and plan.create == [] and serving(plan) == 1
     assert plan.groups[1].phase == "Restarting" and "chariot: boom" in plan.groups[1].last_failure
     # Its pods gone, it backs off in its index; no other group is started meanwhile.

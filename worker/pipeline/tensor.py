@@ -81,9 +81,15 @@ class TensorTeam:
             raise PipelineError(f"rank {topo.rank} is in no stage of a {stages}-stage group")
         return cls(place, *mine, device, hidden_size, dtype)
 
-    @property
-    def collectives_time_s(self) -> float:
-        return self.collectives.all_reduce_s
+    def wait_for_peers(self) -> None:
+        """Every rank: return once all ranks of the stage got here (before the warm-up's first
+        collective: loading a large shard may take one rank much longer than the stage timeout
+        that bounds the compute group's collectives)."""
+        try:
+            dist.barrier(group=self.control)
+        except RuntimeError as exc:
+            raise PipelineError(f"stage {self.place.stage} tensor-parallel rank {self.place.shard}: a peer rank "
+                                f"did not finish loading: {str(exc).splitlines()[0][:200]}") from exc
 
     # ---- leader ---------------------------------------------------------------------------------
     def share(self, mb: MicroBatch, hidden: torch.Tensor | None) -> None:

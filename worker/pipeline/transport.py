@@ -93,16 +93,19 @@ def rendezvous(topo: Topology, timeout: datetime.timedelta, peer_check: PeerChec
         raise
     if sock is not None:
         sock.detach()  # the store closes the descriptor
-    joined = store.add(_JOINED_KEY, 1)
-    while joined < topo.world_size:
+    # One key per rank, not a counter: a rank whose pod was replaced before the group started (the
+    # operator's RecreateGroupAfterStart) joins again without being counted twice.
+    keys = [f"{_JOINED_KEY}/{rank}" for rank in range(topo.world_size)]
+    store.set(keys[topo.rank], "1")
+    while not store.check(keys):
         problem = peer_check() if peer_check is not None else None
         if problem is not None:
             raise PipelineError(f"pipeline rendezvous failed: {problem}")
         if time.monotonic() > deadline:
-            raise PipelineError(f"pipeline rendezvous timed out: {joined} of {topo.world_size} stages joined "
+            joined = sum(store.check([key]) for key in keys)
+            raise PipelineError(f"pipeline rendezvous timed out: {joined} of {topo.world_size} ranks joined "
                                 f"{topo.master_addr}:{topo.master_port}")
         time.sleep(0.05)
-        joined = store.add(_JOINED_KEY, 0)
     return store
 
 
