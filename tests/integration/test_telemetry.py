@@ -61,6 +61,7 @@ def record_everything(t: Telemetry) -> None:
     t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5, kv_blocks_used=4, kv_blocks_total=8)
     t.record_retry("g0")
     t.record_prefix_cache(10, 4)
+    t.add_collective_time(0, 1, 0.05)
 
 
 def type_lines(text: str) -> dict[str, str]:
@@ -349,6 +350,7 @@ def test_real_prometheus_scrape(prometheus) -> None:
         worker.add_stage_time(1, busy_s=0.6, idle_s=0.4)
         router.record_retry("g1")
         worker.record_prefix_cache(600, 256)
+        worker.add_collective_time(0, 0, 0.02)
 
         prom.wait_for_scrape()  # both targets scraped after the last point was recorded
         assert prom.value(f"{TBT}_count") == 1 + len(tbts)

@@ -43,6 +43,9 @@ def generate(model_dir, prompts, **kwargs) -> tuple[list[list[int]], int]:
         outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         engine = llm.engine
         assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # no KV block leaked
+        stats = engine.stats()
+        assert stats.tensor_parallel_size == kwargs.get("tensor_parallel_size", 1)
+        assert (stats.collective_s > 0) == (stats.tensor_parallel_size > 1)  # the all-reduces were timed
         return outs, engine.scheduler.num_preemptions
 
 
