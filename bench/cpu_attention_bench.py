@@ -15,13 +15,12 @@ slot-major` for a kernel from before the CPU cache went head-major: a before/aft
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from chariot.bench.linear_bench import cpu_record, time_interleaved
+from chariot.bench.linear_bench import cpu_record, save_record, time_interleaved
 from chariot.kernels import cpu_attention, reference
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 
@@ -149,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               "baseline": None if baseline is None else {"source": str(args.baseline_source),
                                                          "layout": baseline.layout},
               "rows": measure(args.reps, baseline)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    save_record(args.out, record)
     return 0
 
 

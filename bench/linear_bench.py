@@ -17,7 +17,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -53,6 +53,13 @@ def cpu_record() -> dict[str, object]:
     return {"cpu": _cpuinfo("model name") or platform.processor(), "flags": [f for f in FLAG_NAMES if f in flags],
             "all_flags": sorted(flags), "threads": threads, "torch": torch.__version__, "cpu_mhz": mhz,
             "peak_gflops": peak_gflops(threads, flags, mhz)}
+
+
+def save_record(out: str | Path, record: Mapping[str, object]) -> None:
+    """Write a benchmark's record (machine, arguments, rows) as JSON to `out`, creating its folder."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
 
 
 def time_interleaved(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
@@ -107,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = cpu_record()
     peak = peak_gflops(torch.get_num_threads(), cpu_flags(), float(_cpuinfo("cpu MHz") or 0.0))
     print(f"{machine['cpu']}, {machine['threads']} threads, nominal fp32 peak {peak:.0f} GFLOPS", flush=True)
-    record = {"machine": machine, "rows": measure(args.reps, peak)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    save_record(args.out, {"machine": machine, "rows": measure(args.reps, peak)})
     return 0
 
 

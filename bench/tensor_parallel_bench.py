@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from chariot.bench.linear_bench import cpu_record
+from chariot.bench.linear_bench import cpu_record, save_record
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.runtime import STAGE_CPUS_ENV
 
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                          "collective_share": phase.collective_share})
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None
     record = {"machine": cpu_record(), "gpu": device, "args": vars(args), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
-    print(f"wrote {args.out}")
+    save_record(args.out, record)
     return 0
 
 

@@ -330,5 +330,5 @@ class Engine:
             prefix_cache_queries=self.scheduler.prefix_query_tokens,
             prefix_cache_hits=self.scheduler.prefix_hit_tokens,
             tensor_parallel_size=self.config.tensor_parallel_size,
-            collective_s=self._collectives.all_reduce_s,
+            collective_s=self._collectives.collective_s,
         )

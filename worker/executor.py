@@ -122,8 +122,6 @@ class ModelRunner:
         none = SamplerOutput(torch.empty(0, dtype=torch.long))
         if not self.stage.is_last or inp.sample_indices.numel() == 0:
             return none
-        if self.sampler is None and self.team is None:
-            return none
         logits = self.stage.compute_logits(hidden_states[inp.sample_indices])
         if self.sampler is None or inp.sampling is None:
             return none

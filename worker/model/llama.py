@@ -360,7 +360,7 @@ class _Cut:
     def read(self, source: torch.Tensor | TensorSlice) -> torch.Tensor:
         rows = slice(None) if self.rows is None else slice(self.rows.start, self.rows.stop)
         if self.cols is None:
-            return source[rows] if self.rows is not None else source[:]
+            return source[rows]
         return source[rows, self.cols.start : self.cols.stop]
 
 

@@ -78,7 +78,7 @@ class Collectives:
         if shard.size > 1 and group is None:
             raise ValueError("a tensor-parallel group of more than one rank needs its process group")
         self.shard, self.group = shard, group
-        self.all_reduce_s = 0.0  # wall time inside collectives, for the all-reduce metric
+        self.collective_s = 0.0  # wall time inside collectives (all-reduces, the logits all-gather)
 
     @property
     def size(self) -> int:
@@ -109,7 +109,7 @@ class _Timer:
         self.t0 = time.perf_counter()
 
     def __exit__(self, *_: object) -> None:
-        self.owner.all_reduce_s += time.perf_counter() - self.t0
+        self.owner.collective_s += time.perf_counter() - self.t0
 
 
 SINGLE = Collectives()

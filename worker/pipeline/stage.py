@@ -87,7 +87,7 @@ class CollectiveReport:
         self.seen = 0.0
 
     def report(self) -> None:
-        total = self.tp.all_reduce_s
+        total = self.tp.collective_s
         if self.telemetry is not None and total > self.seen:
             self.telemetry.add_collective_time(self.stage, self.shard, total - self.seen)
             self.seen = total
