@@ -30,7 +30,7 @@ from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
 from chariot.worker.engine_output import StepResult
-from chariot.worker.model.cpu_linear import PackedLinear
+from chariot.worker.model.cpu_linear import CpuLinear
 
 NEVER_STOP = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
 
@@ -78,7 +78,7 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     lm_head = getattr(stage.lm_head, "weight", None)  # None when absent or packed (counted below)
     weights = sum(p.numel() * p.element_size() for p in stage.parameters()
                   if p is not embed or p is lm_head)  # the embedding is only gathered, unless tied
-    weights += sum(m.weight_nbytes for m in stage.modules() if isinstance(m, PackedLinear))
+    weights += sum(m.weight_nbytes for m in stage.modules() if isinstance(m, CpuLinear))
     kv_per_token = sum(k[0, 0].numel() * k.element_size() + v[0, 0].numel() * v.element_size()
                        for k, v in runner.kv_caches)
     return weights + batch * context * kv_per_token

@@ -1,11 +1,16 @@
-"""Linear layers on the CPU: PyTorch's default (MKL) against oneDNN with pre-packed weights.
+"""Linear layers on the CPU: PyTorch's default (MKL), oneDNN with pre-packed weights, and the skinny kernel.
 
 The shapes are the `100m` preset's projections (fused qkv, o, fused gate/up, down, LM head) at the
-row counts an iteration feeds them: single decodes, decode batches and prefill chunks. Both paths
+row counts an iteration feeds them: single decodes, decode batches and prefill chunks. The paths
 run interleaved, repetition by repetition, in one process, so drift hits them alike; medians are
 reported with the CPU model and flags. Each row also gives the achieved GFLOPS and their share of the
 machine's nominal fp32 peak (`peak_gflops`: threads × 2 FMA ports × SIMD lanes × 2 FLOPs × clock),
 which says how much room a faster matmul kernel could still find.
+
+A second table (`streamed`) times decode-sized row counts the way a model runs them: each call
+multiplies by `STREAM_BYTES` worth of distinct copies of the layer, so the weights come from memory
+rather than from a cache that a single small layer fits in; it reports the weight bytes read per
+second against the memory bandwidth (`sum()` over a tensor of the same size, measured in the same run).
 
     python -m chariot.bench.linear_bench --out docs/img/linear_100m.json
 """
@@ -23,12 +28,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from chariot.kernels.skinny_linear import skinny_linear
 from chariot.worker.cpu_features import cpu_flags
-from chariot.worker.model.cpu_linear import PackedLinear
+from chariot.worker.model.cpu_linear import CpuLinear
 
 SHAPES = {"qkv": (1536, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816),
           "lm_head": (8192, 1024)}
 ROWS = (1, 8, 32, 128, 512)
+STREAMED_ROWS = (1, 2, 4, 8, 16, 32)
+STREAM_BYTES = 256 * 2**20
 FLAG_NAMES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_vnni")
 
 
@@ -87,7 +95,7 @@ def measure(reps: int, peak: float) -> list[dict[str, object]]:
     with torch.inference_mode():
         for name, (out_f, in_f) in SHAPES.items():
             linear = nn.Linear(in_f, out_f, bias=False).eval()
-            packed = PackedLinear(linear)
+            packed = CpuLinear(linear, packed=True, plain=False)
             for n in ROWS:
                 x = torch.randn(n, in_f)
                 default, onednn = time_pair(lambda: linear(x), lambda: packed(x), reps)  # noqa: B023
@@ -103,6 +111,44 @@ def measure(reps: int, peak: float) -> list[dict[str, object]]:
     return rows
 
 
+def measure_streamed(reps: int) -> list[dict[str, object]]:
+    """Decode row counts over weights streamed from memory: default, packed and skinny, interleaved."""
+    rows: list[dict[str, object]] = []
+    with torch.inference_mode():
+        bandwidth = _read_bandwidth(reps)
+        print(f"memory read bandwidth (sum over {STREAM_BYTES >> 20} MiB): {bandwidth / 1e9:.1f} GB/s", flush=True)
+        for name, (out_f, in_f) in SHAPES.items():
+            copies = max(1, STREAM_BYTES // (out_f * in_f * 4))
+            linears = [nn.Linear(in_f, out_f, bias=False).eval() for _ in range(copies)]
+            packed = [CpuLinear(lin, packed=True, plain=False) for lin in linears]
+            weights = [lin.weight.detach() for lin in linears]
+            for n in STREAMED_ROWS:
+                x = torch.randn(n, in_f)
+                paths: dict[str, Callable[[], object]] = {
+                    "default": lambda: [lin(x) for lin in linears],  # noqa: B023
+                    "packed": lambda: [p(x) for p in packed],  # noqa: B023
+                    "skinny": lambda: [skinny_linear(x, w) for w in weights],  # noqa: B023
+                }
+                times = dict(zip(paths, time_interleaved(list(paths.values()), reps), strict=True))
+                gb = copies * out_f * in_f * 4 / 1e9
+                row: dict[str, object] = {"layer": name, "shape": [out_f, in_f], "rows": n, "copies": copies,
+                                          "bandwidth_gbs": bandwidth / 1e9}
+                for path, t in times.items():
+                    row[f"{path}_ms_per_layer"] = t * 1e3 / copies
+                    row[f"{path}_weight_gbs"] = gb / t
+                row["skinny_vs_packed"] = times["packed"] / times["skinny"]
+                rows.append(row)
+                print(f"{name:8s} {out_f}x{in_f} rows {n:3d}: " + ", ".join(
+                    f"{path} {gb / t:5.1f} GB/s" for path, t in times.items())
+                      + f"; skinny {times['packed'] / times['skinny']:4.2f}x packed", flush=True)
+    return rows
+
+
+def _read_bandwidth(reps: int) -> float:
+    big = torch.randn(STREAM_BYTES // 4)
+    return STREAM_BYTES / time_interleaved([big.sum], reps)[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
@@ -114,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = cpu_record()
     peak = peak_gflops(torch.get_num_threads(), cpu_flags(), float(_cpuinfo("cpu MHz") or 0.0))
     print(f"{machine['cpu']}, {machine['threads']} threads, nominal fp32 peak {peak:.0f} GFLOPS", flush=True)
-    save_record(args.out, {"machine": machine, "rows": measure(args.reps, peak)})
+    record = {"machine": machine, "rows": measure(args.reps, peak), "streamed": measure_streamed(args.reps)}
+    save_record(args.out, record)
     return 0
 
 

@@ -227,10 +227,11 @@ struct Scratch {
   std::vector<int32_t> qpos;
   std::vector<const float*> krow, vrow;
   std::vector<const char*> lines;  // the next tile's cache lines, for PrefetchQueue
+  std::vector<float> zeros;        // a key row for the padding lanes of the decode score kernel
   Scratch(int64_t rows, int64_t dim, bool convert)
-      : qt(rows * dim), acc(rows * dim), st(kKeyTile * rows), m(rows), l(rows), alpha(rows),
+      : qt(rows * dim), acc(rows * dim), st((kKeyTile + kLanes) * rows), m(rows), l(rows), alpha(rows),
         kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
-        krow(kKeyTile), vrow(kKeyTile) {
+        krow(kKeyTile + kLanes), vrow(kKeyTile), zeros(dim) {
     lines.reserve(2 * kKeyTile * (dim * sizeof(float) / 64 + 1));
   }
 };
@@ -336,8 +337,125 @@ void store_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int
   }
 }
 
+// --- one query token: head_dim in the vector lanes ----------------------------------------------
+// A decode (or any one-token tile) has only its GQA group's few heads as rows, which would fill half
+// of a vector or less in the transposed layout above. Here the lanes run along head_dim instead:
+// a score is a dot product reduced across lanes, eight keys at a time, and P·V broadcasts one
+// probability against whole vectors of a V row. No key is past the token's own position, so there
+// is no causal mask; lanes past a tile's last key score against a zero row and are set to -inf.
+
+// out[i] = the sum of v[i]'s lanes, for 8 vectors at once (a transpose-and-add tree).
+inline vf lane_sums(const vf v[8]) {
+  const vi even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+  const vi lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+  for (int i = 0; i < 2; ++i) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
+  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
+}
+
+// st[x] = Σ_d krow[x][d] · q[d] for 8 keys x; dim is a multiple of 8.
+inline void dot8(const float* const* krow, const float* q, int64_t dim, float* st, PrefetchQueue& pf) {
+  vf c[8] = {};
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    pf.issue_one(), pf.issue_one();
+    const vf b = load(q + d);
+    for (int i = 0; i < 8; ++i) c[i] += load(krow[i] + d) * b;
+  }
+  store(st, lane_sums(c));
+}
+
+// acc[h][d0 + ·] = alpha[h] · acc[h][d0 + ·] + Σ_n p[h][n] · vrow[n][d0 + ·] for HB heads and VB vectors.
+template <int HB, int VB>
+inline void pv_rows(const float* const* vrow, int64_t keys, int64_t d0, const float* p, int64_t ldp, const float* alpha,
+                    float* acc, int64_t lda) {
+  vf c[HB][VB];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j) c[h][j] = load(acc + h * lda + d0 + j * kLanes) * splat(alpha[h]);
+  for (int64_t n = 0; n < keys; ++n) {
+    vf b[VB];
+    for (int j = 0; j < VB; ++j) b[j] = load(vrow[n] + d0 + j * kLanes);
+    for (int h = 0; h < HB; ++h) {
+      const vf a = splat(p[h * ldp + n]);
+      for (int j = 0; j < VB; ++j) c[h][j] += a * b[j];
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j) store(acc + h * lda + d0 + j * kLanes, c[h][j]);
+}
+
+template <int HB>
+void pv_heads(const float* const* vrow, int64_t keys, int64_t dim, const float* p, int64_t ldp, const float* alpha,
+              float* acc) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= dim; d0 += 4 * kLanes) pv_rows<HB, 4>(vrow, keys, d0, p, ldp, alpha, acc, dim);
+  for (; d0 < dim; d0 += kLanes) pv_rows<HB, 1>(vrow, keys, d0, p, ldp, alpha, acc, dim);
+}
+
+// Online-softmax step over one head's scores p[0, n) (lanes up to n rounded to 8 are scored but
+// masked here): probabilities in place, new max and sum, and the factor for the earlier sum.
+inline float softmax_row(float* p, int64_t n, float& m, float& l) {
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t i = n; i < padded; ++i) p[i] = -std::numeric_limits<float>::infinity();
+  vf mx = neg_inf;
+  for (int64_t i = 0; i < padded; i += kLanes) mx = vmax(mx, load(p + i));
+  float tile_max = mx[0];
+  for (int i = 1; i < kLanes; ++i) tile_max = std::max(tile_max, mx[i]);
+  const float m_new = std::max(m, tile_max);  // finite: the tile has at least one key
+  vf sum = splat(0.f);
+  for (int64_t i = 0; i < padded; i += kLanes) {
+    const vf e = exp2v(load(p + i) - m_new);
+    store(p + i, e);
+    sum += e;
+  }
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += sum[i];
+  const float alpha = m == -std::numeric_limits<float>::infinity() ? 0.f : exp2v(splat(m - m_new))[0];
+  m = m_new, l = l * alpha + total;
+  return alpha;
+}
+
+template <typename q_t, typename kv_t>
+void attend_one_token(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  const int64_t start = P.query_start[w.seq], group = P.group(), dim = P.dim;
+  const int64_t token = start + w.first;
+  const int64_t end = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start) + w.last;  // keys [0, end)
+  float* q = s.qt.data();         // [group][dim], pre-scaled into log2 units
+  float* acc = s.acc.data();      // [group][dim]
+  float* st = s.st.data();        // [group][kKeyTile + kLanes]
+  constexpr int64_t ldp = kKeyTile + kLanes;
+  const float qscale = P.scale * kLog2e;
+  for (int64_t h = 0; h < group; ++h) {
+    const q_t* src = P.q + token * P.q_stride_t + (w.kv_head * group + h) * P.q_stride_h;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * qscale;
+    s.m[h] = -std::numeric_limits<float>::infinity(), s.l[h] = 0.f;
+  }
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, end - p0), padded = (n + kLanes - 1) / kLanes * kLanes;
+    locate_rows(P, w, p0, n, s);
+    for (int64_t i = n; i < padded; ++i) s.krow[i] = s.zeros.data();
+    PrefetchQueue pf = queue_rows(P, w, p0 + n, std::min(kKeyTile, end - p0 - n), s);  // the next tile
+    for (int64_t h = 0; h < group; ++h)
+      for (int64_t x = 0; x < padded; x += kLanes) dot8(s.krow.data() + x, q + h * dim, dim, st + h * ldp + x, pf);
+    while (pf.next < pf.end) pf.issue_one();
+    for (int64_t h = 0; h < group; ++h) s.alpha[h] = softmax_row(st + h * ldp, n, s.m[h], s.l[h]);
+    int64_t h = 0;
+    for (; h + 2 <= group; h += 2) pv_heads<2>(s.vrow.data(), n, dim, st + h * ldp, ldp, &s.alpha[h], acc + h * dim);
+    if (h < group) pv_heads<1>(s.vrow.data(), n, dim, st + h * ldp, ldp, &s.alpha[h], acc + h * dim);
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    q_t* dst = P.out + token * P.o_stride_t + (w.kv_head * group + h) * P.o_stride_h;
+    const float inv = 1.f / s.l[h];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d] * inv);
+  }
+}
+
 template <typename q_t, typename kv_t>
 void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  if (w.last - w.first == 1 && P.dim % kLanes == 0) return attend_one_token(P, w, s);
   const int64_t start = P.query_start[w.seq];
   const int64_t ctx_before = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start);
   const int64_t rows = padded_rows((w.last - w.first) * P.group());

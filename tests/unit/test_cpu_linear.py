@@ -1,33 +1,92 @@
-"""oneDNN-packed linear layers (the CPU fast path) against `nn.Linear`, and when packing is refused."""
+"""CPU linear layers (the serving path) against `nn.Linear`: the skinny kernel for decode rows,
+oneDNN-packed weights for the rest, each alone and together; and when each is refused, and why."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from chariot.worker.model.cpu_linear import PACKED_LINEAR_ENV, PackedLinear, pack_linears, packing_problem
+from chariot.kernels import skinny_linear as skinny
+from chariot.worker.model.cpu_linear import (
+    PACKED_LINEAR_ENV,
+    SKINNY_LINEAR_ENV,
+    CpuLinear,
+    cpu_linears,
+    packing_problem,
+    plan_linears,
+    skinny_problem,
+)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 300])
+@pytest.mark.parametrize("out_features", [1, 5, 64, 130])
+@pytest.mark.parametrize("in_features", [8, 264])
+def test_skinny_kernel_matches_f_linear(rows: int, out_features: int, in_features: int) -> None:
+    """Every row-block and output-block remainder (blocks of 3 rows x 4 outputs), with and without bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    torch.testing.assert_close(skinny.skinny_linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(skinny.skinny_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_kernel_takes_strided_rows_and_no_rows() -> None:
+    x = torch.randn(4, 64)[:, ::2]  # not contiguous: the wrapper copies it
+    w = torch.randn(16, 32)
+    torch.testing.assert_close(skinny.skinny_linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert skinny.skinny_linear(torch.empty(0, 32), w).shape == (0, 16)
+
+
+def test_skinny_kernel_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        skinny.skinny_linear(torch.randn(2, 12), torch.randn(4, 12))
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny.skinny_linear(torch.randn(2, 16), torch.randn(4, 16, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
+        skinny.skinny_linear(torch.randn(2, 16), torch.randn(4, 16), torch.randn(5))
+    assert not skinny.supports(torch.randn(4, 12)) and not skinny.supports(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert skinny.supports(torch.randn(4, 16))
+
+
+@pytest.mark.parametrize(("packed", "plain"), [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_packed_linear_equals_nn_linear(bias: bool, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 64, 300])
+def test_cpu_linear_equals_nn_linear(packed: bool, plain: bool, bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(256, 384, bias=bias).eval()
-    packed = PackedLinear(linear)
+    fast = CpuLinear(linear, packed=packed, plain=plain)
+    assert (fast.packed_weight is not None) == packed and fast.skinny == plain
     x = torch.randn(rows, 256)
     with torch.inference_mode():
-        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(packed(x.view(rows, 1, 256)), linear(x).view(rows, 1, 384), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast(x), linear(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast(x.view(rows, 1, 256)), linear(x).view(rows, 1, 384), atol=1e-5, rtol=1e-5)
 
 
-def test_pack_linears_swaps_nested_layers_and_keeps_the_rest() -> None:
+def test_a_cpu_linear_keeps_some_weight() -> None:
+    with pytest.raises(ValueError, match="packed weight, the plain one, or both"):
+        CpuLinear(nn.Linear(8, 8), packed=False, plain=False)
+
+
+def test_input_sizes_the_kernel_cannot_take_use_f_linear() -> None:
+    linear = nn.Linear(12, 8).eval()  # 12 inputs: not a multiple of 8
+    fast = CpuLinear(linear, packed=False, plain=True)
+    assert not fast.skinny
+    x = torch.randn(3, 12)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), linear(x))
+
+
+def test_cpu_linears_swaps_nested_layers_and_keeps_the_rest() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
     x = torch.randn(5, 8)
     with torch.inference_mode():
         before = model(x)
-    assert pack_linears(model, torch.device("cpu"), torch.float32) == 2
-    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert cpu_linears(model, torch.device("cpu"), torch.float32) == 2
+    assert isinstance(model[0], CpuLinear) and isinstance(model[2][0], CpuLinear)
+    assert model[0].packed_weight is not None and model[0].skinny
     assert isinstance(model[1], nn.ReLU)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
@@ -38,6 +97,32 @@ def test_packing_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> No
     assert "not the CPU" in (packing_problem(torch.device("meta"), torch.float32) or "")
     assert "float16" in (packing_problem(torch.device("cpu"), torch.float16) or "")
     monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
     model = nn.Sequential(nn.Linear(8, 8))
-    assert pack_linears(model, torch.device("cpu"), torch.float32) == 0
+    assert cpu_linears(model, torch.device("cpu"), torch.float32) == 0
     assert isinstance(model[0], nn.Linear)
+
+
+def test_packing_off_keeps_the_skinny_path_on_the_plain_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PACKED_LINEAR_ENV, "0")
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert cpu_linears(model, torch.device("cpu"), torch.float32) == 1
+    assert model[0].packed_weight is None and model[0].skinny
+
+
+def test_the_skinny_path_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    gib = 2**30
+    assert skinny_problem(cpu, torch.float32, gib, packed=True, memory_bytes=16 * gib) is None
+    assert "not float32" in (skinny_problem(cpu, torch.bfloat16, gib, packed=True) or "")
+    assert "not the CPU" in (skinny_problem(torch.device("meta"), torch.float32, gib, packed=True) or "")
+    too_big = skinny_problem(cpu, torch.float32, 5 * gib, packed=True, memory_bytes=16 * gib)
+    assert too_big is not None and "25%" in too_big and f"{SKINNY_LINEAR_ENV}=1" in too_big
+    assert skinny_problem(cpu, torch.float32, 5 * gib, packed=False, memory_bytes=16 * gib) is None  # no 2nd copy
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "1")
+    assert skinny_problem(cpu, torch.float32, 5 * gib, packed=True, memory_bytes=16 * gib) is None
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "0")
+    assert skinny_problem(cpu, torch.float32, gib, packed=True) == f"{SKINNY_LINEAR_ENV}=0"
+    monkeypatch.setenv(SKINNY_LINEAR_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{SKINNY_LINEAR_ENV} must be auto, 0 or 1"):
+        plan_linears(nn.Linear(8, 8), cpu, torch.float32)

@@ -38,15 +38,15 @@ def weight_map(model_dir: Path) -> dict[str, str]:
 def test_sharded_checkpoint_loads_same_weights_as_single_file(sharded_dir: Path, tiny_model_dir: Path) -> None:
     assert len(set(weight_map(sharded_dir).values())) > 3
     assert not (sharded_dir / "model.safetensors").exists()
-    a = load_stage(sharded_dir, (0, 2), torch.float32, progress=False, pack_linears=False).state_dict()
-    b = load_stage(tiny_model_dir, (0, 2), torch.float32, progress=False, pack_linears=False).state_dict()
+    a = load_stage(sharded_dir, (0, 2), torch.float32, progress=False, cpu_linears=False).state_dict()
+    b = load_stage(tiny_model_dir, (0, 2), torch.float32, progress=False, cpu_linears=False).state_dict()
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
 
 def test_fused_parameters_hold_checkpoint_slices(tiny_model_dir: Path) -> None:
-    stage = load_stage(tiny_model_dir, (1, 2), torch.float32, progress=False, pack_linears=False)
+    stage = load_stage(tiny_model_dir, (1, 2), torch.float32, progress=False, cpu_linears=False)
     raw = load_file(str(tiny_model_dir / "model.safetensors"))
     qkv = stage.layers[0].self_attn.qkv_proj.weight
     expected = torch.cat([raw[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
@@ -114,10 +114,10 @@ def test_tied_last_stage_reads_embedding_as_lm_head(model_factory: Any) -> None:
     model_dir = model_factory("tiny", arch="qwen2")
     raw = load_file(str(model_dir / "model.safetensors"))
     assert "lm_head.weight" not in raw
-    last = load_stage(model_dir, (1, 2), torch.float32, progress=False, pack_linears=False)
+    last = load_stage(model_dir, (1, 2), torch.float32, progress=False, cpu_linears=False)
     assert last.embed_tokens is None and last.lm_head is not None
     assert torch.equal(last.lm_head.weight, raw["model.embed_tokens.weight"])
-    whole = load_stage(model_dir, (0, 2), torch.float32, progress=False, pack_linears=False)
+    whole = load_stage(model_dir, (0, 2), torch.float32, progress=False, cpu_linears=False)
     assert whole.lm_head is not None and whole.embed_tokens is not None
     assert whole.lm_head.weight.data_ptr() == whole.embed_tokens.weight.data_ptr()
 

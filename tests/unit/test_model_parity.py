@@ -98,11 +98,11 @@ def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(ours, ref, atol=1e-4 * float(ref.abs().max()), rtol=0)
 
 
-def full_stage(model_dir: Path, pack_linears: bool = True) -> LlamaStage:
+def full_stage(model_dir: Path, cpu_linears: bool = True) -> LlamaStage:
     """The whole model as one stage; on this CPU its linear layers are packed for oneDNN (the
-    serving path) unless `pack_linears` is False."""
+    serving path) unless `cpu_linears` is False."""
     return load_stage(model_dir, (0, _num_layers(model_dir)), torch.float32, progress=False,
-                      pack_linears=pack_linears)
+                      cpu_linears=cpu_linears)
 
 
 def _num_layers(model_dir: Path) -> int:
@@ -188,14 +188,16 @@ def _two_sequence_meta(table_a: list[int], table_b: list[int]) -> AttentionMetad
 
 
 def test_unpacked_linears_match_hf(variant: tuple[Path, torch.Tensor, torch.Tensor]) -> None:
-    """The plain `nn.Linear` path (other devices, or CHARIOT_CPU_PACKED_LINEAR=0) against HF too."""
-    from chariot.worker.model.cpu_linear import PackedLinear
+    """The plain `nn.Linear` path (other devices, or both CPU fast paths off) against HF too."""
+    from chariot.worker.model.cpu_linear import CpuLinear
 
     model_dir, ids, ref = variant
-    stage = full_stage(model_dir, pack_linears=False)
-    assert not any(isinstance(m, PackedLinear) for m in stage.modules())
+    stage = full_stage(model_dir, cpu_linears=False)
+    assert not any(isinstance(m, CpuLinear) for m in stage.modules())
     packed = full_stage(model_dir)
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    # the default stages (every other test here) take decode rows through the skinny kernel
+    assert all(m.skinny and m.packed_weight is not None for m in packed.modules() if isinstance(m, CpuLinear))
     runner = Runner([stage], seed=4)
     pieces, pos = [], 0
     for size in (*CHUNKS, *([1] * DECODE_STEPS)):

@@ -1,47 +1,90 @@
-"""Linear layers with weights pre-packed for oneDNN, for inference on the CPU.
+"""Linear layers for inference on the CPU: a skinny kernel for decode rows, oneDNN for the rest.
 
 PyTorch's default CPU matmul goes through MKL, which on this project's AVX2 EPYC machines reaches
 only 27 GFLOP/s for a 32-row decode batch; oneDNN with the weight reordered once at load time into
-its blocked layout runs the same product 2× faster (4× at 8 rows, 1.05–1.2× for 512-token prefill
-chunks; numbers in docs/BENCHMARKS.md, "CPU linear layers"). vLLM's CPU backend takes the same route.
+its blocked layout runs the same product 2× faster (1.05–1.2× for 512-token prefill chunks).
+vLLM's CPU backend takes the same route. For 1–16 rows (a decode iteration of a few sequences,
+bound by streaming every weight from memory), neither reaches the memory bandwidth; the package's
+C++ skinny kernel (`kernels/skinny_linear.py`) does, on the weight's plain layout: one sequence's
+decode step on the `100m` preset takes 22 ms instead of 30 (docs/BENCHMARKS.md, "CPU linear layers").
 
-`load_stage` calls `pack_linears(stage)` once the weights are in: it swaps every `nn.Linear` of a
-loaded stage for a `PackedLinear` that holds only the packed weight (the original is released, so
-memory does not double). It is a no-op where oneDNN is unavailable or cannot pack the dtype
-(bf16 needs AVX-512 or AVX-NE-CONVERT), on other devices, or with `CHARIOT_CPU_PACKED_LINEAR=0`.
+`load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
+`CpuLinear` that routes each call by its number of rows. Keeping both layouts costs a second copy
+of the weights, so by default (`CHARIOT_CPU_SKINNY_LINEAR=auto`) the skinny path is only kept when
+that copy takes at most a quarter of the machine's memory; `1` forces it, `0` turns it off.
+`CHARIOT_CPU_PACKED_LINEAR=0` turns packing off. Neither applies to other devices, and dtypes other
+than float32 keep what they had (bf16 is packed where oneDNN can, as with AVX-512; never skinny).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from chariot.kernels import skinny_linear as skinny
 
 log = logging.getLogger(__name__)
 PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
+SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
 
-class PackedLinear(nn.Module):
-    """`y = x W^T + b` with W in oneDNN's packed layout; inputs of any number of rows."""
+class CpuLinear(nn.Module):
+    """`y = x Wᵀ + b` for inputs of any number of rows, with W kept plain, packed for oneDNN, or both.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    Up to `skinny.MAX_ROWS` rows go to the skinny kernel when the plain weight is kept; more rows go
+    to oneDNN when the packed weight is kept, else to `F.linear`. At least one of the two is kept."""
+
+    def __init__(self, linear: nn.Linear, packed: bool, plain: bool) -> None:
         super().__init__()
+        if not (packed or plain):
+            raise ValueError("a CpuLinear keeps the packed weight, the plain one, or both")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.weight_nbytes = weight.numel() * weight.element_size()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
+        self.weight = weight.contiguous() if plain else None
+        self.skinny = plain and skinny.supports(weight)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        flat, weight = x.reshape(-1, self.in_features), self.weight
+        if weight is not None and self.skinny and flat.shape[0] <= skinny.MAX_ROWS:
+            out = skinny.skinny_linear(flat, weight, self.bias)
+        elif self.packed_weight is not None:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        elif weight is not None:
+            out = F.linear(flat, weight, self.bias)
+        else:  # the constructor keeps one of the two
+            raise RuntimeError("CpuLinear holds no weight")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
+                                      (f"skinny<={skinny.MAX_ROWS} rows", self.skinny)) if on]
+        return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which weight layouts the stage's linear layers keep, and why a fast path is off (None when on)."""
+
+    packing_problem: str | None
+    skinny_problem: str | None
+
+    @property
+    def packed(self) -> bool:
+        return self.packing_problem is None
+
+    @property
+    def plain(self) -> bool:
+        return self.skinny_problem is None
 
 
 def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -61,16 +104,51 @@ def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def pack_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace every `nn.Linear` under `module` with a `PackedLinear`; returns how many were packed."""
-    problem = packing_problem(device, dtype)
-    if problem is not None:
-        log.info("linear layers not packed: %s", problem)
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def skinny_problem(device: torch.device, dtype: torch.dtype, weight_bytes: int, packed: bool,
+                   memory_bytes: int | None = None) -> str | None:
+    """Why the skinny path will not be used here, or None when it will.
+
+    `weight_bytes`: the linear weights' size; when they are also packed, the plain copy is extra
+    memory, allowed under `auto` up to `SKINNY_MEMORY_FRACTION` of `memory_bytes` (physical)."""
+    mode = os.environ.get(SKINNY_LINEAR_ENV, "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{SKINNY_LINEAR_ENV} must be auto, 0 or 1, got {mode!r}")
+    if mode == "0":
+        return f"{SKINNY_LINEAR_ENV}=0"
+    if device.type != "cpu":
+        return f"device {device.type} is not the CPU"
+    if dtype != torch.float32:
+        return f"dtype {dtype} is not float32"
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    if packed and mode == "auto" and weight_bytes > SKINNY_MEMORY_FRACTION * memory:
+        return (f"a plain copy of the weights ({weight_bytes / 2**30:.1f} GiB) beside the packed one would take over "
+                f"{SKINNY_MEMORY_FRACTION:.0%} of memory ({memory / 2**30:.1f} GiB); {SKINNY_LINEAR_ENV}=1 keeps it")
+    return skinny.build_problem()
+
+
+def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> LinearPlan:
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    packing = packing_problem(device, dtype)
+    return LinearPlan(packing, skinny_problem(device, dtype, weight_bytes, packing is None))
+
+
+def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Replace every `nn.Linear` under `module` with a `CpuLinear`; returns how many were replaced."""
+    plan = plan_linears(module, device, dtype)
+    for what, problem in (("packed for oneDNN", plan.packing_problem), ("skinny kernel", plan.skinny_problem)):
+        if problem is not None:
+            log.info("linear layers: no %s: %s", what, problem)
+    if not (plan.packed or plan.plain):
         return 0
     targets = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         with torch.inference_mode(False), torch.no_grad():
-            setattr(parent, attr, PackedLinear(linear))
+            setattr(parent, attr, CpuLinear(linear, packed=plan.packed, plain=plan.plain))
     return len(targets)

@@ -35,14 +35,14 @@ def load_stage(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: bool = True,
-    pack_linears: bool = True,
+    cpu_linears: bool = True,
     tp: Collectives = SINGLE,
 ) -> LlamaStage:
     """Build the stage for layers [start, end) and fill it from the checkpoint in `model_dir`; with
     tensor parallelism (`tp`), this rank's shard of them, reading only that shard of each tensor.
 
-    On the CPU its linear layers are then packed for oneDNN (`cpu_linear.py`) unless `pack_linears`
-    is False (the unpacked `nn.Linear` weights are what tests inspect)."""
+    On the CPU its linear layers then become `CpuLinear`s (oneDNN-packed, plus the skinny decode
+    kernel: `cpu_linear.py`) unless `cpu_linears` is False (the `nn.Linear` weights are what tests inspect)."""
     path = Path(model_dir)
     config = ModelConfig.from_dir(path)
     start, end = layer_range
@@ -52,8 +52,8 @@ def load_stage(
     stage.tie_weights()
     plan = _plan_reads(path, stage.weight_names())
     _read_tensors(stage, plan, progress)
-    if pack_linears:
-        cpu_linear.pack_linears(stage, torch.device(device), dtype)
+    if cpu_linears:
+        cpu_linear.cpu_linears(stage, torch.device(device), dtype)
     return stage.eval()
 
 

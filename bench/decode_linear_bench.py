@@ -1,0 +1,71 @@
+"""Whole decode iterations with the skinny linear kernel on and off, interleaved in one engine.
+
+`CpuLinear` keeps both the plain and the oneDNN-packed weight, so one loaded engine can route its
+decode rows either way: steps alternate between the two routes (flipping `CpuLinear.skinny`) over
+the same running sequences, so machine drift hits both alike. This is what decides
+`kernels.skinny_linear.MAX_ROWS` (docs/BENCHMARKS.md, "CPU linear layers").
+
+    python -m chariot.bench.decode_linear_bench --model models/100m --out docs/img/decode_linear_100m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+from tqdm.auto import tqdm
+
+from chariot.bench.engine_bench import NEVER_STOP, Target, make_engine, prefill_all
+from chariot.bench.linear_bench import cpu_record, save_record
+from chariot.worker.engine import Engine
+from chariot.worker.model.cpu_linear import CpuLinear
+
+
+def route_skinny(engine: Engine, on: bool) -> None:
+    runner = engine.executor.runner  # type: ignore[attr-defined]  # single-process engines only
+    layers = [m for m in runner.stage.modules() if isinstance(m, CpuLinear)]
+    if not layers or not all(m.weight is not None and m.packed_weight is not None for m in layers):
+        raise SystemExit("the engine's linear layers do not keep both weights (packing or the skinny kernel is off)")
+    for m in layers:
+        m.skinny = on
+
+
+def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:
+    engine = make_engine(Target(model, "cpu", "float32"), "sarathi", 4096, max(4096, context + 2 * steps + 64))
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab) for _ in range(context)], NEVER_STOP)
+    prefill_all(engine)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(steps):
+        for on in (True, False):
+            route_skinny(engine, on)
+            times[on].append(engine.step().times.total * 1e3)
+    skinny_ms, packed_ms = statistics.median(times[True]), statistics.median(times[False])
+    return {"batch": batch, "context": context, "steps": steps, "skinny_ms": skinny_ms, "packed_ms": packed_ms,
+            "speedup": packed_ms / skinny_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", default="1,2,4,8,12,16,24,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=12, help="steps per route and batch")
+    parser.add_argument("--out", default="bench/results/decode_linear.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for b in tqdm([int(x) for x in args.batches.split(",")], desc="decode batches", file=sys.stderr):
+        row = measure(args.model, b, args.context, args.steps)
+        rows.append(row)
+        tqdm.write(f"decode {b:3d} (ctx {args.context}): skinny {row['skinny_ms']:7.1f} ms, "
+                   f"packed {row['packed_ms']:7.1f} ms, {row['speedup']:4.2f}x", file=sys.stderr)
+    save_record(args.out, {"machine": cpu_record(), "model": args.model, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+// y = x Wᵀ (+ b) for a few rows of x on the CPU, reading the weight W [N, K] in its plain row-major layout.
+//
+// Decode iterations multiply a handful of rows (one per running sequence) by every weight matrix,
+// so they are bound by streaming the weights from memory, not by FLOPs. oneDNN reaches the memory
+// bandwidth for one row but not for 2–16 (docs/BENCHMARKS.md, "CPU linear layers"). This kernel is
+// written for that range: each thread streams its own output rows of W exactly once, four at a time,
+// and computes them against every row of x while they are in L1/L2 (x itself stays in L2).
+// Dot products run along K in 8-lane vectors (K contiguous in both operands, so no packing and no
+// second copy of the weights); the 8-lane partial sums are reduced once per output at the end.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifndef CHARIOT_OPS_NAMESPACE
+#define CHARIOT_OPS_NAMESPACE chariot_cpu_linear
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 8;
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef float vf_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+
+// out[i] = the sum of v[i]'s lanes, for 8 vectors at once (a transpose-and-add tree).
+inline vf lane_sums(const vf v[8]) {
+  const vi even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+  const vi lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
+  const vi first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+  vf t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+  for (int i = 0; i < 2; ++i) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
+  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
+}
+
+// y[m][n] = Σ_k x[m][k] · w[n][k] (+ bias[n]) for MB rows of x and NB rows of w; K is a multiple of 8.
+template <int MB, int NB>
+inline void block(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y, int64_t ldy) {
+  vf c[MB * NB + 8] = {};  // 8 spare zero vectors pad the last lane_sums group
+  for (int64_t k = 0; k < K; k += kLanes) {
+    vf b[NB];
+    for (int n = 0; n < NB; ++n) b[n] = load(w + n * K + k);
+    for (int m = 0; m < MB; ++m) {
+      const vf a = load(x + m * ldx + k);
+      for (int n = 0; n < NB; ++n) c[m * NB + n] += a * b[n];
+    }
+  }
+  for (int g = 0; g < MB * NB; g += 8) {
+    const vf s = lane_sums(c + g);
+    for (int i = 0; i < 8 && g + i < MB * NB; ++i) {
+      const int m = (g + i) / NB, n = (g + i) % NB;
+      y[m * ldy + n] = s[i] + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+// Every row of x against NB rows of w: blocks of 3 rows of x (12 accumulators), then the rest.
+template <int NB>
+inline void all_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) block<3, NB>(x + m * K, K, w, K, bias, y + m * N, N);
+  if (M - m == 2) block<2, NB>(x + m * K, K, w, K, bias, y + m * N, N);
+  if (M - m == 1) block<1, NB>(x + m * K, K, w, K, bias, y + m * N, N);
+}
+
+void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                   const at::Tensor& out) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && out.device().is_cpu(), "skinny_linear runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "skinny_linear needs float32 tensors");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
+              "x [M, K], weight [N, K] and out [M, N] must be contiguous matrices");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K && K % kLanes == 0, "weight must be [N, ", K, "] with K a multiple of 8");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must be [", M, ", ", N, "]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias must be [N] float32");
+    b = bias->data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  constexpr int64_t NB = 4;
+  const int64_t blocks = N / NB;
+  at::parallel_for(0, blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      all_rows<NB>(xp, M, K, wp + i * NB * K, b ? b + i * NB : nullptr, yp + i * NB, N);
+  });
+  for (int64_t n = blocks * NB; n < N; ++n) all_rows<1>(xp, M, K, wp + n * K, b ? b + n : nullptr, yp + n, N);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", &skinny_linear);
+}

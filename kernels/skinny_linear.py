@@ -1,0 +1,63 @@
+"""`y = x Wᵀ + b` for a few rows on the CPU (`csrc/skinny_linear.cpp`), on the weight's plain layout.
+
+A decode iteration multiplies one row per running sequence by every weight matrix, so it streams
+the whole model from memory for a handful of rows. oneDNN reaches the memory bandwidth for one row,
+but for 2–32 rows it runs at a fraction of it; this kernel streams each weight row once and computes
+it against every input row while it is in cache (numbers in docs/BENCHMARKS.md, "CPU linear
+layers"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied.
+
+Built on first use and cached like the attention kernel (`cpu_build.py`). `worker/model/cpu_linear.py`
+decides when a layer calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from chariot.kernels.cpu_build import load_ops
+
+__all__ = ["MAX_ROWS", "build_problem", "load_kernel", "skinny_linear", "supports"]
+
+SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+LANES = 8
+MAX_ROWS = 16
+"""The most rows it is used for: from 16 rows on, oneDNN's packed GEMM is as fast in whole decode
+iterations (`bench/decode_linear_bench.py`, BENCHMARKS.md)."""
+
+KernelFn = Callable[..., None]
+
+
+@cache
+def load_kernel(source: Path = SOURCE) -> KernelFn:
+    """The compiled op (loaded from the cache, else built first); raises when it cannot be built."""
+    return load_ops(source, "cpu_linear", "CPU linear kernel")("skinny_linear")
+
+
+@cache
+def build_problem() -> str | None:
+    """Why the kernel cannot be built or loaded here, or None when it can (decided once per process)."""
+    try:
+        load_kernel()
+    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean "not here"
+        lines = str(exc).strip().splitlines()
+        return f"the C++ linear kernel did not build ({type(exc).__name__}: {lines[-1] if lines else ''})"
+    return None
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether the kernel can multiply by this weight: fp32 on the CPU, input size a multiple of 8."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 \
+        and weight.shape[1] % LANES == 0
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  kernel: KernelFn | None = None) -> torch.Tensor:
+    """`x Wᵀ + b` for x [M, K] (any M; meant for M <= MAX_ROWS), W [N, K] contiguous fp32."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    if x.shape[0]:
+        (kernel or load_kernel())(x.contiguous(), weight, bias, out)
+    return out
