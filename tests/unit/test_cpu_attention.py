@@ -90,6 +90,18 @@ def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, d
         torch.testing.assert_close(ours, reference.paged_attention(query, k, v, meta, scale), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["decodes", "decodes-across-tiles", "mixed", "single-token-prompt"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 2, 64), (6, 2, 72), (16, 1, 32), (4, 2, 20)])
+def test_one_token_path_matches_sdpa(case: str, heads: int, kv_heads: int, dim: int) -> None:
+    """One-token tiles (head_dim in the lanes) for GQA groups of 8, 3 and 16, head_dims that are not a
+    multiple of 32 (a tail of 8-lane vectors), and head_dim 20, which takes the general path."""
+    q_lens, ctx = CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, 16, torch.float32, seed=dim + heads)
+    ours = paged_attention(query, k, v, meta, 1 / math.sqrt(dim))
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, 1 / math.sqrt(dim)), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_head_major_cache_matches_sdpa(case: str) -> None:
     """The engine's CPU cache (`empty_kv_cache`: a permuted view, KV heads outermost in each block)

@@ -59,3 +59,32 @@ def test_the_cpu_benchmark_gives_each_rank_its_own_cores() -> None:
     assert core_sets(2, 2) == "0,1"
     assert core_sets(2, 8) == "0+1+2+3,4+5+6+7"
     assert core_sets(4, 2) == "0,1,0,1"  # more ranks than cores: they share
+
+
+def test_collective_time_on_the_cpu_is_the_wall_time_around_the_call() -> None:
+    import time
+
+    import torch
+
+    from chariot.worker.model.parallel import Collectives, _Timer
+
+    c = Collectives()
+    with _Timer(c, torch.device("cpu")):
+        time.sleep(0.05)
+    assert 0.05 <= c.collective_s < 1.0
+
+
+@pytest.mark.gpu
+def test_collective_time_on_cuda_is_the_streams_time_not_the_launch() -> None:
+    """A CUDA collective returns once enqueued; the timer must count the work on the stream. A
+    GPU-side sleep stands in for the collective (NCCL needs one GPU per rank)."""
+    import torch
+
+    from chariot.worker.model.parallel import Collectives, _Timer
+
+    c = Collectives()
+    torch.cuda.synchronize()
+    with _Timer(c, torch.device("cuda")):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles, enqueued at once
+    assert c._pending and c.collective_s > 0.02
+    assert not c._pending

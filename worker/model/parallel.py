@@ -78,16 +78,31 @@ class Collectives:
         if shard.size > 1 and group is None:
             raise ValueError("a tensor-parallel group of more than one rank needs its process group")
         self.shard, self.group = shard, group
-        self.collective_s = 0.0  # wall time inside collectives (all-reduces, the logits all-gather)
+        self._timed_s = 0.0  # finished collectives (all-reduces, the logits all-gather)
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA ones not yet read
 
     @property
     def size(self) -> int:
         return self.shard.size
 
+    @property
+    def collective_s(self) -> float:
+        """Seconds spent in this rank's collectives so far, waits for slower ranks included.
+
+        On the CPU (gloo) a collective returns when it is done, so wall time around the call is its
+        time. On CUDA the call only enqueues it: CUDA events on the stream around it time the
+        collective itself, and reading this waits for the ones still running (the engine reads it
+        after an iteration's sampled tokens have come back, when they are done anyway)."""
+        for start, end in self._pending:
+            end.synchronize()
+            self._timed_s += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+        return self._timed_s
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (in place), returned for chaining."""
         if self.size > 1:
-            with _Timer(self):
+            with _Timer(self, x.device):
                 dist.all_reduce(x, group=self.group)
         return x
 
@@ -96,20 +111,31 @@ class Collectives:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        with _Timer(self):
+        with _Timer(self, x.device):
             dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 
 class _Timer:
-    def __init__(self, owner: Collectives) -> None:
-        self.owner = owner
+    """Times one collective into its owner: wall time on the CPU, CUDA events on the stream on a GPU."""
+
+    def __init__(self, owner: Collectives, device: torch.device) -> None:
+        self.owner, self.cuda = owner, device.type == "cuda"
 
     def __enter__(self) -> None:
-        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
 
     def __exit__(self, *_: object) -> None:
-        self.owner.collective_s += time.perf_counter() - self.t0
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.owner._pending.append((self.start, end))
+        else:
+            self.owner._timed_s += time.perf_counter() - self.t0
 
 
 SINGLE = Collectives()
