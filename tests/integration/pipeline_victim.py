@@ -8,6 +8,7 @@ failed (a stage died or stopped answering).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from chariot.worker import LLM, SamplingParams
@@ -32,7 +33,10 @@ def main(model_dir: str, timeout_s: float) -> int:
         print("FAILED", engine.failed, flush=True)
         codes = llm.pipeline.stop(timeout=3 * timeout_s)  # downstream stages must exit on their own
         print("CHILD_CODES", json.dumps(codes), flush=True)
-        return 3
+        # Leave without interpreter finalization: tearing down a gloo group whose peer died can abort
+        # the process ("terminate called without an active exception", seen once in CI), which would
+        # hide the exit code this test checks. What it checks has all been printed by now.
+        os._exit(3)
     llm.close()
     return 0
 
