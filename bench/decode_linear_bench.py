@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from chariot.bench.engine_bench import NEVER_STOP, Target, make_engine, prefill_all
 from chariot.bench.linear_bench import cpu_record, save_record
+from chariot.kernels import skinny_linear as skinny
 from chariot.worker.engine import Engine
 from chariot.worker.model.cpu_linear import CpuLinear
 
@@ -29,7 +30,7 @@ def route_skinny(engine: Engine, on: bool) -> None:
     if not layers or not all(m.weight is not None and m.packed_weight is not None for m in layers):
         raise SystemExit("the engine's linear layers do not keep both weights (packing or the skinny kernel is off)")
     for m in layers:
-        m.skinny = on
+        m.skinny = on and m.weight is not None and skinny.supports(m.weight)
 
 
 def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from chariot.kernels import cpu_build
 from chariot.kernels.attention import AttentionBackend, AttentionMetadata, FunctionBackend
 from chariot.kernels.cpu_build import CACHE_ENV, build_dir, load_ops
 from chariot.kernels.reference import write_kv
@@ -51,12 +52,7 @@ def load_kernel(source: Path = SOURCE) -> KernelFn:
 @cache
 def build_problem() -> str | None:
     """Why the kernel cannot be built or loaded here, or None when it can (decided once per process)."""
-    try:
-        load_kernel()
-    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean "not here"
-        lines = str(exc).strip().splitlines()
-        return f"the C++ kernel did not build ({type(exc).__name__}: {lines[-1] if lines else ''})"
-    return None
+    return cpu_build.build_problem(load_kernel, "C++ attention kernel")
 
 
 def paged_attention(

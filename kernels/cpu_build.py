@@ -2,10 +2,11 @@
 
 Each kernel (`csrc/*.cpp`) is built against the installed torch (`torch.utils.cpp_extension.load`,
 so no isolated build environment and no second torch) with `-O3 -march=native -fopenmp` into a
-directory keyed by a hash of the source, the flags, torch's version and this CPU's feature flags
-(`$CHARIOT_KERNEL_CACHE`, default `~/.cache/chariot/kernels`); later processes load the cached
-library directly, without a compiler. Every build registers its ops under its own namespace, so two
-revisions of one kernel can be loaded side by side (benchmarks time one against the other).
+directory keyed by a hash of the source (and the headers beside it), the flags, torch's version and
+this CPU's feature flags (`$CHARIOT_KERNEL_CACHE`, default `~/.cache/chariot/kernels`); later
+processes load the cached library directly, without a compiler. Every build registers its ops
+under its own namespace, so two revisions of one kernel can be loaded side by side (benchmarks time
+one against the other).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CACHE_ENV", "FLAGS", "build_dir", "load_ops"]
+__all__ = ["CACHE_ENV", "FLAGS", "build_dir", "build_problem", "load_ops"]
 
 log = logging.getLogger(__name__)
 CACHE_ENV = "CHARIOT_KERNEL_CACHE"
@@ -40,7 +41,10 @@ def _cpu_identity() -> str:
 
 
 def digest(source: Path, stem: str) -> str:
+    """Hash of what the build depends on: the source and the headers beside it, flags, torch, CPU."""
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.read_bytes())
     for part in (stem, *FLAGS, torch.__version__, _cpu_identity()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -85,3 +89,13 @@ def load_ops(source: Path, stem: str, what: str) -> Callable[[str], Callable[...
         _compile(source, name, directory, namespace, what)  # loads the library too
     ops = getattr(torch.ops, namespace)
     return lambda op: getattr(ops, op)
+
+
+def build_problem(load: Callable[[], object], what: str) -> str | None:
+    """Why `load()` (a kernel's loader) cannot build or load it here, or None when it can."""
+    try:
+        load()
+    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean "not here"
+        lines = str(exc).strip().splitlines()
+        return f"the {what} did not build ({type(exc).__name__}: {lines[-1] if lines else ''})"
+    return None

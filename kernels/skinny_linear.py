@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from chariot.kernels import cpu_build
 from chariot.kernels.cpu_build import load_ops
 
 __all__ = ["MAX_ROWS", "build_problem", "load_kernel", "skinny_linear", "supports"]
@@ -40,12 +41,7 @@ def load_kernel(source: Path = SOURCE) -> KernelFn:
 @cache
 def build_problem() -> str | None:
     """Why the kernel cannot be built or loaded here, or None when it can (decided once per process)."""
-    try:
-        load_kernel()
-    except Exception as exc:  # a compiler error, a missing compiler or ninja: all mean "not here"
-        lines = str(exc).strip().splitlines()
-        return f"the C++ linear kernel did not build ({type(exc).__name__}: {lines[-1] if lines else ''})"
-    return None
+    return cpu_build.build_problem(load_kernel, "C++ linear kernel")
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -30,36 +30,15 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec8.h"
+
 #ifndef CHARIOT_OPS_NAMESPACE
 #define CHARIOT_OPS_NAMESPACE chariot_cpu_attention
 #endif
 
 namespace {
 
-// --- 8-lane fp32 vectors (GCC/Clang vector extensions: AVX2 ymm with -march=native) -----------
-
-constexpr int64_t kLanes = 8;
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef float vf_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-typedef int32_t vi_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
-inline vi load(const int32_t* p) { return *reinterpret_cast<const vi_unaligned*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }  // one vbroadcastss (`vf{} + x` adds a 0 first)
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
-inline vf vmin(vf a, vf b) { return a < b ? a : b; }
-
-// Starts loading the cache line at p. Inline asm on x86-64: GCC 12's dead-code elimination deletes
-// __builtin_prefetch loops in this file (checked in the assembly), which left them with no effect.
-inline void prefetch(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
+using namespace chariot_vec8;
 
 // Cache lines to request, one at a time, from inside the score micro-kernel (one per step along d):
 // the next key tile's K/V then streams in at the pace the current tile is computed, instead of a
@@ -343,17 +322,6 @@ void store_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int
 // a score is a dot product reduced across lanes, eight keys at a time, and P·V broadcasts one
 // probability against whole vectors of a V row. No key is past the token's own position, so there
 // is no causal mask; lanes past a tile's last key score against a zero row and are set to -inf.
-
-// out[i] = the sum of v[i]'s lanes, for 8 vectors at once (a transpose-and-add tree).
-inline vf lane_sums(const vf v[8]) {
-  const vi even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-  const vi lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
-  const vi first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-  vf t[4], u[2];
-  for (int i = 0; i < 4; ++i) t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
-  for (int i = 0; i < 2; ++i) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
-  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
-}
 
 // st[x] = Σ_d krow[x][d] · q[d] for 8 keys x; dim is a multiple of 8.
 inline void dot8(const float* const* krow, const float* q, int64_t dim, float* st, PrefetchQueue& pf) {

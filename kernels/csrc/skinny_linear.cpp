@@ -14,29 +14,15 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vec8.h"
+
 #ifndef CHARIOT_OPS_NAMESPACE
 #define CHARIOT_OPS_NAMESPACE chariot_cpu_linear
 #endif
 
 namespace {
 
-constexpr int64_t kLanes = 8;
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef float vf_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
-
-// out[i] = the sum of v[i]'s lanes, for 8 vectors at once (a transpose-and-add tree).
-inline vf lane_sums(const vf v[8]) {
-  const vi even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
-  const vi lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
-  const vi first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-  vf t[4], u[2];
-  for (int i = 0; i < 4; ++i) t[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
-  for (int i = 0; i < 2; ++i) u[i] = __builtin_shuffle(t[2 * i], t[2 * i + 1], lo) + __builtin_shuffle(t[2 * i], t[2 * i + 1], hi);
-  return __builtin_shuffle(u[0], u[1], first) + __builtin_shuffle(u[0], u[1], second);
-}
+using namespace chariot_vec8;
 
 // y[m][n] = Σ_k x[m][k] · w[n][k] (+ bias[n]) for MB rows of x and NB rows of w; K is a multiple of 8.
 template <int MB, int NB>
