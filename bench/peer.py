@@ -22,6 +22,12 @@ Measured per system and variant: capacity (QPS) by binary search over Poisson lo
 when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT percentiles at a common load,
 offline throughput (every request at t=0) and single-request decode TBT.
 
+Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant, the
+systems' order reversed on every other variant (Chariot, vLLM, vLLM, Chariot: the two phases a ratio
+compares are always adjacent), and a calibration workload (`machine_speed`) is timed before and after
+every phase. Each comparison reports how much the machine changed between its two phases and is marked
+untrusted beyond `DRIFT_TOLERANCE`.
+
     chariot bench peer --model models/100m
 """
 
@@ -44,12 +50,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
+from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
 from chariot.contracts.errors import ConfigError
 
@@ -62,6 +69,7 @@ VLLM_UNUSED_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_MODEL = "models/100m"
 SYSTEMS = ("chariot", "vllm")
 VARIANTS = ("fresh", "shared-prefix")
+ORDERS = ("variant", "system")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SERVED_NAME = "peer"
@@ -113,6 +121,7 @@ class PeerConfig:
     variants: tuple[str, ...]
     quick: bool
     out: Path
+    order: str = "variant"
     max_len: int = 2048
     kv_cache_gib: int = 1
     vllm_reserved_cpus: int | None = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU; None: vLLM's own default (one core per rank)
@@ -159,7 +168,8 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         tolerance=d.tolerance, max_probes=_pick(args.max_probes, d.max_probes),
         systems=parse_choices(args.systems, "systems", SYSTEMS), variants=parse_choices(args.variants, "variants",
                                                                                          VARIANTS),
-        quick=args.quick, out=Path(args.out), max_len=args.max_len, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+        quick=args.quick, out=Path(args.out), order=args.order, max_len=args.max_len, kv_cache_gib=args.kv_cache_gib,
+        seed=args.seed,
         vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
         drain_s=args.drain_s, single_output=d.single_output)
     validate(cfg)
@@ -170,6 +180,7 @@ def validate(cfg: PeerConfig) -> None:
     """Range checks; each error names the field and its limit."""
     checks: list[tuple[bool, str, str]] = [
         (cfg.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}"),
+        (cfg.order in ORDERS, "order", f"must be one of {', '.join(ORDERS)}, got {cfg.order!r}"),
         (cfg.token_budget >= 1, "token_budget", f"must be >= 1, got {cfg.token_budget}"),
         (cfg.scale > 0, "scale", f"must be > 0, got {cfg.scale}"),
         (cfg.requests >= 1, "requests", f"must be >= 1, got {cfg.requests}"),
@@ -724,6 +735,7 @@ class VariantResult:
     single: dict[str, Any] = field(default_factory=dict)
     offline_traces: tuple[RequestTrace, ...] = ()
     single_traces: tuple[RequestTrace, ...] = ()
+    speed: PhaseSpeed | None = None  # the machine's calibration right before and after this phase
 
 
 def trace_lengths(cfg: PeerConfig, prefix_len: int) -> list[TraceRequest]:
@@ -810,14 +822,41 @@ def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int) -
     return res
 
 
-def measure_system(cfg: PeerConfig, system: str) -> list[VariantResult]:
-    """Start one system, warm it up, measure every variant, stop it."""
+def phase_order(systems: Sequence[str], variants: Sequence[str], order: str) -> list[tuple[str, str]]:
+    """The (system, variant) phases in run order. `variant`: variant by variant, the systems' order
+    reversed on every other variant (A B, B A, …), so the two phases a comparison uses are adjacent in
+    time; `system`: each system runs all its variants in turn (one server start per system)."""
+    if order == "system":
+        return [(s, v) for s in systems for v in variants]
+    return [(s, v) for i, v in enumerate(variants) for s in (systems if i % 2 == 0 else systems[::-1])]
+
+
+def server_sessions(phases: Sequence[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """Consecutive phases of one system share one server start: [(system, [variant, …]), …]."""
+    return [(system, [v for _, v in group]) for system, group in itertools.groupby(phases, key=lambda p: p[0])]
+
+
+def format_speed(speed: Speed) -> str:
+    return f"matmul {speed.matmul_gflops:.0f} GFLOP/s, read {speed.read_gbps:.1f} GB/s"
+
+
+def measure_session(cfg: PeerConfig, system: str, variants: Sequence[str], clock: PhaseClock,
+                    results: list[VariantResult]) -> None:
+    """Start one system, warm it up, measure the given variants (each phase bracketed by a machine
+    calibration, with the server idle), stop it. Results are appended as each phase ends, so a server
+    that dies later keeps the phases already measured."""
     vocab = vocab_size(cfg.model)
     starter = chariot_server if system == "chariot" else vllm_server
     with starter(cfg) as server:
         log(f"{system}: warm-up")
         warm_up(server, vocab)
-        return [measure_variant(cfg, server, variant, vocab) for variant in cfg.variants]
+        for variant in variants:
+            log(f"{system}/{variant}: machine before the phase: {format_speed(clock.start())}")
+            res = measure_variant(cfg, server, variant, vocab)
+            res.speed = clock.stop()
+            log(f"{system}/{variant}: machine after the phase: {format_speed(res.speed.after)} "
+                f"(changed {res.speed.within():.1%} during it)")
+            results.append(res)
 
 
 # ---- vLLM installation ---------------------------------------------------------------------------
@@ -888,8 +927,8 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "requests": cfg.requests, "max_len": cfg.max_len, "tbt_slo_ms": cfg.tbt_slo_ms,
             "ttft_slo_ms": cfg.ttft_slo_ms, "qps_low": cfg.qps_low, "qps_high": cfg.qps_high,
             "tolerance": cfg.tolerance, "max_probes": cfg.max_probes, "systems": list(cfg.systems),
-            "variants": list(cfg.variants), "quick": cfg.quick, "seed": cfg.seed, "kv_cache_gib": cfg.kv_cache_gib,
-            "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
+            "variants": list(cfg.variants), "order": cfg.order, "quick": cfg.quick, "seed": cfg.seed,
+            "kv_cache_gib": cfg.kv_cache_gib, "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
             "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "versions": versions(), "cpu_model": cpu.model,
             "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus, "os_cpu_count": os.cpu_count(),
@@ -906,6 +945,7 @@ def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
                     "traces": [t.to_json() for t in p.result.traces]} for q, p in sorted(r.probes.items())],
         "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces]},
         "single": {**r.single, "traces": [t.to_json() for t in r.single_traces]},
+        "machine": r.speed.to_json() if r.speed else None,
     }
 
 
@@ -920,14 +960,38 @@ def comparison(results: Sequence[VariantResult], variant: str, limits: Limits) -
         at = r.probes.get(load) if load is not None else None
         out["systems"][system] = {"capacity": format_capacity(r.capacity),
                                   "at_common_load": latency_summary(at.result.traces) if at else None,
-                                  "offline": r.offline, "single": r.single}
+                                  "offline": r.offline, "single": r.single,
+                                  "machine": asdict(r.speed.mean()) if r.speed else None}
     if "chariot" in by and "vllm" in by:
         c, v = by["chariot"], by["vllm"]
         out["capacity_ratio"] = format_ratio(c.capacity, v.capacity)
         out["capacity_ratio_range"] = [_finite(x) for x in ratio_range(c.capacity, v.capacity)]
         tc, tv = c.offline.get("output_tokens_per_s"), v.offline.get("output_tokens_per_s")
         out["offline_throughput_ratio"] = round(tc / tv, 3) if tc and tv else None
+        out["machine"] = machine_comparison(c.speed, v.speed)
     return out
+
+
+def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None) -> dict[str, Any] | None:
+    """How the machine differed between the two phases a comparison uses: the speed ratio (Chariot's
+    phase / vLLM's, > 1: Chariot ran on the faster machine), the drift, and whether it is within
+    `DRIFT_TOLERANCE`."""
+    if chariot is None or vllm is None:
+        return None
+    ratio = chariot.mean().ratio(vllm.mean())
+    d = drift(chariot, vllm)
+    return {"speed_ratio": {"matmul": round(ratio.matmul_gflops, 3), "read": round(ratio.read_gbps, 3)},
+            "drift": round(d, 4), "tolerance": DRIFT_TOLERANCE, "trusted": d <= DRIFT_TOLERANCE}
+
+
+def machine_note(variant: str, machine: dict[str, Any] | None) -> str:
+    if machine is None:
+        return f"{variant}: no machine calibration for one of the phases"
+    r = machine["speed_ratio"]
+    verdict = (f"≤ {machine['tolerance']:.0%}: the phases ran on the same machine speed" if machine["trusted"] else
+               f"> {machine['tolerance']:.0%}: the ratios above mix the systems with the machine's drift")
+    return (f"{variant}: machine speed in Chariot's phase / vLLM's: matmul {r['matmul']:.2f}×, read "
+            f"{r['read']:.2f}×; drift {machine['drift']:.1%} ({verdict})")
 
 
 def _finite(x: float) -> float | None:
@@ -937,8 +1001,8 @@ def _finite(x: float) -> float | None:
 def summary_table(comparisons: Sequence[dict[str, Any]]) -> str:
     """One Markdown row per system and variant, with the capacity ratio lines under it."""
     head = ("| variant | system | capacity (QPS) | common load | TTFT p50/p90/p99 (ms) | TBT p50/p90/p99 (ms) "
-            "| offline tok/s | single-request TBT p50 (ms) |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| offline tok/s | single-request TBT p50 (ms) | machine GFLOP/s, GB/s |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for comp in comparisons:
         load = comp["common_qps"]
@@ -946,11 +1010,17 @@ def summary_table(comparisons: Sequence[dict[str, Any]]) -> str:
             at = s["at_common_load"] or {}
             lines.append(f"| {comp['variant']} | {system} | {s['capacity']} | "
                          f"{'-' if load is None else f'{load:g}'} | {_triple(at, 'ttft')} | {_triple(at, 'tbt')} | "
-                         f"{_num(s['offline'].get('output_tokens_per_s'))} | {_num(s['single'].get('tbt_p50_ms'))} |")
+                         f"{_num(s['offline'].get('output_tokens_per_s'))} | {_num(s['single'].get('tbt_p50_ms'))} | "
+                         f"{_speed_cell(s.get('machine'))} |")
         if "capacity_ratio" in comp:
             notes.append(f"{comp['variant']}: capacity Chariot/vLLM {comp['capacity_ratio']}, offline throughput "
                          f"Chariot/vLLM {_num(comp['offline_throughput_ratio'])}×")
+            notes.append(machine_note(comp["variant"], comp.get("machine")))
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def _speed_cell(mean: dict[str, float] | None) -> str:
+    return "-" if mean is None else f"{mean['matmul_gflops']:.0f}, {mean['read_gbps']:.1f}"
 
 
 def _triple(summary: dict[str, Any], name: str) -> str:
@@ -1009,6 +1079,10 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"prompt variants (default {','.join(VARIANTS)}; shared-prefix prepends one "
                         f"{SHARED_PREFIX_TOKENS}-token system prompt to every prompt)")
+    p.add_argument("--order", default="variant",
+                   help="phase order: variant (default; systems alternate A B, B A, … so compared phases are "
+                        "adjacent; a server restarts when its system comes back) or system (each system runs "
+                        "all its variants with one start)")
     p.add_argument("--quick", action="store_true", help="few probes, loose tolerance, short single-request run")
     p.add_argument("--max-len", type=int, default=2048, help="max model length of both systems (default 2048)")
     p.add_argument("--kv-cache-gib", type=int, default=1,
@@ -1046,9 +1120,14 @@ def run_peer(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     results: list[VariantResult] = []
     comparisons: list[dict[str, Any]] = []
-    for system in tqdm(cfg.systems, desc="systems", unit="system", file=sys.stderr, disable=None):
+    clock = PhaseClock()
+    phases = phase_order(cfg.systems, cfg.variants, cfg.order)
+    setup["phases"] = [f"{s}/{v}" for s, v in phases]
+    log(f"phases in order: {', '.join(setup['phases'])}")
+    for system, variants in tqdm(server_sessions(phases), desc="server sessions", unit="session", file=sys.stderr,
+                                 disable=None):
         try:
-            results += measure_system(cfg, system)
+            measure_session(cfg, system, variants, clock, results)
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
             setup.setdefault("failures", {})[system] = str(exc)
             log(f"{system} failed: {exc}")

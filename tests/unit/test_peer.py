@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from chariot.bench.capacity import RequestTrace
+from chariot.bench.machine_speed import PhaseSpeed, Speed
 from chariot.bench.peer import (
     SERVED_NAME,
     SHARED_PREFIX_TOKENS,
@@ -23,6 +24,7 @@ from chariot.bench.peer import (
     PeerConfig,
     Planned,
     Server,
+    VariantResult,
     _Stream,
     add_peer_args,
     busy_requests,
@@ -31,18 +33,22 @@ from chariot.bench.peer import (
     chariot_server,
     check_vllm_head_dim,
     common_load,
+    comparison,
     format_capacity,
     format_ratio,
     fresh_prompts,
     latency_summary,
     parse_cpuinfo,
+    phase_order,
     probe_metrics,
     probe_seed,
     request_body,
     resolve_config,
     run_load,
+    server_sessions,
     sse_payload,
     stop_reason,
+    summary_table,
     token_times_from_sse,
     variant_prefix,
     vllm_command,
@@ -84,7 +90,7 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     assert cfg.trace == TRACES["chat"] and cfg.scale == 0.25 and cfg.requests == 64
     assert cfg.tbt_slo_ms == 1000 and cfg.ttft_slo_ms == 2000
     assert cfg.systems == ("chariot", "vllm") and cfg.variants == ("fresh", "shared-prefix")
-    assert cfg.out == Path("bench/results/peer") and not cfg.quick
+    assert cfg.out == Path("bench/results/peer") and not cfg.quick and cfg.order == "variant"
     quick = resolve_config(args("--quick"))
     assert quick.max_probes < cfg.max_probes and quick.single_output < cfg.single_output
 
@@ -105,6 +111,7 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     (["--max-len", "300"], "max_len"),
     (["--scale", "0"], "scale"),
     (["--vllm-reserved-cpus", "4096"], "vllm_reserved_cpus"),
+    (["--order", "random"], "order"),
 ])
 def test_bad_flags_raise_config_error_naming_the_field(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -233,6 +240,48 @@ def test_common_load_is_the_highest_both_passed() -> None:
     assert common_load([{0.5: True, 1.0: True, 2.0: False}, {0.5: True, 1.0: True, 1.5: True}]) == 1.0
     assert common_load([{0.5: True, 1.0: False}, {0.5: False, 1.0: False}]) == 1.0  # none passed: highest probed
     assert common_load([{0.5: True}, {0.75: True}]) is None
+
+
+# ---- phase order and drift ----------------------------------------------------------------------
+def test_variant_order_puts_the_phases_a_ratio_compares_next_to_each_other() -> None:
+    phases = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "variant")
+    assert phases == [("chariot", "fresh"), ("vllm", "fresh"), ("vllm", "shared-prefix"),
+                      ("chariot", "shared-prefix")]
+    assert server_sessions(phases) == [("chariot", ["fresh"]), ("vllm", ["fresh", "shared-prefix"]),
+                                       ("chariot", ["shared-prefix"])]  # Chariot restarts for its second phase
+    by_system = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "system")
+    assert by_system == [("chariot", "fresh"), ("chariot", "shared-prefix"), ("vllm", "fresh"),
+                         ("vllm", "shared-prefix")]
+    assert server_sessions(by_system) == [("chariot", ["fresh", "shared-prefix"]),
+                                          ("vllm", ["fresh", "shared-prefix"])]
+    assert server_sessions(phase_order(("vllm",), ("fresh", "shared-prefix"), "variant")) == [
+        ("vllm", ["fresh", "shared-prefix"])]
+
+
+def measured(system: str, speed: PhaseSpeed | None, tokens_per_s: float) -> VariantResult:
+    return VariantResult(system, "fresh", capacity=Bounds(0.5, 0.75), offline={"output_tokens_per_s": tokens_per_s},
+                         single={"tbt_p50_ms": 20.0}, speed=speed)
+
+
+def test_a_comparison_says_how_much_the_machine_drifted_between_its_phases() -> None:
+    from chariot.bench.peer import Limits
+
+    limits = Limits(1.0, 2.0)
+    fast = PhaseSpeed(Speed(120.0, 20.0), Speed(118.0, 20.0), steal=0.0)
+    same = PhaseSpeed(Speed(119.0, 19.8), Speed(120.0, 20.1), steal=0.0)
+    slow = PhaseSpeed(Speed(90.0, 15.0), Speed(92.0, 15.5), steal=0.01)
+    calm = comparison([measured("chariot", fast, 80.0), measured("vllm", same, 60.0)], "fresh", limits)
+    assert calm is not None and calm["machine"]["trusted"] and calm["machine"]["drift"] <= 0.05
+    assert calm["offline_throughput_ratio"] == pytest.approx(80 / 60, abs=1e-3)
+    drifted = comparison([measured("chariot", fast, 80.0), measured("vllm", slow, 60.0)], "fresh", limits)
+    assert drifted is not None and not drifted["machine"]["trusted"]
+    assert drifted["machine"]["speed_ratio"]["matmul"] == pytest.approx(119 / 91, abs=1e-3)
+    table = summary_table([drifted])
+    assert "mix the systems with the machine's drift" in table and "| 119, 20.0 |" in table
+    assert "same machine speed" in summary_table([calm])
+    missing = comparison([measured("chariot", fast, 80.0), measured("vllm", None, 60.0)], "fresh", limits)
+    assert missing is not None and missing["machine"] is None
+    assert "no machine calibration" in summary_table([missing])
 
 
 # ---- verdicts and summaries ----------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The machine calibration `chariot bench peer` times around its phases (bench/machine_speed.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from chariot.bench.machine_speed import (
+    DRIFT_TOLERANCE,
+    CpuTimes,
+    PhaseClock,
+    PhaseSpeed,
+    Speed,
+    drift,
+    measure_speed,
+    steal_share,
+)
+
+STAT = ("cpu  100 5 50 800 10 0 5 30 0 0\n"
+        "cpu0 50 2 25 400 5 0 3 15 0 0\n"
+        "intr 12345\n")
+
+
+def test_measure_speed_times_the_real_workload() -> None:
+    speed = measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20)
+    assert all(math.isfinite(x) and x > 0 for x in speed.values())
+
+
+def test_speed_ratio_and_phase_mean() -> None:
+    assert Speed(100.0, 20.0).ratio(Speed(50.0, 40.0)) == Speed(2.0, 0.5)
+    phase = PhaseSpeed(Speed(100.0, 20.0), Speed(110.0, 18.0), steal=None)
+    assert phase.mean() == Speed(105.0, 19.0)
+    assert phase.within() == pytest.approx(0.10)  # the larger of +10 % matmul and -10 % read
+
+
+def test_drift_is_the_larger_of_between_and_within_the_phases() -> None:
+    steady = PhaseSpeed(Speed(100.0, 20.0), Speed(100.0, 20.0), steal=0.0)
+    slower = PhaseSpeed(Speed(80.0, 20.0), Speed(80.0, 20.0), steal=0.0)
+    assert drift(steady, slower) == pytest.approx(0.25)  # 100 / 80
+    assert drift(steady, steady) == 0.0
+    wobbly = PhaseSpeed(Speed(100.0, 20.0), Speed(100.0, 24.0), steal=0.0)
+    assert drift(steady, wobbly) == pytest.approx(0.20)  # same mean-ish, but it moved 20 % within
+    near = PhaseSpeed(Speed(102.0, 20.0), Speed(102.0, 20.0), steal=0.0)
+    assert drift(steady, near) <= DRIFT_TOLERANCE < drift(steady, slower)
+
+
+def test_cpu_times_from_proc_stat_and_steal_share() -> None:
+    start = CpuTimes.parse(STAT)
+    assert start == CpuTimes(total=100 + 5 + 50 + 800 + 10 + 0 + 5 + 30, steal=30)
+    end = CpuTimes(start.total + 200, start.steal + 10)
+    assert steal_share(start, end) == 0.05
+    assert steal_share(start, start) is None and steal_share(None, end) is None
+    with pytest.raises(ValueError, match="cpu"):
+        CpuTimes.parse("intr 1\n")
+
+
+def test_phase_clock_brackets_a_phase() -> None:
+    speeds = iter([Speed(100.0, 20.0), Speed(90.0, 21.0)])
+    times = iter([CpuTimes(1000, 10), CpuTimes(1400, 30)])
+    clock = PhaseClock(measure=lambda: next(speeds), read_times=lambda: next(times))
+    with pytest.raises(RuntimeError, match="start"):
+        clock.stop()
+    assert clock.start() == Speed(100.0, 20.0)
+    phase = clock.stop()
+    assert phase.before == Speed(100.0, 20.0) and phase.after == Speed(90.0, 21.0) and phase.steal == 0.05
+    assert phase.to_json()["within_change"] == pytest.approx(0.1)
