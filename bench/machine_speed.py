@@ -3,9 +3,9 @@
 Why it exists: a shared VM's speed drifts by tens of percent within an hour (a neighbour on the memory
 bus, a host that changes clocks), and a side-by-side benchmark that runs one system after the other turns
 that drift into a difference between the systems. `chariot bench peer` times the same small workload
-before and after every phase (one system, one variant), so a reported ratio says how much the machine
-itself changed between the two phases it compares; /proc/stat's steal time says whether the hypervisor
-took the cores away meanwhile.
+before, during (between probes, with the server idle) and after every phase (one system, one variant),
+so a reported ratio says how much the machine itself changed between and within the two phases it
+compares; /proc/stat's steal time says whether the hypervisor took the cores away meanwhile.
 
 The workload mirrors what a serving iteration spends its time on: a float32 matmul of a prefill chunk's
 shape (compute-bound) and a streaming read of a large tensor (memory-bound, as a decode step reading its
@@ -101,22 +101,31 @@ def steal_share(start: CpuTimes | None, end: CpuTimes | None) -> float | None:
 
 @dataclass(frozen=True)
 class PhaseSpeed:
-    """The machine around one phase: calibrations right before and right after it, and steal during it."""
+    """The machine around one phase: calibrations right before it, between its measurements (`during`)
+    and right after it, and the steal share over the phase."""
 
     before: Speed
     after: Speed
     steal: float | None
+    during: tuple[Speed, ...] = ()
+
+    @property
+    def samples(self) -> tuple[Speed, ...]:
+        return (self.before, *self.during, self.after)
 
     def mean(self) -> Speed:
-        return Speed(*((x + y) / 2 for x, y in zip(self.before.values(), self.after.values(), strict=True)))
+        columns = list(zip(*(s.values() for s in self.samples), strict=True))
+        return Speed(*(sum(c) / len(c) for c in columns))
 
     def within(self) -> float:
-        """How much the machine changed during the phase (largest relative change of a metric)."""
-        return max(abs(r - 1.0) for r in self.after.ratio(self.before).values())
+        """How much the machine changed during the phase: the largest max/min - 1 of a metric over the
+        phase's calibrations."""
+        columns = zip(*(s.values() for s in self.samples), strict=True)
+        return max(max(c) / min(c) - 1.0 for c in columns)
 
     def to_json(self) -> dict[str, Any]:
-        return {"before": asdict(self.before), "after": asdict(self.after), "steal_share": self.steal,
-                "within_change": round(self.within(), 4)}
+        return {"before": asdict(self.before), "during": [asdict(s) for s in self.during], "after": asdict(self.after),
+                "steal_share": self.steal, "within_change": round(self.within(), 4)}
 
 
 def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
@@ -127,23 +136,34 @@ def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
 
 
 class PhaseClock:
-    """Brackets a phase: `start()` calibrates and reads the CPU counters, `stop()` does it again."""
+    """Brackets a phase: `start()` calibrates and reads the CPU counters, `mark()` calibrates between
+    the phase's measurements, `stop()` calibrates and reads the counters again."""
 
     def __init__(self, measure: Callable[[], Speed] = measure_speed,
                  read_times: Callable[[], CpuTimes | None] = CpuTimes.read) -> None:
         self.measure, self.read_times = measure, read_times
         self._before: Speed | None = None
         self._times: CpuTimes | None = None
+        self._during: list[Speed] = []
 
     def start(self) -> Speed:
         self._before = self.measure()
         self._times = self.read_times()
+        self._during = []
         return self._before
+
+    def mark(self) -> Speed:
+        """One calibration inside the phase (the server idle between two measurements)."""
+        if self._before is None:
+            raise RuntimeError("PhaseClock.mark() outside a phase (call start() first)")
+        speed = self.measure()
+        self._during.append(speed)
+        return speed
 
     def stop(self) -> PhaseSpeed:
         if self._before is None:
             raise RuntimeError("PhaseClock.stop() without start()")
         times = self.read_times()
-        phase = PhaseSpeed(self._before, self.measure(), steal_share(self._times, times))
-        self._before = None
+        phase = PhaseSpeed(self._before, self.measure(), steal_share(self._times, times), tuple(self._during))
+        self._before, self._during = None, []
         return phase

@@ -723,6 +723,7 @@ class Probe:
     metrics: PeerMetrics
     result: LoadResult
     prompt_seed: str
+    machine: Speed | None = None  # the calibration right before the probe
 
 
 @dataclass
@@ -752,8 +753,9 @@ def planned_requests(trace: Sequence[TraceRequest], qps: float | None, prompts: 
 class Prober:
     """`search_capacity`'s evaluate(qps): memoised; every probe sends fresh prompt contents."""
 
-    def __init__(self, cfg: PeerConfig, server: Server, variant: str, vocab: int) -> None:
-        self.cfg, self.server, self.variant, self.vocab = cfg, server, variant, vocab
+    def __init__(self, cfg: PeerConfig, server: Server, variant: str, vocab: int,
+                 mark: Callable[[], Speed | None] = lambda: None) -> None:
+        self.cfg, self.server, self.variant, self.vocab, self.mark = cfg, server, variant, vocab, mark
         self.prefix = variant_prefix(variant, vocab, cfg.seed)
         self.trace = trace_lengths(cfg, len(self.prefix))
         self.probes: dict[float, Probe] = {}
@@ -772,6 +774,7 @@ class Prober:
     def _probe(self, qps: float) -> Probe:
         from tqdm.auto import tqdm
 
+        machine = self.mark() if self.probes else None  # the phase's start calibrated before the first
         seed, prompts = self.prompts()
         label = f"{self.server.system}/{self.variant} @ {qps:.3f} QPS"
         with tqdm(total=self.cfg.requests, desc=f"  {label}", unit="req", leave=False, file=sys.stderr,
@@ -780,7 +783,7 @@ class Prober:
                                           limits=self.cfg.limits, drain_s=self.cfg.drain_s,
                                           on_done=lambda: bar.update(1)))
         wait_idle(self.server)
-        probe = Probe(qps, probe_metrics(qps, result, self.cfg.limits.ttft_slo_s), result, seed)
+        probe = Probe(qps, probe_metrics(qps, result, self.cfg.limits.ttft_slo_s), result, seed, machine)
         log(probe_line(label, probe, self.cfg.limits))
         return probe
 
@@ -797,20 +800,24 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if math.isfinite(seconds) else "- ms"
 
 
-def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int) -> VariantResult:
-    """Capacity search, then an offline run and a single-request decode run, on a running server."""
-    prober = Prober(cfg, server, variant, vocab)
+def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
+                    mark: Callable[[], Speed | None] = lambda: None) -> VariantResult:
+    """Capacity search, then an offline run and a single-request decode run, on a running server;
+    `mark` calibrates the machine between them (the server idle)."""
+    prober = Prober(cfg, server, variant, vocab, mark)
     log(f"{server.system}/{variant}: capacity search in [{cfg.qps_low:g}, {cfg.qps_high:g}] QPS, "
         f"{cfg.requests} requests per probe, at most {cfg.max_probes} probes")
     search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes)
     res = VariantResult(server.system, variant, dict(prober.probes))
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
+    mark()
     log(f"{server.system}/{variant}: offline run ({cfg.requests} requests at t=0)")
     _, prompts = prober.prompts()
     offline = asyncio.run(run_load(server.base_url, SERVED_NAME, planned_requests(prober.trace, None, prompts),
                                    drain_s=cfg.drain_s * 4))
     wait_idle(server)
     res.offline, res.offline_traces = latency_summary(offline.traces, offline.wall_s), offline.traces
+    mark()
     log(f"{server.system}/{variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
         "output tokens)")
     seed, _ = prober.prompts()
@@ -842,9 +849,9 @@ def format_speed(speed: Speed) -> str:
 
 def measure_session(cfg: PeerConfig, system: str, variants: Sequence[str], clock: PhaseClock,
                     results: list[VariantResult]) -> None:
-    """Start one system, warm it up, measure the given variants (each phase bracketed by a machine
-    calibration, with the server idle), stop it. Results are appended as each phase ends, so a server
-    that dies later keeps the phases already measured."""
+    """Start one system, warm it up, measure the given variants (a machine calibration before, between
+    the measurements of, and after each phase, with the server idle), stop it. Results are appended as
+    each phase ends, so a server that dies later keeps the phases already measured."""
     vocab = vocab_size(cfg.model)
     starter = chariot_server if system == "chariot" else vllm_server
     with starter(cfg) as server:
@@ -852,7 +859,7 @@ def measure_session(cfg: PeerConfig, system: str, variants: Sequence[str], clock
         warm_up(server, vocab)
         for variant in variants:
             log(f"{system}/{variant}: machine before the phase: {format_speed(clock.start())}")
-            res = measure_variant(cfg, server, variant, vocab)
+            res = measure_variant(cfg, server, variant, vocab, clock.mark)
             res.speed = clock.stop()
             log(f"{system}/{variant}: machine after the phase: {format_speed(res.speed.after)} "
                 f"(changed {res.speed.within():.1%} during it)")
@@ -941,6 +948,7 @@ def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
         "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity)},
         "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "prompt_seed": p.prompt_seed,
                     "gave_up": p.result.gave_up, "errors": list(p.result.errors),
+                    "machine": asdict(p.machine) if p.machine else None,
                     "summary": latency_summary(p.result.traces, p.result.wall_s),
                     "traces": [t.to_json() for t in p.result.traces]} for q, p in sorted(r.probes.items())],
         "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces]},

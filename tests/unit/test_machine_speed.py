@@ -31,7 +31,10 @@ def test_speed_ratio_and_phase_mean() -> None:
     assert Speed(100.0, 20.0).ratio(Speed(50.0, 40.0)) == Speed(2.0, 0.5)
     phase = PhaseSpeed(Speed(100.0, 20.0), Speed(110.0, 18.0), steal=None)
     assert phase.mean() == Speed(105.0, 19.0)
-    assert phase.within() == pytest.approx(0.10)  # the larger of +10 % matmul and -10 % read
+    assert phase.within() == pytest.approx(20 / 18 - 1)  # read moved 20 → 18: the larger of 10 % and 11 %
+    dipped = PhaseSpeed(Speed(100.0, 20.0), Speed(100.0, 20.0), steal=None, during=(Speed(70.0, 20.0),))
+    assert dipped.mean() == Speed(90.0, 20.0)
+    assert dipped.within() == pytest.approx(100 / 70 - 1)  # a slow spell inside the phase counts
 
 
 def test_drift_is_the_larger_of_between_and_within_the_phases() -> None:
@@ -40,7 +43,7 @@ def test_drift_is_the_larger_of_between_and_within_the_phases() -> None:
     assert drift(steady, slower) == pytest.approx(0.25)  # 100 / 80
     assert drift(steady, steady) == 0.0
     wobbly = PhaseSpeed(Speed(100.0, 20.0), Speed(100.0, 24.0), steal=0.0)
-    assert drift(steady, wobbly) == pytest.approx(0.20)  # same mean-ish, but it moved 20 % within
+    assert drift(steady, wobbly) == pytest.approx(0.20)  # means 10 % apart, but it moved 20 % within
     near = PhaseSpeed(Speed(102.0, 20.0), Speed(102.0, 20.0), steal=0.0)
     assert drift(steady, near) <= DRIFT_TOLERANCE < drift(steady, slower)
 
@@ -56,12 +59,16 @@ def test_cpu_times_from_proc_stat_and_steal_share() -> None:
 
 
 def test_phase_clock_brackets_a_phase() -> None:
-    speeds = iter([Speed(100.0, 20.0), Speed(90.0, 21.0)])
+    speeds = iter([Speed(100.0, 20.0), Speed(95.0, 20.0), Speed(90.0, 21.0)])
     times = iter([CpuTimes(1000, 10), CpuTimes(1400, 30)])
     clock = PhaseClock(measure=lambda: next(speeds), read_times=lambda: next(times))
     with pytest.raises(RuntimeError, match="start"):
         clock.stop()
+    with pytest.raises(RuntimeError, match="start"):
+        clock.mark()
     assert clock.start() == Speed(100.0, 20.0)
+    assert clock.mark() == Speed(95.0, 20.0)
     phase = clock.stop()
     assert phase.before == Speed(100.0, 20.0) and phase.after == Speed(90.0, 21.0) and phase.steal == 0.05
-    assert phase.to_json()["within_change"] == pytest.approx(0.1)
+    assert phase.during == (Speed(95.0, 20.0),)
+    assert phase.to_json()["within_change"] == pytest.approx(100 / 90 - 1, abs=1e-4)

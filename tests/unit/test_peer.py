@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from chariot.bench.capacity import RequestTrace
-from chariot.bench.machine_speed import PhaseSpeed, Speed
+from chariot.bench.machine_speed import PhaseClock, PhaseSpeed, Speed, measure_speed
 from chariot.bench.peer import (
     SERVED_NAME,
     SHARED_PREFIX_TOKENS,
@@ -38,6 +38,7 @@ from chariot.bench.peer import (
     format_ratio,
     fresh_prompts,
     latency_summary,
+    measure_session,
     parse_cpuinfo,
     phase_order,
     probe_metrics,
@@ -362,3 +363,28 @@ def test_streaming_client_against_chariot_http_front(tiny_model_dir: Path, tmp_p
         assert list(t.token_times) == sorted(t.token_times) and t.token_times[0] > t.arrival >= p.arrival_s - 1e-3
     m = probe_metrics(1.0, result, ttft_slo_s=cfg.ttft_slo_ms / 1e3)
     assert m.failed == 0 and math.isfinite(m.p99_tbt) and m.meets(cfg.tbt_slo_ms / 1e3)
+
+
+@pytest.mark.slow
+def test_a_session_calibrates_the_machine_around_and_between_its_measurements(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
+                     requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
+                     max_probes=2, systems=("chariot",), variants=("fresh",), quick=True, out=tmp_path, max_len=512,
+                     kv_cache_gib=1, ready_timeout_s=180, single_output=8)
+    calibrations: list[Speed] = []
+
+    def measure() -> Speed:  # the real workload, small enough for a test
+        calibrations.append(measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20))
+        return calibrations[-1]
+
+    results: list[VariantResult] = []
+    measure_session(cfg, "chariot", ["fresh"], PhaseClock(measure=measure), results)
+    [res] = results
+    assert res.system == "chariot" and res.variant == "fresh" and res.speed is not None
+    probes = list(res.probes.values())
+    # before the phase, before every probe after the first, before the offline and single runs, after
+    assert len(calibrations) == 1 + (len(probes) - 1) + 2 + 1 == len(res.speed.samples)
+    assert res.speed.before is calibrations[0] and res.speed.after is calibrations[-1]
+    assert sum(p.machine is None for p in probes) == 1  # only the first probe: the phase's start measured it
+    assert res.offline["output_tokens"] > 0 and res.single["output_tokens"] == 8
