@@ -7,6 +7,11 @@ before, during (between probes, with the server idle) and after every phase (one
 so a reported ratio says how much the machine itself changed between and within the two phases it
 compares; /proc/stat's steal time says whether the hypervisor took the cores away meanwhile.
 
+A calibration is only as good as the machine is quiet while it runs: a server that is up and idle may
+still spin (vLLM-CPU's worker busy-polls its message queue while idle and keeps a core busy), so each
+calibration records how much CPU time other processes took while it ran (`others_busy`), and one above
+`CONTENTION_LIMIT` is kept in the record but left out of the phase's speed and drift.
+
 The workload mirrors what a serving iteration spends its time on: a float32 matmul of a prefill chunk's
 shape (compute-bound) and a streaming read of a large tensor (memory-bound, as a decode step reading its
 weights).
@@ -14,6 +19,7 @@ weights).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 DRIFT_TOLERANCE = 0.05  # a phase comparison is trusted when the machine changed by at most this much
+CONTENTION_LIMIT = 0.10  # a calibration during which other processes used more of the CPU is left out
 MATMUL_SHAPE = (512, 1024, 4096)  # rows x K x N: a 512-token chunk through a 1024 -> 4096 projection
 READ_BYTES = 256 << 20  # far beyond any last-level cache
 REPS = 9
@@ -29,10 +36,16 @@ REPS = 9
 
 @dataclass(frozen=True)
 class Speed:
-    """One calibration: medians over `REPS` repetitions."""
+    """One calibration: medians over `REPS` repetitions, and the share of the machine's CPU time that
+    other processes used meanwhile (None: unknown, not Linux)."""
 
     matmul_gflops: float
     read_gbps: float
+    others_busy: float | None = None
+
+    @property
+    def contended(self) -> bool:
+        return self.others_busy is not None and self.others_busy > CONTENTION_LIMIT
 
     def ratio(self, other: Speed) -> Speed:
         """Per metric self / other (> 1: self was the faster machine)."""
@@ -61,10 +74,22 @@ def measure_speed(reps: int = REPS, shape: tuple[int, int, int] = MATMUL_SHAPE,
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
     out = torch.empty(rows, n)
-    matmul_s = _median_seconds(lambda: torch.mm(a, b, out=out), reps)
     big = torch.ones(read_bytes // 4)
+    machine, own = CpuTimes.read(), time.process_time()
+    matmul_s = _median_seconds(lambda: torch.mm(a, b, out=out), reps)
     read_s = _median_seconds(big.sum, reps)
-    return Speed(round(2 * rows * k * n / matmul_s / 1e9, 2), round(read_bytes / read_s / 1e9, 2))
+    others = others_busy(machine, CpuTimes.read(), time.process_time() - own)
+    return Speed(round(2 * rows * k * n / matmul_s / 1e9, 2), round(read_bytes / read_s / 1e9, 2), others)
+
+
+def others_busy(start: CpuTimes | None, end: CpuTimes | None, own_cpu_s: float,
+                ticks_per_s: float = float(os.sysconf("SC_CLK_TCK"))) -> float | None:
+    """The share of the machine's CPU time between two readings that went to processes other than this
+    one (this one used `own_cpu_s` of CPU time, every thread counted)."""
+    if start is None or end is None or end.total <= start.total:
+        return None
+    others_s = (end.busy - start.busy) / ticks_per_s - own_cpu_s
+    return round(min(max(others_s / ((end.total - start.total) / ticks_per_s), 0.0), 1.0), 4)
 
 
 @dataclass(frozen=True)
@@ -73,6 +98,7 @@ class CpuTimes:
 
     total: int
     steal: int
+    busy: int = 0  # neither idle nor waiting for I/O (steal included: not ours to use either)
 
     @staticmethod
     def parse(text: str) -> CpuTimes:
@@ -81,7 +107,8 @@ class CpuTimes:
             if parts and parts[0] == "cpu":
                 ticks = [int(x) for x in parts[1:]]
                 # user nice system idle iowait irq softirq steal [guest guest_nice]: guests are already in user
-                return CpuTimes(sum(ticks[:8]), ticks[7] if len(ticks) > 7 else 0)
+                total = sum(ticks[:8])
+                return CpuTimes(total, ticks[7] if len(ticks) > 7 else 0, total - ticks[3] - ticks[4])
         raise ValueError("no aggregate `cpu` line in /proc/stat")
 
     @staticmethod
@@ -102,7 +129,8 @@ def steal_share(start: CpuTimes | None, end: CpuTimes | None) -> float | None:
 @dataclass(frozen=True)
 class PhaseSpeed:
     """The machine around one phase: calibrations right before it, between its measurements (`during`)
-    and right after it, and the steal share over the phase."""
+    and right after it, and the steal share over the phase. Contended calibrations (see
+    `CONTENTION_LIMIT`) do not count while any other does."""
 
     before: Speed
     after: Speed
@@ -111,7 +139,8 @@ class PhaseSpeed:
 
     @property
     def samples(self) -> tuple[Speed, ...]:
-        return (self.before, *self.during, self.after)
+        every = (self.before, *self.during, self.after)
+        return tuple(s for s in every if not s.contended) or every
 
     def mean(self) -> Speed:
         columns = list(zip(*(s.values() for s in self.samples), strict=True))
@@ -124,13 +153,15 @@ class PhaseSpeed:
         return max(max(c) / min(c) - 1.0 for c in columns)
 
     def to_json(self) -> dict[str, Any]:
+        every = (self.before, *self.during, self.after)
         return {"before": asdict(self.before), "during": [asdict(s) for s in self.during], "after": asdict(self.after),
-                "steal_share": self.steal, "within_change": round(self.within(), 4)}
+                "steal_share": self.steal, "contended": sum(s.contended for s in every),
+                "counted": len(self.samples), "within_change": round(self.within(), 4)}
 
 
 def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
     """How far apart the machine was during two phases: the largest relative difference of their mean
-    speeds, or of either phase's before/after, whichever is larger."""
+    speeds, or the spread of either phase's calibrations, whichever is larger."""
     between = max(abs(r - 1.0) for r in a.mean().ratio(b.mean()).values())
     return max(between, a.within(), b.within())
 
@@ -153,7 +184,8 @@ class PhaseClock:
         return self._before
 
     def mark(self) -> Speed:
-        """One calibration inside the phase (the server idle between two measurements)."""
+        """One calibration inside the phase, between two measurements (the server up and idle: contended
+        if the server spins while idle)."""
         if self._before is None:
             raise RuntimeError("PhaseClock.mark() outside a phase (call start() first)")
         speed = self.measure()

@@ -24,9 +24,10 @@ offline throughput (every request at t=0) and single-request decode TBT.
 
 Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant, the
 systems' order reversed on every other variant (Chariot, vLLM, vLLM, Chariot: the two phases a ratio
-compares are always adjacent), and a calibration workload (`machine_speed`) is timed before and after
-every phase. Each comparison reports how much the machine changed between its two phases and is marked
-untrusted beyond `DRIFT_TOLERANCE`.
+compares are always adjacent), each phase on a server started for it, and a calibration workload
+(`machine_speed`) is timed before and after every phase with no server running, and between the
+phase's measurements. Each comparison reports how much the machine changed between and within its two
+phases and is marked untrusted beyond `DRIFT_TOLERANCE`.
 
     chariot bench peer --model models/100m
 """
@@ -832,38 +833,32 @@ def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
 def phase_order(systems: Sequence[str], variants: Sequence[str], order: str) -> list[tuple[str, str]]:
     """The (system, variant) phases in run order. `variant`: variant by variant, the systems' order
     reversed on every other variant (A B, B A, …), so the two phases a comparison uses are adjacent in
-    time; `system`: each system runs all its variants in turn (one server start per system)."""
+    time; `system`: each system runs all its variants in turn. Every phase starts its own server."""
     if order == "system":
         return [(s, v) for s in systems for v in variants]
     return [(s, v) for i, v in enumerate(variants) for s in (systems if i % 2 == 0 else systems[::-1])]
 
 
-def server_sessions(phases: Sequence[tuple[str, str]]) -> list[tuple[str, list[str]]]:
-    """Consecutive phases of one system share one server start: [(system, [variant, …]), …]."""
-    return [(system, [v for _, v in group]) for system, group in itertools.groupby(phases, key=lambda p: p[0])]
-
-
 def format_speed(speed: Speed) -> str:
-    return f"matmul {speed.matmul_gflops:.0f} GFLOP/s, read {speed.read_gbps:.1f} GB/s"
+    others = "" if speed.others_busy is None else f", other processes {speed.others_busy:.0%} of the CPU"
+    return f"matmul {speed.matmul_gflops:.0f} GFLOP/s, read {speed.read_gbps:.1f} GB/s{others}"
 
 
-def measure_session(cfg: PeerConfig, system: str, variants: Sequence[str], clock: PhaseClock,
-                    results: list[VariantResult]) -> None:
-    """Start one system, warm it up, measure the given variants (a machine calibration before, between
-    the measurements of, and after each phase, with the server idle), stop it. Results are appended as
-    each phase ends, so a server that dies later keeps the phases already measured."""
+def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock) -> VariantResult:
+    """One phase on a server of its own: calibrate the machine with no server running, start the
+    system, warm it up, measure the variant (calibrating between its measurements, the server idle),
+    stop the server, calibrate again."""
     vocab = vocab_size(cfg.model)
+    log(f"{system}/{variant}: machine before the phase (no server running): {format_speed(clock.start())}")
     starter = chariot_server if system == "chariot" else vllm_server
     with starter(cfg) as server:
         log(f"{system}: warm-up")
         warm_up(server, vocab)
-        for variant in variants:
-            log(f"{system}/{variant}: machine before the phase: {format_speed(clock.start())}")
-            res = measure_variant(cfg, server, variant, vocab, clock.mark)
-            res.speed = clock.stop()
-            log(f"{system}/{variant}: machine after the phase: {format_speed(res.speed.after)} "
-                f"(changed {res.speed.within():.1%} during it)")
-            results.append(res)
+        res = measure_variant(cfg, server, variant, vocab, clock.mark)
+    res.speed = clock.stop()
+    log(f"{system}/{variant}: machine after the phase (no server running): {format_speed(res.speed.after)}; "
+        f"spread {res.speed.within():.1%} over {len(res.speed.samples)} uncontended calibrations")
+    return res
 
 
 # ---- vLLM installation ---------------------------------------------------------------------------
@@ -1089,8 +1084,8 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                         f"{SHARED_PREFIX_TOKENS}-token system prompt to every prompt)")
     p.add_argument("--order", default="variant",
                    help="phase order: variant (default; systems alternate A B, B A, … so compared phases are "
-                        "adjacent; a server restarts when its system comes back) or system (each system runs "
-                        "all its variants with one start)")
+                        "adjacent) or system (each system's variants back to back); every phase starts its "
+                        "own server")
     p.add_argument("--quick", action="store_true", help="few probes, loose tolerance, short single-request run")
     p.add_argument("--max-len", type=int, default=2048, help="max model length of both systems (default 2048)")
     p.add_argument("--kv-cache-gib", type=int, default=1,
@@ -1132,10 +1127,9 @@ def run_peer(args: argparse.Namespace) -> int:
     phases = phase_order(cfg.systems, cfg.variants, cfg.order)
     setup["phases"] = [f"{s}/{v}" for s, v in phases]
     log(f"phases in order: {', '.join(setup['phases'])}")
-    for system, variants in tqdm(server_sessions(phases), desc="server sessions", unit="session", file=sys.stderr,
-                                 disable=None):
+    for system, variant in tqdm(phases, desc="phases", unit="phase", file=sys.stderr, disable=None):
         try:
-            measure_session(cfg, system, variants, clock, results)
+            results.append(measure_phase(cfg, system, variant, clock))
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
             setup.setdefault("failures", {})[system] = str(exc)
             log(f"{system} failed: {exc}")

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from chariot.bench.machine_speed import (
+    CONTENTION_LIMIT,
     DRIFT_TOLERANCE,
     CpuTimes,
     PhaseClock,
@@ -14,6 +15,7 @@ from chariot.bench.machine_speed import (
     Speed,
     drift,
     measure_speed,
+    others_busy,
     steal_share,
 )
 
@@ -25,6 +27,26 @@ STAT = ("cpu  100 5 50 800 10 0 5 30 0 0\n"
 def test_measure_speed_times_the_real_workload() -> None:
     speed = measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20)
     assert all(math.isfinite(x) and x > 0 for x in speed.values())
+    assert speed.others_busy is not None and 0.0 <= speed.others_busy <= 1.0
+
+
+def test_others_busy_is_the_machine_busy_time_this_process_did_not_use() -> None:
+    start, end = CpuTimes(total=1000, steal=0, busy=300), CpuTimes(total=1200, steal=0, busy=450)
+    # 2 s of machine time (100 ticks/s), 1.5 s busy, 1.0 s of it ours: others used 25 %
+    assert others_busy(start, end, own_cpu_s=1.0, ticks_per_s=100) == 0.25
+    assert others_busy(start, end, own_cpu_s=2.0, ticks_per_s=100) == 0.0  # tick rounding never goes negative
+    assert others_busy(None, end, own_cpu_s=1.0) is None
+
+
+def test_contended_calibrations_do_not_count_while_clean_ones_exist() -> None:
+    clean, spun = Speed(100.0, 20.0, others_busy=0.02), Speed(50.0, 30.0, others_busy=0.5)
+    assert spun.contended and not clean.contended and spun.others_busy > CONTENTION_LIMIT
+    phase = PhaseSpeed(clean, Speed(102.0, 20.0, others_busy=0.0), steal=None, during=(spun,))
+    assert phase.samples == (clean, Speed(102.0, 20.0, others_busy=0.0))
+    assert phase.within() == pytest.approx(0.02) and phase.to_json()["contended"] == 1
+    all_spun = PhaseSpeed(spun, spun, steal=None)
+    assert all_spun.samples == (spun, spun)  # nothing clean: every calibration counts, to_json says so
+    assert all_spun.to_json()["contended"] == 2 and all_spun.to_json()["counted"] == 2
 
 
 def test_speed_ratio_and_phase_mean() -> None:
@@ -50,7 +72,7 @@ def test_drift_is_the_larger_of_between_and_within_the_phases() -> None:
 
 def test_cpu_times_from_proc_stat_and_steal_share() -> None:
     start = CpuTimes.parse(STAT)
-    assert start == CpuTimes(total=100 + 5 + 50 + 800 + 10 + 0 + 5 + 30, steal=30)
+    assert start == CpuTimes(total=100 + 5 + 50 + 800 + 10 + 0 + 5 + 30, steal=30, busy=100 + 5 + 50 + 0 + 5 + 30)
     end = CpuTimes(start.total + 200, start.steal + 10)
     assert steal_share(start, end) == 0.05
     assert steal_share(start, start) is None and steal_share(None, end) is None

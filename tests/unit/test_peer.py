@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from chariot.bench.peer import (
     format_ratio,
     fresh_prompts,
     latency_summary,
-    measure_session,
+    measure_phase,
     parse_cpuinfo,
     phase_order,
     probe_metrics,
@@ -46,7 +47,6 @@ from chariot.bench.peer import (
     request_body,
     resolve_config,
     run_load,
-    server_sessions,
     sse_payload,
     stop_reason,
     summary_table,
@@ -248,15 +248,11 @@ def test_variant_order_puts_the_phases_a_ratio_compares_next_to_each_other() -> 
     phases = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "variant")
     assert phases == [("chariot", "fresh"), ("vllm", "fresh"), ("vllm", "shared-prefix"),
                       ("chariot", "shared-prefix")]
-    assert server_sessions(phases) == [("chariot", ["fresh"]), ("vllm", ["fresh", "shared-prefix"]),
-                                       ("chariot", ["shared-prefix"])]  # Chariot restarts for its second phase
     by_system = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "system")
     assert by_system == [("chariot", "fresh"), ("chariot", "shared-prefix"), ("vllm", "fresh"),
                          ("vllm", "shared-prefix")]
-    assert server_sessions(by_system) == [("chariot", ["fresh", "shared-prefix"]),
-                                          ("vllm", ["fresh", "shared-prefix"])]
-    assert server_sessions(phase_order(("vllm",), ("fresh", "shared-prefix"), "variant")) == [
-        ("vllm", ["fresh", "shared-prefix"])]
+    assert phase_order(("vllm",), ("fresh", "shared-prefix"), "variant") == [("vllm", "fresh"),
+                                                                             ("vllm", "shared-prefix")]
 
 
 def measured(system: str, speed: PhaseSpeed | None, tokens_per_s: float) -> VariantResult:
@@ -366,25 +362,41 @@ def test_streaming_client_against_chariot_http_front(tiny_model_dir: Path, tmp_p
 
 
 @pytest.mark.slow
-def test_a_session_calibrates_the_machine_around_and_between_its_measurements(tiny_model_dir: Path,
-                                                                              tmp_path: Path) -> None:
+def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny_model_dir: Path,
+                                                                            tmp_path: Path) -> None:
     cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
                      requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
                      max_probes=2, systems=("chariot",), variants=("fresh",), quick=True, out=tmp_path, max_len=512,
                      kv_cache_gib=1, ready_timeout_s=180, single_output=8)
     calibrations: list[Speed] = []
+    server_up: list[bool] = []
 
     def measure() -> Speed:  # the real workload, small enough for a test
+        server_up.append(any("chariot.cli" in c and "up" in c for c in _children_commands()))
         calibrations.append(measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20))
         return calibrations[-1]
 
-    results: list[VariantResult] = []
-    measure_session(cfg, "chariot", ["fresh"], PhaseClock(measure=measure), results)
-    [res] = results
+    res = measure_phase(cfg, "chariot", "fresh", PhaseClock(measure=measure))
     assert res.system == "chariot" and res.variant == "fresh" and res.speed is not None
     probes = list(res.probes.values())
     # before the phase, before every probe after the first, before the offline and single runs, after
-    assert len(calibrations) == 1 + (len(probes) - 1) + 2 + 1 == len(res.speed.samples)
+    assert len(calibrations) == 1 + (len(probes) - 1) + 2 + 1
+    assert res.speed.to_json()["counted"] == len(res.speed.samples) <= len(calibrations)
     assert res.speed.before is calibrations[0] and res.speed.after is calibrations[-1]
     assert sum(p.machine is None for p in probes) == 1  # only the first probe: the phase's start measured it
+    assert server_up[0] is False and server_up[-1] is False and all(server_up[1:-1])  # no server around the phase
+    assert all(s.others_busy is not None for s in calibrations)
     assert res.offline["output_tokens"] > 0 and res.single["output_tokens"] == 8
+
+
+def _children_commands() -> list[list[str]]:
+    """The command lines of this process's children (from /proc): a server the phase started."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == os.getpid():
+                out.append((stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
