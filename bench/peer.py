@@ -677,14 +677,20 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session: only processes it started
 
 
-def busy_requests(server: Server, body: str) -> int:
-    """Requests still running or waiting, from Chariot's /health JSON or vLLM's /metrics text."""
-    if server.system == "chariot":
+BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "chariot_requests_running",
+               "chariot_requests_waiting")
+IDLE_PATHS = {"chariot": ("/health", "/metrics"), "vllm": ("/metrics",)}
+
+
+def busy_requests(body: str) -> int:
+    """Requests still running or waiting: Chariot's /health JSON (`in_flight`: what the router admitted
+    and has not finished) or a /metrics text (vLLM's and Chariot's engine gauges; Chariot's engine
+    drops an aborted request up to about a second after the router has let go of it)."""
+    if body.lstrip().startswith("{"):
         return int(json.loads(body).get("in_flight", 0))
     total = 0.0
     for line in body.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        if line.split("{", 1)[0].split(" ", 1)[0] in BUSY_GAUGES:
             total += float(line.rsplit(" ", 1)[-1])
     return int(total)
 
@@ -693,11 +699,11 @@ def wait_idle(server: Server, timeout_s: float = IDLE_TIMEOUT_S) -> None:
     """Block until the server has no request in flight (aborted streams drain asynchronously)."""
     import httpx
 
-    path = "/health" if server.system == "chariot" else "/metrics"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            if busy_requests(server, httpx.get(server.base_url + path, timeout=10).text) == 0:
+            if all(busy_requests(httpx.get(server.base_url + path, timeout=10).text) == 0
+                   for path in IDLE_PATHS[server.system]):
                 return
         time.sleep(0.2)
     raise RuntimeError(f"{server.system} still busy {timeout_s:.0f} s after the probe")
