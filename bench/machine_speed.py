@@ -139,9 +139,14 @@ class PhaseSpeed:
     during: tuple[Speed, ...] = ()
 
     @property
+    def calibrations(self) -> tuple[Speed, ...]:
+        """Every calibration of the phase, in time order."""
+        return (self.before, *self.during, self.after)
+
+    @property
     def samples(self) -> tuple[Speed, ...]:
-        every = (self.before, *self.during, self.after)
-        return tuple(s for s in every if not s.contended) or every
+        """The calibrations that count: the uncontended ones, or all when none is."""
+        return tuple(s for s in self.calibrations if not s.contended) or self.calibrations
 
     def mean(self) -> Speed:
         columns = list(zip(*(s.values() for s in self.samples), strict=True))
@@ -154,9 +159,8 @@ class PhaseSpeed:
         return max(max(c) / min(c) - 1.0 for c in columns)
 
     def to_json(self) -> dict[str, Any]:
-        every = (self.before, *self.during, self.after)
         return {"before": asdict(self.before), "during": [asdict(s) for s in self.during], "after": asdict(self.after),
-                "steal_share": self.steal, "contended": sum(s.contended for s in every),
+                "steal_share": self.steal, "contended": sum(s.contended for s in self.calibrations),
                 "counted": len(self.samples), "within_change": round(self.within(), 4)}
 
 

@@ -744,7 +744,7 @@ class VariantResult:
     single: dict[str, Any] = field(default_factory=dict)
     offline_traces: tuple[RequestTrace, ...] = ()
     single_traces: tuple[RequestTrace, ...] = ()
-    speed: PhaseSpeed | None = None  # the machine's calibration right before and after this phase
+    speed: PhaseSpeed | None = None  # the machine's calibrations before, during and after this phase
 
 
 def trace_lengths(cfg: PeerConfig, prefix_len: int) -> list[TraceRequest]:
@@ -1138,8 +1138,8 @@ def run_peer(args: argparse.Namespace) -> int:
         try:
             results.append(measure_phase(cfg, system, variant, clock))
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
-            setup.setdefault("failures", {})[system] = str(exc)
-            log(f"{system} failed: {exc}")
+            setup.setdefault("failures", {})[f"{system}/{variant}"] = str(exc)
+            log(f"{system}/{variant} failed: {exc}")
         setup["wall_s"] = round(time.monotonic() - t0, 1)
         comparisons = [c for v in cfg.variants if (c := comparison(results, v, cfg.limits)) is not None]
         path = write_results(cfg, setup, results, comparisons)
