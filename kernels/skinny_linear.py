@@ -26,8 +26,9 @@ __all__ = ["MAX_ROWS", "build_problem", "load_kernel", "skinny_linear", "support
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 LANES = 8
 MAX_ROWS = 16
-"""The most rows it is used for: from 16 rows on, oneDNN's packed GEMM is as fast in whole decode
-iterations (`bench/decode_linear_bench.py`, BENCHMARKS.md)."""
+"""The most rows it is ever used for: from 16 rows on, oneDNN's packed GEMM was as fast in whole
+decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); where it crosses
+below that on a given machine is measured at load time (`worker/model/cpu_linear.py`)."""
 
 KernelFn = Callable[..., None]
 

@@ -20,6 +20,13 @@ inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }  // one vbroadca
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 
+// The sum of v's lanes (by value: an accumulator passed by address is kept in memory by GCC).
+inline float lane_sum(vf v) {
+  const vf h = v + __builtin_shuffle(v, vi{4, 5, 6, 7, 0, 1, 2, 3});
+  const vf q = h + __builtin_shuffle(h, vi{2, 3, 0, 1, 6, 7, 4, 5});
+  return q[0] + q[1];
+}
+
 // out[i] = the sum of v[i]'s lanes, for 8 vectors at once (a transpose-and-add tree).
 inline vf lane_sums(const vf v[8]) {
   const vi even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
@@ -32,10 +39,12 @@ inline vf lane_sums(const vf v[8]) {
 }
 
 // Starts loading the cache line at p. Inline asm on x86-64: GCC 12's dead-code elimination deletes
-// loops of __builtin_prefetch (checked in the assembly), which left them with no effect.
+// loops of __builtin_prefetch (checked in the assembly), which left them with no effect. The address
+// goes in as a register, not a memory operand: an "m" operand tells GCC the asm reads memory, and
+// GCC then stored every vector accumulator of the loop around it to the stack on each iteration.
 inline void prefetch(const void* p) {
 #if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  asm volatile("prefetcht0 (%0)" : : "r"(p));
 #else
   __builtin_prefetch(p);
 #endif

@@ -12,7 +12,11 @@ from chariot.kernels import skinny_linear as skinny
 from chariot.worker.model.cpu_linear import (
     PACKED_LINEAR_ENV,
     SKINNY_LINEAR_ENV,
+    SKINNY_ROWS_ENV,
     CpuLinear,
+    RowsCalibration,
+    calibrate_skinny_rows,
+    configured_skinny_rows,
     cpu_linears,
     packing_problem,
     plan_linears,
@@ -126,3 +130,67 @@ def test_the_skinny_path_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(SKINNY_LINEAR_ENV, "yes")
     with pytest.raises(ValueError, match=f"{SKINNY_LINEAR_ENV} must be auto, 0 or 1"):
         plan_linears(nn.Linear(8, 8), cpu, torch.float32)
+
+
+def test_the_crossover_is_the_last_row_count_of_an_unbroken_run_of_kernel_wins() -> None:
+    def crossover(skinny_ms: list[float], packed_ms: list[float]) -> int:
+        return RowsCalibration((1, 2, 4, 8, 16), tuple(skinny_ms), tuple(packed_ms)).max_rows
+
+    assert crossover([1, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 16
+    assert crossover([1, 1, 3, 1, 1], [2, 2, 2, 2, 2]) == 2  # a loss at 4 rows ends the run, later wins do not count
+    assert crossover([2, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 0  # a tie is not a win
+    assert "4 rows 3.0 vs 2.0 ms" in RowsCalibration((4,), (3e-3,), (2e-3,)).describe()
+
+
+def test_calibration_times_both_routes_on_every_layer_and_row_count() -> None:
+    layers = [CpuLinear(nn.Linear(64, 32).eval(), packed=True, plain=True),
+              CpuLinear(nn.Linear(32, 48).eval(), packed=True, plain=True)]
+    calls: list[tuple[str, int, int]] = []
+    for layer in layers:  # record each route's calls through the real routes
+        for route in ("plain", "packed"):
+            real = getattr(layer, route)
+            setattr(layer, route, lambda x, real=real, route=route, layer=layer: (
+                calls.append((route, layer.in_features, x.shape[0])), real(x))[1])
+    ticks = iter(range(10_000))
+    calibration = calibrate_skinny_rows(layers, rows=(1, 4), passes=2, clock=lambda: float(next(ticks)))
+    assert calibration.rows == (1, 4) and len(calibration.skinny_s) == len(calibration.packed_s) == 2
+    # one untimed and two timed passes per route and row count, each over both layers
+    for route in ("plain", "packed"):
+        for rows in (1, 4):
+            assert sorted(c[1] for c in calls if c[0] == route and c[2] == rows) == [32] * 3 + [64] * 3
+
+
+def test_calibration_routes_through_the_real_kernels() -> None:
+    layer = CpuLinear(nn.Linear(64, 32).eval(), packed=True, plain=True)
+    calibration = calibrate_skinny_rows([layer], rows=(1, 2), passes=1)
+    assert all(t > 0 for t in (*calibration.skinny_s, *calibration.packed_s))
+
+
+def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SKINNY_ROWS_ENV, "3")
+    model = nn.Sequential(nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        want = model(x)
+    assert cpu_linears(model, torch.device("cpu"), torch.float32) == 1
+    layer = model[0]
+    assert layer.skinny_max_rows == 3 and "skinny<=3 rows" in repr(layer)
+    used: list[int] = []
+    plain = layer.plain
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b=None: (used.append(x.shape[0]), F.linear(x, w, b))[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x[:3]), want[:3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    assert used == [3] and plain is not None  # 3 rows took the kernel, 4 took oneDNN
+
+    monkeypatch.delenv(SKINNY_ROWS_ENV)
+    measured = nn.Sequential(nn.Linear(16, 8))
+    cpu_linears(measured, torch.device("cpu"), torch.float32)
+    assert 0 <= measured[0].skinny_max_rows <= skinny.MAX_ROWS
+
+
+@pytest.mark.parametrize("value", ["-1", "17", "many"])
+def test_a_bad_row_limit_names_the_variable_and_range(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(SKINNY_ROWS_ENV, value)
+    with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be an integer in \[0, 16\]"):
+        configured_skinny_rows()

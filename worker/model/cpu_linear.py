@@ -8,6 +8,13 @@ bound by streaming every weight from memory), neither reaches the memory bandwid
 C++ skinny kernel (`kernels/skinny_linear.py`) does, on the weight's plain layout: one sequence's
 decode step on the `100m` preset takes 22 ms instead of 30 (docs/BENCHMARKS.md, "CPU linear layers").
 
+Where the two routes cross depends on the machine: on an AVX2 EPYC the kernel won up to 16 rows, on
+an AVX-512 one oneDNN's kernels win from 4 rows. So when a stage keeps both layouts, `cpu_linears`
+times both routes over all of the stage's own layers for 1, 2, 4, 8 and 16 rows (interleaved,
+median of a few passes; about a second on the `100m` preset) and routes to the kernel up to the
+largest row count below which it won every time (`calibrate_skinny_rows`).
+`CHARIOT_CPU_SKINNY_MAX_ROWS=N` sets that limit instead of measuring it.
+
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
 `CpuLinear` that routes each call by its number of rows. Keeping both layouts costs a second copy
 of the weights, so by default (`CHARIOT_CPU_SKINNY_LINEAR=auto`) the skinny path is only kept when
@@ -20,6 +27,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +41,9 @@ from chariot.kernels import skinny_linear as skinny
 log = logging.getLogger(__name__)
 PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
 SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
+SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
+ROW_CANDIDATES = (1, 2, 4, 8, skinny.MAX_ROWS)  # row counts the calibration times, ascending
+CALIBRATION_PASSES = 3
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -38,8 +51,9 @@ SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept bes
 class CpuLinear(nn.Module):
     """`y = x Wᵀ + b` for inputs of any number of rows, with W kept plain, packed for oneDNN, or both.
 
-    Up to `skinny.MAX_ROWS` rows go to the skinny kernel when the plain weight is kept; more rows go
-    to oneDNN when the packed weight is kept, else to `F.linear`. At least one of the two is kept."""
+    Up to `skinny_max_rows` rows (at most `skinny.MAX_ROWS`; set by `cpu_linears`) go to the skinny
+    kernel when the plain weight is kept; more rows go to oneDNN when the packed weight is kept, else
+    to `F.linear`. At least one of the two is kept."""
 
     def __init__(self, linear: nn.Linear, packed: bool, plain: bool) -> None:
         super().__init__()
@@ -52,22 +66,33 @@ class CpuLinear(nn.Module):
         self.skinny = plain and skinny.supports(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
+        self.skinny_max_rows = skinny.MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, weight = x.reshape(-1, self.in_features), self.weight
-        if weight is not None and self.skinny and flat.shape[0] <= skinny.MAX_ROWS:
+        if weight is not None and self.skinny and flat.shape[0] <= self.skinny_max_rows:
             out = skinny.skinny_linear(flat, weight, self.bias)
         elif self.packed_weight is not None:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+            out = self.packed(flat)
         elif weight is not None:
             out = F.linear(flat, weight, self.bias)
         else:  # the constructor keeps one of the two
             raise RuntimeError("CpuLinear holds no weight")
         return out.view(*x.shape[:-1], self.out_features)
 
+    def packed(self, flat: torch.Tensor) -> torch.Tensor:
+        """The oneDNN route for [rows, in_features] (the packed weight must be kept)."""
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+
+    def plain(self, flat: torch.Tensor) -> torch.Tensor:
+        """The skinny-kernel route for [rows, in_features] (the plain weight must be kept)."""
+        if self.weight is None:
+            raise RuntimeError("the skinny route needs the plain weight, which this layer does not keep")
+        return skinny.skinny_linear(flat, self.weight, self.bias)
+
     def extra_repr(self) -> str:
         kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
-                                      (f"skinny<={skinny.MAX_ROWS} rows", self.skinny)) if on]
+                                      (f"skinny<={self.skinny_max_rows} rows", self.skinny)) if on]
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
 
 
@@ -137,6 +162,80 @@ def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return LinearPlan(packing, skinny_problem(device, dtype, weight_bytes, packing is None))
 
 
+@dataclass(frozen=True)
+class RowsCalibration:
+    """Median seconds of one pass over a stage's layers per row count, for each route."""
+
+    rows: tuple[int, ...]
+    skinny_s: tuple[float, ...]
+    packed_s: tuple[float, ...]
+
+    @property
+    def max_rows(self) -> int:
+        """The largest row count up to which the skinny route won at every measured count (0: none)."""
+        best = 0
+        for rows, fast, slow in zip(self.rows, self.skinny_s, self.packed_s, strict=True):
+            if fast >= slow:
+                break
+            best = rows
+        return best
+
+    def describe(self) -> str:
+        return ", ".join(f"{r} rows {s * 1e3:.1f} vs {p * 1e3:.1f} ms"
+                         for r, s, p in zip(self.rows, self.skinny_s, self.packed_s, strict=True))
+
+
+def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW_CANDIDATES,
+                          passes: int = CALIBRATION_PASSES,
+                          clock: Callable[[], float] = time.perf_counter) -> RowsCalibration:
+    """Time both routes over all `layers` (each keeping both weights) for every row count, the routes
+    interleaved pass by pass after one untimed pass each (oneDNN builds a primitive per shape)."""
+    inputs = {(m, layer.in_features): torch.randn(m, layer.in_features) for m in rows for layer in layers}
+
+    def one_pass(m: int, route: str) -> float:
+        t0 = clock()
+        for layer in layers:
+            getattr(layer, route)(inputs[m, layer.in_features])
+        return clock() - t0
+
+    skinny_s, packed_s = [], []
+    with torch.inference_mode():
+        for m in rows:
+            for warm_up in ("plain", "packed"):
+                one_pass(m, warm_up)
+            times: dict[str, list[float]] = {"plain": [], "packed": []}
+            for _ in range(passes):
+                for route in ("plain", "packed"):
+                    times[route].append(one_pass(m, route))
+            skinny_s.append(statistics.median(times["plain"]))
+            packed_s.append(statistics.median(times["packed"]))
+    return RowsCalibration(tuple(rows), tuple(skinny_s), tuple(packed_s))
+
+
+def configured_skinny_rows() -> int | None:
+    """`CHARIOT_CPU_SKINNY_MAX_ROWS` as an int in [0, MAX_ROWS], or None when unset (measure it)."""
+    text = os.environ.get(SKINNY_ROWS_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) > skinny.MAX_ROWS:
+        raise ValueError(f"{SKINNY_ROWS_ENV} must be an integer in [0, {skinny.MAX_ROWS}], got {text!r}")
+    return int(text)
+
+
+def route_rows(layers: Sequence[CpuLinear]) -> None:
+    """Set how many rows the skinny kernel takes: from the environment, else measured on `layers`
+    when they keep both weights (with only the plain one, the kernel takes up to MAX_ROWS)."""
+    both = [m for m in layers if m.skinny and m.packed_weight is not None]
+    limit = configured_skinny_rows()
+    if limit is None and both:
+        calibration = calibrate_skinny_rows(both)
+        limit = calibration.max_rows
+        log.info("linear layers: skinny kernel for up to %d rows, oneDNN above (measured per pass over the "
+                 "stage's layers, kernel vs oneDNN: %s)", limit, calibration.describe())
+    for m in both:
+        m.skinny_max_rows = skinny.MAX_ROWS if limit is None else limit
+
+
 def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Replace every `nn.Linear` under `module` with a `CpuLinear`; returns how many were replaced."""
     plan = plan_linears(module, device, dtype)
@@ -151,4 +250,5 @@ def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> 
         parent = module.get_submodule(parent_name) if parent_name else module
         with torch.inference_mode(False), torch.no_grad():
             setattr(parent, attr, CpuLinear(linear, packed=plan.packed, plain=plan.plain))
+    route_rows([m for m in module.modules() if isinstance(m, CpuLinear)])
     return len(targets)
