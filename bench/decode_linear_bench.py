@@ -2,8 +2,10 @@
 
 `CpuLinear` keeps both the plain and the oneDNN-packed weight, so one loaded engine can route its
 decode rows either way: steps alternate between the two routes (flipping `CpuLinear.skinny`) over
-the same running sequences, so machine drift hits both alike. This is what decides
-`kernels.skinny_linear.MAX_ROWS` (docs/BENCHMARKS.md, "CPU linear layers").
+the same running sequences, so machine drift hits both alike. This is where
+`kernels.skinny_linear.MAX_ROWS` came from (docs/BENCHMARKS.md, "CPU linear layers"); the engine
+measures the crossover below it when a stage loads (`cpu_linear.calibrate_skinny_rows`), and this
+benchmark overrides that to time the kernel at every batch size.
 
     python -m chariot.bench.decode_linear_bench --model models/100m --out docs/img/decode_linear_100m.json
 """
@@ -31,6 +33,7 @@ def route_skinny(engine: Engine, on: bool) -> None:
         raise SystemExit("the engine's linear layers do not keep both weights (packing or the skinny kernel is off)")
     for m in layers:
         m.skinny = on and m.weight is not None and skinny.supports(m.weight)
+        m.skinny_max_rows = skinny.MAX_ROWS
 
 
 def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:
