@@ -45,7 +45,7 @@ inline void block(const float* x, int64_t ldx, const float* w, int64_t K, const 
   vf c[MB][NB] = {};
   const char* next = ahead.next;
   for (int64_t k = 0; k < K; k += kLanes) {
-    for (int64_t i = 0; i < ahead.per_step && next < ahead.end; ++i, next += 64) prefetch(next);
+    for (int64_t i = 0; i < ahead.per_step && next < ahead.end; ++i, next += 64) prefetch_from_register(next);
     vf b[NB];
     for (int n = 0; n < NB; ++n) b[n] = load(w + n * K + k);
     for (int m = 0; m < MB; ++m) {
