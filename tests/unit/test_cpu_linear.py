@@ -11,11 +11,13 @@ from torch import nn
 from chariot.kernels import skinny_linear as skinny
 from chariot.worker.model.cpu_linear import (
     PACKED_LINEAR_ENV,
+    ROW_CANDIDATES,
     SKINNY_LINEAR_ENV,
     SKINNY_ROWS_ENV,
     CpuLinear,
     RowsCalibration,
     calibrate_skinny_rows,
+    calibration_layers,
     configured_skinny_rows,
     cpu_linears,
     packing_problem,
@@ -166,7 +168,15 @@ def test_calibration_routes_through_the_real_kernels() -> None:
     assert all(t > 0 for t in (*calibration.skinny_s, *calibration.packed_s))
 
 
-def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_reads_a_bounded_share_of_the_weights() -> None:
+    layers = [CpuLinear(nn.Linear(64, 64).eval(), packed=True, plain=True) for _ in range(4)]  # 16 KiB each
+    assert calibration_layers(layers, budget=40 << 10) == layers[:2]
+    assert calibration_layers(layers, budget=1) == layers[:1]  # at least one
+    assert calibration_layers(layers, budget=1 << 30) == layers
+
+
+def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(SKINNY_ROWS_ENV, "3")
     model = nn.Sequential(nn.Linear(16, 8))
     x = torch.randn(4, 16)
@@ -184,8 +194,12 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
 
     monkeypatch.delenv(SKINNY_ROWS_ENV)
     measured = nn.Sequential(nn.Linear(16, 8))
-    cpu_linears(measured, torch.device("cpu"), torch.float32)
-    assert 0 <= measured[0].skinny_max_rows <= skinny.MAX_ROWS
+    with caplog.at_level("INFO", logger="chariot.worker.model.cpu_linear"):
+        cpu_linears(measured, torch.device("cpu"), torch.float32)
+    limit = measured[0].skinny_max_rows
+    assert limit in (0, *ROW_CANDIDATES)
+    line = next(r.getMessage() for r in caplog.records if "skinny kernel for up to" in r.getMessage())
+    assert f"up to {limit} rows" in line and all(f"{m} rows " in line for m in ROW_CANDIDATES)
 
 
 @pytest.mark.parametrize("value", ["-1", "17", "many"])

@@ -10,8 +10,9 @@ decode step on the `100m` preset takes 22 ms instead of 30 (docs/BENCHMARKS.md, 
 
 Where the two routes cross depends on the machine: on an AVX2 EPYC the kernel won up to 16 rows, on
 an AVX-512 one oneDNN's kernels win from 4 rows. So when a stage keeps both layouts, `cpu_linears`
-times both routes over all of the stage's own layers for 1, 2, 4, 8 and 16 rows (interleaved,
-median of a few passes; about a second on the `100m` preset) and routes to the kernel up to the
+times both routes over the stage's own layers (the first 256 MiB of their weights, so they come from
+memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8 and 16 rows
+(interleaved, median of a few passes; about a second on the `100m` preset) and routes to the kernel up to the
 largest row count below which it won every time (`calibrate_skinny_rows`).
 `CHARIOT_CPU_SKINNY_MAX_ROWS=N` sets that limit instead of measuring it.
 
@@ -44,6 +45,7 @@ SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
 ROW_CANDIDATES = (1, 2, 4, 8, skinny.MAX_ROWS)  # row counts the calibration times, ascending
 CALIBRATION_PASSES = 3
+CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -71,7 +73,7 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, weight = x.reshape(-1, self.in_features), self.weight
         if weight is not None and self.skinny and flat.shape[0] <= self.skinny_max_rows:
-            out = skinny.skinny_linear(flat, weight, self.bias)
+            out = self.plain(flat)
         elif self.packed_weight is not None:
             out = self.packed(flat)
         elif weight is not None:
@@ -222,16 +224,29 @@ def configured_skinny_rows() -> int | None:
     return int(text)
 
 
+def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BYTES) -> list[CpuLinear]:
+    """The leading layers whose weights add up to `budget` bytes (at least one)."""
+    chosen: list[CpuLinear] = []
+    total = 0
+    for layer in layers:
+        if chosen and total + layer.weight_nbytes > budget:
+            break
+        chosen.append(layer)
+        total += layer.weight_nbytes
+    return chosen
+
+
 def route_rows(layers: Sequence[CpuLinear]) -> None:
     """Set how many rows the skinny kernel takes: from the environment, else measured on `layers`
     when they keep both weights (with only the plain one, the kernel takes up to MAX_ROWS)."""
     both = [m for m in layers if m.skinny and m.packed_weight is not None]
     limit = configured_skinny_rows()
     if limit is None and both:
-        calibration = calibrate_skinny_rows(both)
+        calibration = calibrate_skinny_rows(calibration_layers(both))
         limit = calibration.max_rows
-        log.info("linear layers: skinny kernel for up to %d rows, oneDNN above (measured per pass over the "
-                 "stage's layers, kernel vs oneDNN: %s)", limit, calibration.describe())
+        log.info("linear layers: skinny kernel for up to %d rows, oneDNN above (measured per pass over the first "
+                 "%d MiB of the stage's layers, kernel vs oneDNN: %s)",
+                 limit, CALIBRATION_BYTES >> 20, calibration.describe())
     for m in both:
         m.skinny_max_rows = skinny.MAX_ROWS if limit is None else limit
 
