@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "vec8.h"
+#include "vecw.h"
 
 #ifndef CHARIOT_OPS_NAMESPACE
 #define CHARIOT_OPS_NAMESPACE chariot_cpu_attention
@@ -39,6 +40,7 @@
 namespace {
 
 using namespace chariot_vec8;
+namespace W = chariot_vecw;
 
 // Cache lines to request, one at a time, from inside the score micro-kernel (one per step along d):
 // the next key tile's K/V then streams in at the pace the current tile is computed, instead of a
@@ -51,22 +53,28 @@ struct PrefetchQueue {
   }
 };
 
-// 2^x, exactly 0 for x < -126 (so -inf gives 0); about 2e-7 relative error (Cephes exp2f).
-inline vf exp2v(vf x) {
-  const vf clamped = vmin(vmax(x, splat(-127.f)), splat(127.f));
-  const vf magic = splat(12582912.f);  // 1.5 · 2^23: adding then subtracting it rounds to an integer
-  const vf whole = (clamped + magic) - magic;
-  const vf f = clamped - whole;  // in [-0.5, 0.5]
-  vf p = splat(1.535336188319500e-4f);
+// 2^x, exactly 0 for x < -126 (so -inf gives 0); about 2e-7 relative error (Cephes exp2f). For any
+// fp32 vector type V (int32 lanes VI).
+template <typename V, typename VI>
+inline V exp2_of(V x) {
+  const V lo = V{} - 127.f, hi = V{} + 127.f;
+  const V above = x > lo ? x : lo;
+  const V clamped = above < hi ? above : hi;
+  const V magic = V{} + 12582912.f;  // 1.5 · 2^23: adding then subtracting it rounds to an integer
+  const V whole = (clamped + magic) - magic;
+  const V f = clamped - whole;  // in [-0.5, 0.5]
+  V p = V{} + 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.f;
-  const vi bits = (vi)p + (__builtin_convertvector(whole, vi) << 23);  // scale by 2^whole in the exponent
-  return x < splat(-126.f) ? splat(0.f) : (vf)bits;
+  const VI bits = (VI)p + (__builtin_convertvector(whole, VI) << 23);  // scale by 2^whole in the exponent
+  return x < V{} - 126.f ? V{} : (V)bits;
 }
+
+inline vf exp2v(vf x) { return exp2_of<vf, vi>(x); }
 
 // --- micro-kernels -----------------------------------------------------------------------------
 // C[x][m-block] over XB values of x and MV vectors of rows; A is broadcast one scalar at a time.
@@ -135,9 +143,13 @@ inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t 
   }
 }
 
-// Register blocking: 12 accumulators (6 x × 2 vectors, or 8 x × 1 vector) of the 16 ymm registers.
+// Register blocking: XB values of x × MV vectors of rows. With 16 ymm registers, 12 accumulators
+// (6 × 2, or 8 × 1). With AVX-512's 32 (usable by 8-lane code too), 28 (7 × 4) in panels of 32
+// rows: 1.09-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Chosen with
+// vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2 machine runs.
+constexpr int kPanel = W::kW == 16 ? 4 : 2;
 template <int MV>
-constexpr int kBlockX = MV == 2 ? 6 : 8;
+constexpr int kBlockX = MV == 4 ? 7 : MV == 2 ? 6 : 8;
 
 template <int MV>
 void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st,
@@ -157,18 +169,23 @@ void pv_panel(const float* const* vrow, int64_t dim, int64_t keys, const float* 
   pv_tail<XB - 1, MV>(vrow, d0, dim - d0, keys, pt, ld, alpha, acc);
 }
 
-// The row vectors in panels of 16 rows, then one of 8 (rows are padded to a multiple of 8).
+// The row vectors in panels of kPanel vectors, then of 2 and 1 (rows are padded to a multiple of 8).
 void scores(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
             PrefetchQueue& pf) {
   int64_t m = 0;
-  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m, pf);
+  for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes) qk_panel<kPanel>(krow, keys, dim, qt + m, rows, st + m, pf);
+  if constexpr (kPanel > 2)
+    for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m, pf);
   if (m < rows) qk_panel<1>(krow, keys, dim, qt + m, rows, st + m, pf);
 }
 
 void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t rows,
                 const float* alpha, float* acc) {
   int64_t m = 0;
-  for (; m + 2 * kLanes <= rows; m += 2 * kLanes) pv_panel<2>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+  for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes)
+    pv_panel<kPanel>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+  if constexpr (kPanel > 2)
+    for (; m + 2 * kLanes <= rows; m += 2 * kLanes) pv_panel<2>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
   if (m < rows) pv_panel<1>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
 }
 
@@ -206,11 +223,12 @@ struct Scratch {
   std::vector<int32_t> qpos;
   std::vector<const float*> krow, vrow;
   std::vector<const char*> lines;  // the next tile's cache lines, for PrefetchQueue
-  std::vector<float> zeros;        // a key row for the padding lanes of the decode score kernel
+  std::vector<const char*> next_k, next_v;  // the next tile's cache rows (one-token path's prefetch)
+  std::vector<float> zeros;        // a key row for the padding lanes of the decode score kernels
   Scratch(int64_t rows, int64_t dim, bool convert)
-      : qt(rows * dim), acc(rows * dim), st((kKeyTile + kLanes) * rows), m(rows), l(rows), alpha(rows),
+      : qt(rows * dim), acc(rows * dim), st((kKeyTile + W::kW) * rows), m(rows), l(rows), alpha(rows),
         kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
-        krow(kKeyTile + kLanes), vrow(kKeyTile), zeros(dim) {
+        krow(kKeyTile + W::kW), vrow(kKeyTile), next_k(kKeyTile), next_v(kKeyTile), zeros(dim) {
     lines.reserve(2 * kKeyTile * (dim * sizeof(float) / 64 + 1));
   }
 };
@@ -421,9 +439,179 @@ void attend_one_token(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
   }
 }
 
+// --- one query token, whole GQA group at once: the machine's widest vectors -------------------
+// The path above reads each K row once per head and reduces one head's eight scores at a time.
+// Here a vector of kW scores holds KB = kW / G keys × the group's G heads (lane k·G + h), so a K
+// row is loaded once for the whole group, one transpose-and-add tree yields kW scores, and the
+// scores stay in that [key][head] order through the softmax (a head's statistics are folded over
+// the lanes congruent to it mod G) and P·V (a probability is broadcast from st[n·G + h]). The next
+// tile's rows are requested a few at a time between score blocks. Needs G to divide kW and
+// head_dim to be a multiple of kW.
+
+// Requests every cache line of a row into L2 (prefetcht1). Requests into L1 (prefetcht0) hold a
+// line-fill buffer each until the line arrives, and a core has few of those: with them this path
+// streamed a cold cache at 13 GB/s, with these at 23 GB/s (a 2-core AVX-512 EPYC; kernels.md).
+inline void prefetch_row(const char* row, int64_t bytes) {
+#if defined(__x86_64__)
+  for (int64_t b = 0; b < bytes; b += 64) asm volatile("prefetcht1 %0" : : "m"(*(row + b)));
+#else
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+#endif
+}
+
+// st[k·G + h] = Σ_d krow[k][d] · q[h][d] for the KB keys of krow and the G heads of q ([G][dim]).
+template <int G>
+inline void group_scores(const float* const* krow, const float* q, int64_t dim, float* st) {
+  constexpr int KB = W::kW / G;
+  W::vw c[W::kW];
+  for (int i = 0; i < W::kW; ++i) c[i] = W::vw{};
+  for (int64_t d = 0; d < dim; d += W::kW) {
+    for (int k = 0; k < KB; ++k) {
+      const W::vw key = W::load(krow[k] + d);
+      for (int h = 0; h < G; ++h) c[k * G + h] += key * W::load(q + h * dim + d);
+    }
+  }
+  W::store(st, W::lane_sums(c));
+}
+
+// Online-softmax step over `vectors` vectors of [key][head] scores (keys >= n set to -inf):
+// probabilities in place; m and l hold each lane's head's running max and sum. Returns each lane's
+// head's rescale factor for its earlier sum.
+template <int G>
+inline W::vw group_softmax(float* st, int64_t n, int64_t vectors, W::vw& m, W::vw& l) {
+  constexpr int KB = W::kW / G;
+  const W::vw neg_inf = W::splat(-std::numeric_limits<float>::infinity());
+  const W::viw key_of_lane = W::lane_index() / G;
+  W::vw mx = neg_inf;
+  for (int64_t v = 0; v < vectors; ++v) {
+    W::vw x = W::load(st + v * W::kW);
+    if ((v + 1) * KB > n) {
+      x = key_of_lane + static_cast<int32_t>(v * KB) < static_cast<int32_t>(n) ? x : neg_inf;
+      W::store(st + v * W::kW, x);
+    }
+    mx = W::vmax(mx, x);
+  }
+  mx = W::fold_congruent(mx, G, W::vmax);
+  const W::vw m_new = W::vmax(m, mx);  // finite: the tile has at least one key
+  const W::vw alpha = m == neg_inf ? W::vw{} : exp2_of<W::vw, W::viw>(m - m_new);
+  W::vw sum = {};
+  for (int64_t v = 0; v < vectors; ++v) {
+    const W::vw e = exp2_of<W::vw, W::viw>(W::load(st + v * W::kW) - m_new);
+    W::store(st + v * W::kW, e);
+    sum += e;
+  }
+  sum = W::fold_congruent(sum, G, [](W::vw a, W::vw b) { return a + b; });
+  l = l * alpha + sum, m = m_new;
+  return alpha;
+}
+
+// acc[h0 + h][d0 + ·] = alpha[h0 + h] · acc + Σ_n p[n·G + h0 + h] · vrow[n][d0 + ·] for HB heads, VB vectors.
+template <int G, int HB, int VB>
+inline void group_pv(const float* const* vrow, int64_t keys, int64_t h0, int64_t d0, const float* p,
+                     const float* alpha, float* acc, int64_t dim) {
+  W::vw c[HB][VB];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j) c[h][j] = W::load(acc + (h0 + h) * dim + d0 + j * W::kW) * W::splat(alpha[h0 + h]);
+  for (int64_t n = 0; n < keys; ++n) {
+    W::vw b[VB];
+    for (int j = 0; j < VB; ++j) b[j] = W::load(vrow[n] + d0 + j * W::kW);
+    for (int h = 0; h < HB; ++h) {
+      const W::vw a = W::splat(p[n * G + h0 + h]);
+      for (int j = 0; j < VB; ++j) c[h][j] += a * b[j];
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j) W::store(acc + (h0 + h) * dim + d0 + j * W::kW, c[h][j]);
+}
+
+template <int G>
+void group_pv_all(const float* const* vrow, int64_t keys, const float* p, const float* alpha, float* acc,
+                  int64_t dim) {
+  constexpr int VB = 4, HB = std::min(G, W::kW == 16 ? 4 : 2);  // 16 (zmm) or 8 (ymm) accumulators
+  for (int64_t h0 = 0; h0 < G; h0 += HB) {
+    int64_t d0 = 0;
+    for (; d0 + VB * W::kW <= dim; d0 += VB * W::kW) group_pv<G, HB, VB>(vrow, keys, h0, d0, p, alpha, acc, dim);
+    for (; d0 < dim; d0 += W::kW) group_pv<G, HB, 1>(vrow, keys, h0, d0, p, alpha, acc, dim);
+  }
+}
+
+// Raw addresses of the K and V rows of keys [p0, p0 + n), for prefetching.
+template <typename q_t, typename kv_t>
+void row_addresses(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
+  const int32_t* table = P.tables + w.seq * P.table_stride;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = p0 + i;
+    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+    s.next_k[i] = reinterpret_cast<const char*>(P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h);
+    s.next_v[i] = reinterpret_cast<const char*>(P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h);
+  }
+}
+
+template <int G, typename q_t, typename kv_t>
+void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  constexpr int KB = W::kW / G;
+  const int64_t start = P.query_start[w.seq], dim = P.dim;
+  const int64_t token = start + w.first;
+  const int64_t end = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start) + w.last;  // keys [0, end)
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(kv_t));
+  float* q = s.qt.data();     // [G][dim], pre-scaled into log2 units
+  float* acc = s.acc.data();  // [G][dim]
+  float* st = s.st.data();    // [key][G]
+  const float qscale = P.scale * kLog2e;
+  for (int64_t h = 0; h < G; ++h) {
+    const q_t* src = P.q + token * P.q_stride_t + (w.kv_head * G + h) * P.q_stride_h;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * qscale;
+  }
+  std::fill(acc, acc + G * dim, 0.f);
+  W::vw m = W::splat(-std::numeric_limits<float>::infinity()), l = {};
+  alignas(64) float alpha[W::kW];
+  for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, end - p0), padded = (n + KB - 1) / KB * KB;
+    const int64_t next = std::min(kKeyTile, end - p0 - n);
+    locate_rows(P, w, p0, n, s);
+    for (int64_t i = n; i < padded; ++i) s.krow[i] = s.zeros.data();
+    row_addresses(P, w, p0 + n, next, s);
+    int64_t requested = 0;
+    for (int64_t x = 0; x < padded; x += KB) {
+      group_scores<G>(s.krow.data() + x, q, dim, st + x * G);
+      for (; requested < std::min(next, x + KB); ++requested)
+        prefetch_row(s.next_k[requested], row_bytes), prefetch_row(s.next_v[requested], row_bytes);
+    }
+    for (; requested < next; ++requested) prefetch_row(s.next_k[requested], row_bytes), prefetch_row(s.next_v[requested], row_bytes);
+    W::store(alpha, group_softmax<G>(st, n, padded / KB, m, l));
+    group_pv_all<G>(s.vrow.data(), n, st, alpha, acc, dim);
+  }
+  alignas(64) float sums[W::kW];
+  W::store(sums, l);
+  for (int64_t h = 0; h < G; ++h) {
+    q_t* dst = P.out + token * P.o_stride_t + (w.kv_head * G + h) * P.o_stride_h;
+    const float inv = 1.f / sums[h];
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d] * inv);
+  }
+}
+
+// The one-token path for this group and head_dim: false when neither fits (the general path runs).
+template <typename q_t, typename kv_t>
+bool attend_one_token_any(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  if (P.dim % W::kW == 0) {
+    switch (P.group()) {
+      case 1: return attend_one_token_group<1>(P, w, s), true;
+      case 2: return attend_one_token_group<2>(P, w, s), true;
+      case 4: return attend_one_token_group<4>(P, w, s), true;
+      case 8: return attend_one_token_group<8>(P, w, s), true;
+      case 16:
+        if constexpr (W::kW >= 16) return attend_one_token_group<16>(P, w, s), true;
+        break;
+      default: break;
+    }
+  }
+  if (P.dim % kLanes == 0) return attend_one_token(P, w, s), true;
+  return false;
+}
+
 template <typename q_t, typename kv_t>
 void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
-  if (w.last - w.first == 1 && P.dim % kLanes == 0) return attend_one_token(P, w, s);
+  if (w.last - w.first == 1 && attend_one_token_any(P, w, s)) return;
   const int64_t start = P.query_start[w.seq];
   const int64_t ctx_before = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start);
   const int64_t rows = padded_rows((w.last - w.first) * P.group());

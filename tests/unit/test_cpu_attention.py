@@ -1,10 +1,17 @@
 """The opt-in C++ CPU attention backend against the PyTorch reference and fp32 SDPA, over decodes,
 prefill chunks with and without cached context, mixed batches, GQA groups, block sizes and
-NaN-poisoned unused cache slots. The kernel compiles on first use (about a minute, cached)."""
+NaN-poisoned unused cache slots. The kernel compiles on first use (about a minute, cached).
+
+Both builds are checked wherever the tests run: the native one (16-lane one-token path and 28-
+accumulator panels on an AVX-512 machine) and the 256-bit one an AVX2 machine gets
+(`CHARIOT_VECTOR_256`, a wrapper source that includes the kernel)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +19,21 @@ import torch.nn.functional as F
 
 from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
-from chariot.kernels.cpu_attention import paged_attention
+from chariot.kernels.cpu_attention import SOURCE, load_kernel, paged_attention
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
+
+
+@pytest.fixture(scope="module", params=["native", "256-bit"])
+def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., None]:
+    """The kernel as built for this CPU, or as built for a 256-bit (AVX2) one."""
+    if request.param == "native":
+        return load_kernel()
+    sources = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+    version = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()  # the build cache key
+    wrapper = tmp_path_factory.mktemp("avx2") / "paged_attention_256.cpp"
+    wrapper.write_text(f"// kernel sources {version}\n#define CHARIOT_VECTOR_256 1\n#include \"{SOURCE}\"\n")
+    return load_kernel(Path(wrapper))
 
 
 def make_case(q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, dim: int, block: int,
@@ -79,11 +98,12 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
 @pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 8), (64, 32)])
-def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, dim: int, block: int) -> None:
+def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, dim: int, block: int,
+                                         kernel: Callable[..., None]) -> None:
     q_lens, ctx = CASES[case]
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, block, torch.float32, seed=len(case) + dim)
     scale = 1 / math.sqrt(dim)
-    ours = paged_attention(query, k, v, meta, scale)
+    ours = paged_attention(query, k, v, meta, scale, kernel=kernel)
     assert not ours.isnan().any()
     torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, scale), atol=2e-5, rtol=1e-5)
     if meta.num_decodes == sum(1 for q in q_lens if q == 1):  # the reference wants decodes first
@@ -91,13 +111,17 @@ def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, d
 
 
 @pytest.mark.parametrize("case", ["decodes", "decodes-across-tiles", "mixed", "single-token-prompt"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 2, 64), (6, 2, 72), (16, 1, 32), (4, 2, 20)])
-def test_one_token_path_matches_sdpa(case: str, heads: int, kv_heads: int, dim: int) -> None:
-    """One-token tiles (head_dim in the lanes) for GQA groups of 8, 3 and 16, head_dims that are not a
-    multiple of 32 (a tail of 8-lane vectors), and head_dim 20, which takes the general path."""
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(16, 2, 64), (6, 2, 72), (16, 1, 32), (4, 2, 20), (2, 2, 48), (32, 2, 64)])
+def test_one_token_path_matches_sdpa(case: str, heads: int, kv_heads: int, dim: int,
+                                     kernel: Callable[..., None]) -> None:
+    """One-token tiles for GQA groups of 8, 3, 16, 1 and 16 (the group path where the group divides
+    the vector width and head_dim is a multiple of it, else head_dim in 8 lanes), head_dims that are
+    not a multiple of 32 or 16 (a tail of vectors: 72, 48), and head_dim 20, which takes the general
+    path."""
     q_lens, ctx = CASES[case]
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, 16, torch.float32, seed=dim + heads)
-    ours = paged_attention(query, k, v, meta, 1 / math.sqrt(dim))
+    ours = paged_attention(query, k, v, meta, 1 / math.sqrt(dim), kernel=kernel)
     assert not ours.isnan().any()
     torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, 1 / math.sqrt(dim)), atol=2e-5, rtol=1e-5)
 
