@@ -145,7 +145,7 @@ inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t 
 
 // Register blocking: XB values of x × MV vectors of rows. With 16 ymm registers, 12 accumulators
 // (6 × 2, or 8 × 1). With AVX-512's 32 (usable by 8-lane code too), 28 (7 × 4) in panels of 32
-// rows: 1.09-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Chosen with
+// rows: 1.07-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Chosen with
 // vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2 machine runs.
 constexpr int kPanel = W::kW == 16 ? 4 : 2;
 template <int MV>
@@ -570,14 +570,13 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
     const int64_t next = std::min(kKeyTile, end - p0 - n);
     locate_rows(P, w, p0, n, s);
     for (int64_t i = n; i < padded; ++i) s.krow[i] = s.zeros.data();
-    row_addresses(P, w, p0 + n, next, s);
+    row_addresses(P, w, p0 + n, next, s);  // next <= n: only a full tile has another after it
     int64_t requested = 0;
     for (int64_t x = 0; x < padded; x += KB) {
       group_scores<G>(s.krow.data() + x, q, dim, st + x * G);
       for (; requested < std::min(next, x + KB); ++requested)
         prefetch_row(s.next_k[requested], row_bytes), prefetch_row(s.next_v[requested], row_bytes);
     }
-    for (; requested < next; ++requested) prefetch_row(s.next_k[requested], row_bytes), prefetch_row(s.next_v[requested], row_bytes);
     W::store(alpha, group_softmax<G>(st, n, padded / KB, m, l));
     group_pv_all<G>(s.vrow.data(), n, st, alpha, acc, dim);
   }

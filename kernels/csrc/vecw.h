@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "vec8.h"
+
 namespace chariot_vecw {
 
 #if defined(__AVX512F__) && !defined(CHARIOT_VECTOR_256)
@@ -38,9 +40,9 @@ inline vw fold_congruent(vw v, int g, Op op) {
   return v;
 }
 
-// out[i] = the sum of v[i]'s lanes, for kW vectors at once: a transpose-and-add tree, one level per
-// power of two. Level b pairs vectors x, y whose lanes hold partial sums in runs of b and halves
-// their count: lo takes x's even runs and y's after them, hi the odd runs.
+// out[i] = the sum of v[i]'s lanes, for kW vectors at once: vec8.h's transpose-and-add tree, with
+// one more level at 16 lanes. Level b pairs vectors x, y whose lanes hold partial sums in runs of b
+// and halves their count: lo takes x's even runs and y's after them, hi the odd runs.
 inline vw lane_sums(const vw v[kW]) {
 #if defined(__AVX512F__) && !defined(CHARIOT_VECTOR_256)
   const viw lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
@@ -56,13 +58,7 @@ inline vw lane_sums(const vw v[kW]) {
     c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo4) + __builtin_shuffle(b[2 * i], b[2 * i + 1], lo4 + 4);
   return __builtin_shuffle(c[0], c[1], lo8) + __builtin_shuffle(c[0], c[1], lo8 + 8);
 #else
-  const viw lo1 = {0, 8, 2, 10, 4, 12, 6, 14}, lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, lo4 = {0, 1, 2, 3, 8, 9, 10, 11};
-  vw a[4], b[2];
-  for (int i = 0; i < 4; ++i)
-    a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1) + __builtin_shuffle(v[2 * i], v[2 * i + 1], lo1 + 1);
-  for (int i = 0; i < 2; ++i)
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) + __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2 + 2);
-  return __builtin_shuffle(b[0], b[1], lo4) + __builtin_shuffle(b[0], b[1], lo4 + 4);
+  return chariot_vec8::lane_sums(v);  // the same type as vec8.h's at 8 lanes
 #endif
 }
 
