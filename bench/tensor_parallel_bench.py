@@ -10,7 +10,8 @@ decode and prefill iteration times of TP 1/2/4 on a GPU machine (e.g. `--model` 
 
 Two phases per T, each through `LLM(tensor_parallel_size=T).generate` (greedy, `ignore_eos`):
 prefill (prompts of `--prompt-len` tokens, one output token each: chunked prefill iterations) and
-decode (`--decode-batch` short prompts, `--decode-tokens` outputs each: decode iterations). An
+decode (`--decode-batch` short prompts, `--decode-tokens` outputs each: decode iterations), each
+run once untimed first (the first batch of a shape compiles the Triton kernels on CUDA). An
 iteration's time is the phase's wall time over its engine iterations; the collective share is stage
 0 leader's collective seconds (`EngineStats.collective_s`) over the phase's wall time.
 
@@ -80,7 +81,9 @@ def run_tensor(args: argparse.Namespace, tensor: int) -> list[Phase]:
     with LLM(args.model, tensor_parallel_size=tensor, dtype=args.dtype, device=args.device,
              token_budget=args.token_budget, max_model_len=args.prompt_len + args.decode_tokens + 16,
              kv_cache_tokens=args.kv_cache_tokens, prefix_caching=False, progress=False) as llm:
-        run_phase(llm, "warm-up", short_prompts[:2], 4)
+        # Each phase once untimed: on CUDA the first batch of a shape compiles Triton kernels.
+        run_phase(llm, "warm-up prefill", long_prompts, 1)
+        run_phase(llm, "warm-up decode", short_prompts, args.decode_tokens)
         phases = [run_phase(llm, "prefill", long_prompts, 1),
                   run_phase(llm, "decode", short_prompts, args.decode_tokens)]
     for p in phases:

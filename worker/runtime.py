@@ -117,11 +117,20 @@ def _place(resolved: ResolvedConfig, topology: Topology | None) -> RankPlace:
 
 
 def _rank_device(resolved: ResolvedConfig, place: RankPlace) -> ResolvedConfig:
-    """With tensor parallelism on GPUs each rank takes its own device: `cuda:$LOCAL_RANK` (set by the
-    launchers: the shard inside a pod, the global rank on one machine), else `cuda:<shard>`."""
-    if resolved.device.type != "cuda" or resolved.device.index is not None or place.tensor_parallel_size == 1:
+    """On GPUs each rank of a group takes its own device, since NCCL cannot put two ranks of one group
+    on one GPU: `cuda:$LOCAL_RANK`, which the launchers set (the global rank on one machine, the shard
+    inside a pod), else `cuda:<shard>`. A single-rank stage without `LOCAL_RANK` (a pod with one GPU)
+    keeps `cuda`; an explicit `cuda:N` is kept. A rank whose device is not there fails here, naming it."""
+    if resolved.device.type != "cuda" or resolved.device.index is not None:
         return resolved
-    index = int(os.environ.get(LOCAL_RANK_ENV, place.shard))
+    local_rank = os.environ.get(LOCAL_RANK_ENV)
+    if local_rank is None and place.tensor_parallel_size == 1:
+        return resolved
+    index = int(local_rank) if local_rank is not None else place.shard
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        raise ConfigError("device", f"this rank needs cuda:{index} (one GPU per rank: NCCL cannot share a GPU "
+                                    f"between the ranks of a group), but {visible} CUDA device(s) are visible")
     return replace(resolved, device=torch.device("cuda", index))
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import chariot.kernels as kernels
+from chariot.contracts.errors import ConfigError
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.llm import LLM
 
@@ -69,3 +70,15 @@ def test_cuda_triton_matches_cpu_reference(small_model_dir: Path, backend_restor
     expected = greedy_tokens(small_model_dir, "reference", "cpu", token_budget=budget)
     got = greedy_tokens(small_model_dir, "triton", "cuda", token_budget=budget)
     assert torch.cuda.is_available() and got == expected
+
+
+@pytest.mark.gpu
+def test_cuda_pipeline_stages_take_one_gpu_each(small_model_dir: Path, backend_restored: None) -> None:
+    """On one machine each stage of a CUDA group gets its own GPU (NCCL refuses two ranks on one): with
+    fewer GPUs than stages the group is refused before any stage process starts, naming the field."""
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ConfigError, match=r"pipeline_stages: 2 stage\(s\) .* need 2 GPUs"):
+            run(small_model_dir, "triton", "cuda", pipeline_stages=2)
+        return
+    expected = greedy_tokens(small_model_dir, "reference", "cpu")
+    assert greedy_tokens(small_model_dir, "triton", "cuda", pipeline_stages=2) == expected

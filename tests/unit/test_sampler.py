@@ -213,8 +213,8 @@ def test_seeded_reproducible_on_cuda() -> None:
     others = _logits(2, 5000).cuda()
     batch_a = SamplingBatch.from_params([seeded], [4], device="cuda")
     batch_b = SamplingBatch.from_params([PLAIN, GREEDY, seeded], [0, 0, 4], device="cuda")
-    a = Sampler(0)(target.unsqueeze(0), batch_a)
-    b = Sampler(1)(torch.cat([others, target.unsqueeze(0)]), batch_b)
+    a = Sampler(0)(target.unsqueeze(0), batch_a).token_ids
+    b = Sampler(1)(torch.cat([others, target.unsqueeze(0)]), batch_b).token_ids
     assert a.device.type == "cuda" and int(a[0]) == int(b[2])
     assert int(b[1]) == int(others[1].argmax())
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, Topology, die_with_parent, free_port, spawn, stage_env
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
@@ -28,6 +29,7 @@ def start_group(index: int, config: EngineConfig, served: str, engine_core: str 
     """Every stage of pipeline group `index` as supervised local processes (stage 0's gRPC on `port`,
     0 = a free one; metrics on free ports; rendezvous on loopback); returns (all its children, its
     stage 0)."""
+    check_local_devices(config)
     topo = Topology(0, config.world_size, "127.0.0.1", free_port())
     cmd = [*worker_command(config), "--port", str(port), "--metrics-port", "0", "--served-model-name", served,
            "--engine-core", engine_core]
@@ -37,12 +39,31 @@ def start_group(index: int, config: EngineConfig, served: str, engine_core: str 
 
 
 def rank_env(config: EngineConfig, topo: Topology, rank: int) -> dict[str, str]:
-    """The rendezvous environment of global `rank`; with tensor parallelism also its device index
-    on this machine (`LOCAL_RANK`, one device per rank)."""
+    """The rendezvous environment of global `rank`, and its device index on this machine
+    (`LOCAL_RANK`: one GPU per rank when the group runs on CUDA)."""
     env = stage_env(topo, rank)
-    if config.tensor_parallel_size > 1:
-        env["LOCAL_RANK"] = str(rank)
+    env["LOCAL_RANK"] = str(rank)
     return env
+
+
+def check_local_devices(config: EngineConfig, visible: int | None = None) -> None:
+    """A group on one machine's GPUs needs one GPU per rank (NCCL cannot share a GPU between the
+    ranks of a group): fail before starting anything, naming the fields, rather than in a rank.
+    `visible` defaults to the CUDA devices torch sees (torch is imported only for a CUDA group)."""
+    world, device = config.world_size, config.device
+    if world == 1 or not device.startswith("cuda"):
+        return
+    shape = f"{config.pipeline_stages} stage(s) × tensor_parallel_size {config.tensor_parallel_size} = {world} ranks"
+    if device != "cuda":
+        raise ConfigError("device", f"{device!r} puts all {shape} on one GPU; NCCL needs one GPU per rank: "
+                                    "pass 'cuda' to give rank r cuda:r")
+    if visible is None:
+        import torch  # deferred: `chariot up` on the CPU starts its children without importing torch
+
+        visible = torch.cuda.device_count()
+    if world > visible:
+        raise ConfigError("pipeline_stages", f"{shape} need {world} GPUs on this machine, one per rank (NCCL cannot "
+                                             f"share a GPU between ranks), but {visible} are visible")
 
 
 def rank_name(config: EngineConfig, rank: int) -> str:
@@ -88,6 +109,7 @@ class LocalPipeline:
     followers); the caller is rank 0 (stage 0's leader)."""
 
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
+        check_local_devices(config)
         self.config = config
         self.topology = Topology(0, config.world_size, host, free_port(host))
         cmd = [*worker_command(config), "--metrics-port", "0"]
