@@ -137,8 +137,11 @@ def attention_grid(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: i
     return num_tokens // block_q + num_seqs, num_kv_heads
 
 
-SPLIT_TARGET_PROGRAMS = 2 * 132  # two programs per SM of an H100 SXM
-MIN_SPLIT_POSITIONS = 256  # shorter splits would not repay the reduce launch and the scratch round trip
+# Tuned on an H100 by GPU time (CUDA-graph replay, docs/img/gpu-h100/decode_splits_h100.json): four
+# programs per SM and splits of at least 128 positions were fastest or within 10 % of it on every
+# measured decode shape (batch 1-32, context 1k-8k, Llama-3-8B heads).
+SPLIT_TARGET_PROGRAMS = 4 * 132
+MIN_SPLIT_POSITIONS = 128
 MAX_SPLITS = 64
 
 
@@ -156,8 +159,8 @@ def decode_splits(
     way, so it may ride along); a prefill chunk of more tokens needs the varlen launch. The count is
     the largest power of two (<= `MAX_SPLITS`) that keeps num_seqs × num_kv_heads × splits within
     `target_programs` and gives the longest context at least `MIN_SPLIT_POSITIONS` (and one KV tile)
-    per split. Batch 1 × 8 KV heads gets 32 splits (256 programs) at 8k context and 2 at 512; at
-    300 positions, or once num_seqs × num_kv_heads exceeds half the target, it gets 1.
+    per split. Batch 1 × 8 KV heads gets 64 splits (512 programs) at 8k context and 8 at 1k; at
+    255 positions, or once num_seqs × num_kv_heads exceeds half the target, it gets 1.
     """
     if max_query_len != 1 or num_seqs < 1 or num_kv_heads < 1:
         return 1
@@ -180,6 +183,11 @@ def split_chunk(max_seq_len: int, splits: int, block_n: int) -> int:
 
 
 # --- kernels -----------------------------------------------------------------------------------
+
+# Integer arguments that change from batch to batch (sequence count, block-table width, split chunk,
+# split count) are `do_not_specialize`: Triton would otherwise compile a variant per value class
+# (== 1, divisible by 16, other) inside whichever request first meets it (on an H100, 0.5-1.7 s). Only
+# the tile sizes (constexprs) select variants, and the worker's warm-up compiles those (`warmup.py`).
 
 
 @triton.jit
@@ -347,7 +355,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_seqs", "stride_bt"))
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -435,7 +443,7 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_bt", "chunk"))
 def _split_partial_kernel(
     acc_ptr,
     m_ptr,
@@ -529,7 +537,7 @@ def _split_partial_kernel(
     tl.store(acc_ptr + acc_offs, acc, mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits",))
 def _split_reduce_kernel(
     out_ptr,
     acc_ptr,
@@ -846,7 +854,7 @@ def _split_kv_attention(
         *out.stride(),
         *acc.stride(),
         *row_max.stride(),
-        BLOCK_S=splits,
+        BLOCK_S=MAX_SPLITS,  # one compiled variant for every split count (masked by num_splits)
         BLOCK_D=kernel_args["BLOCK_D"],
         num_warps=4,
     )

@@ -8,11 +8,18 @@ gang-restarts in a loop. With it, the stage fails before it is ready, with a mes
 stage, the backend and the cause.
 
 Each stage runs its own layers locally on synthetic input (stage 0 on token ids, later stages on
-zero hidden states: no pipeline traffic), in two batches that cover every attention path: a mixed
-batch (a decode and a prefill chunk that crosses a block boundary) and a decode-only batch (the
-split-KV decode path). The last stage also samples one greedy and one seeded row. The synthetic
-KV goes into the first blocks of the cache; no sequence reads a block before writing it (prefix
-caching registers a block only after a real sequence computed it), so it leaves no trace.
+zero hidden states: no pipeline traffic), in batches that cover every attention path and, on CUDA,
+every attention kernel variant that serving would otherwise compile inside a request (seen on an
+H100: a first 1,001-token request took 2.4 s instead of 0.7 s while Triton compiled five kernels):
+- a mixed batch (a decode and a prefill chunk that crosses a block boundary);
+- a decode beside a prefill chunk of each power-of-two length up to 64 (one query tile each);
+- a decode-only batch;
+- a decode over a long context, which takes the split-KV path.
+The Triton kernels do not specialise on the integers that vary from batch to batch, so the tile
+sizes are all that is left to compile. The last stage also samples greedy and seeded rows. The
+synthetic KV goes into the first blocks of the cache, and no sequence reads a block before writing
+it (prefix caching registers a block only after a real sequence computed it), so the warm-up leaves
+no trace.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ def warm_up(runner: ModelRunner, resolved: ResolvedConfig, rank: int) -> float:
     backend = active_backend().name
     started = time.perf_counter()
     try:
-        for batch, seqs, builder in _batches(runner):
+        for batch, seqs, builder in _batches(runner, resolved):
             inp = runner.decode(builder.build(batch, seqs))
             hidden = None if rank == 0 else torch.zeros(
                 inp.positions.shape[0], resolved.model.hidden_size, dtype=resolved.dtype, device=runner.device)
@@ -61,10 +68,25 @@ def warm_up(runner: ModelRunner, resolved: ResolvedConfig, rank: int) -> float:
     return seconds
 
 
-def _batches(runner: ModelRunner) -> list[tuple[SchedulerOutput, dict[int, Sequence], InputBuilder]]:
-    """A mixed batch (decode + prefill chunk across a block boundary) and a decode-only batch."""
+WARMUP_QUERY_LENGTHS = (2, 4, 8, 16, 32, 64)
+"""Prefill chunk lengths run beside a decode: the Triton backend compiles one attention kernel per
+power-of-two query tile (`triton_attention.query_tile`, at most 64 rows), so all are compiled here."""
+
+WARMUP_LONG_CONTEXT = 1024
+"""Cached positions of the long decode, which takes the split-KV path (at least two splits of
+`triton_attention.MIN_SPLIT_POSITIONS`) where `max_model_len` allows it."""
+
+Batch = tuple[SchedulerOutput, dict[int, Sequence], InputBuilder]
+
+
+def _batches(runner: ModelRunner, resolved: ResolvedConfig) -> list[Batch]:
+    """A mixed batch (decode + prefill chunk across a block boundary), a decode beside a prefill
+    chunk of each `WARMUP_QUERY_LENGTHS` that the token budget allows, a decode-only batch, and a
+    decode over a long context (`WARMUP_LONG_CONTEXT`, or `max_model_len` - 1 if shorter) when
+    the cache holds it. Only the first two batches are required to fit the cache."""
     block = runner.kv_cache.block_size
     blocks = BlockManager(runner.kv_cache.num_blocks, block, watermark=0.0)
+    builder = InputBuilder(blocks)
     decode = Sequence(0, "warmup-decode", [1] * (block + 2), SamplingParams(max_tokens=2, temperature=0.8, seed=0))
     prefill = Sequence(1, "warmup-prefill", [2] * (block + 3), SamplingParams(max_tokens=1, temperature=0.0))
     seqs = {seq.seq_id: seq for seq in (decode, prefill)}
@@ -73,9 +95,28 @@ def _batches(runner: ModelRunner) -> list[tuple[SchedulerOutput, dict[int, Seque
         raise WarmupError(f"the KV cache ({blocks.num_blocks} blocks of {block}) is too small to warm up")
     blocks.allocate(decode.seq_id, need)
     blocks.allocate(prefill.seq_id, prefill.num_tokens)
-    builder = InputBuilder(blocks)
-    mixed = SchedulerOutput((ScheduledChunk(0, decode.num_tokens - 1, 1, True),
-                             ScheduledChunk(1, 0, prefill.num_tokens, True)), (), 1)
+    decode_chunk = ScheduledChunk(0, decode.num_tokens - 1, 1, True)
+    batches = [(SchedulerOutput((decode_chunk, ScheduledChunk(1, 0, prefill.num_tokens, True)), (), 1), seqs, builder)]
+    for length in WARMUP_QUERY_LENGTHS:
+        extra = _fresh_sequence(blocks, seqs, length, resolved.token_budget - 1)
+        if extra is not None:
+            chunks = (decode_chunk, ScheduledChunk(extra.seq_id, 0, length, True))
+            batches.append((SchedulerOutput(chunks, (), 1), seqs, builder))
     decode.output_token_ids.append(3)
-    decode_only = SchedulerOutput((ScheduledChunk(0, decode.num_tokens - 1, 1, True),), (), 1)
-    return [(mixed, seqs, builder), (decode_only, seqs, builder)]
+    batches.append((SchedulerOutput((ScheduledChunk(0, decode.num_tokens - 1, 1, True),), (), 1), seqs, builder))
+    context = min(WARMUP_LONG_CONTEXT, resolved.max_model_len - 1)
+    long = _fresh_sequence(blocks, seqs, context + 1, resolved.max_model_len)
+    if long is not None:
+        batches.append((SchedulerOutput((ScheduledChunk(long.seq_id, context, 1, True),), (), 1), seqs, builder))
+    return batches
+
+
+def _fresh_sequence(blocks: BlockManager, seqs: dict[int, Sequence], length: int, limit: int) -> Sequence | None:
+    """A new synthetic sequence of `length` tokens with its blocks allocated (added to `seqs`), or
+    None when `length` exceeds `limit` or the cache has no room."""
+    if length > limit or blocks.blocks_for(length) > blocks.num_free_blocks:
+        return None
+    seq = Sequence(len(seqs), f"warmup-{length}", [4] * length, SamplingParams(max_tokens=1, temperature=0.0))
+    blocks.allocate(seq.seq_id, length)
+    seqs[seq.seq_id] = seq
+    return seq

@@ -12,6 +12,7 @@ from chariot.worker import LLM, ConfigError, InvalidRequestError, ModelLoadError
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
 from chariot.worker.output_processor import OutputProcessor, run_step
+from chariot.worker.warmup import WARMUP_QUERY_LENGTHS
 
 MAX_NEW = 12
 PROMPT_LENS = (1, 3, 17, 33, 70)
@@ -354,11 +355,12 @@ def test_a_backend_that_cannot_run_fails_the_warm_up_before_ready(tiny_model_dir
         LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
 
 
-def test_warm_up_runs_the_mixed_and_decode_only_paths_and_leaves_no_trace(tiny_model_dir, monkeypatch):
+def test_warm_up_runs_every_query_tile_decode_only_and_long_context_and_leaves_no_trace(tiny_model_dir, monkeypatch):
     import chariot.kernels as kernels
 
     real = kernels.active_backend()
     seen: list[tuple[int, int]] = []
+    longest: list[int] = []
 
     class Recording:
         name = real.name
@@ -368,11 +370,15 @@ def test_warm_up_runs_the_mixed_and_decode_only_paths_and_leaves_no_trace(tiny_m
 
         def paged_attention(self, query, k_cache, v_cache, meta, scale):
             seen.append((meta.num_decodes, query.shape[0]))
+            longest.append(int(meta.seq_lens.max()))
             return real.paged_attention(query, k_cache, v_cache, meta, scale)
 
     monkeypatch.setattr(kernels, "_active", Recording())
     llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=256, kv_cache_tokens=2048, progress=False)
     layers = json.loads((tiny_model_dir / "config.json").read_text())["num_hidden_layers"]
     block = llm.engine.blocks.block_size
-    assert seen == [(1, 1 + block + 3)] * layers + [(1, 1)] * layers  # mixed batch, then decode-only
+    prefills = [block + 3, *WARMUP_QUERY_LENGTHS]  # each beside one decode
+    # then the decode-only batch, then the decode over max_model_len - 1 cached positions
+    assert seen == [(1, 1 + n) for n in prefills for _ in range(layers)] + [(1, 1)] * (2 * layers)
+    assert longest[-layers:] == [256] * layers  # the long decode attends max_model_len positions
     assert llm.engine.iterations == 0 and llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks

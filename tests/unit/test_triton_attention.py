@@ -352,7 +352,7 @@ def test_split_kv_never_reads_unused_slots_or_empty_splits(tt: ModuleType, monke
 
 
 def test_long_decode_splits_by_default(tt: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One decode over 601 positions: `decode_splits` picks 2 splits; `splits=1` forces one launch."""
+    """One decode over 601 positions: `decode_splits` picks 4 splits; `splits=1` forces one launch."""
     calls: list[object] = []
     split_kv = tt._split_kv_attention
 
@@ -363,22 +363,37 @@ def test_long_decode_splits_by_default(tt: ModuleType, monkeypatch: pytest.Monke
     monkeypatch.setattr(tt, "_split_kv_attention", spy)
     batch = make_batch(Spec(((600, 1),), 1, 4, 1, 32, torch.float16, seed=6))
     out = check_attention(tt, batch)
-    assert calls == [2]
+    assert calls == [4]
     single = tt.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, _scale(batch.query), splits=1)
-    assert calls == [2]
+    assert calls == [4]
     assert_close(out, single)
 
 
 def test_decode_splits_choices(tt: ModuleType) -> None:
-    assert tt.decode_splits(1, 1, 8, 8192, 64) == 32  # batch 1, Llama-3-8B KV heads: 256 programs
-    assert tt.decode_splits(1, 1, 8, 512, 64) == 2
-    assert tt.decode_splits(1, 1, 8, 511, 64) == 1  # fewer than two splits' worth of positions
-    assert tt.decode_splits(1, 16, 8, 8192, 64) == 2  # 128 programs: only ×2 stays within the target
+    assert tt.decode_splits(1, 1, 8, 8192, 64) == 64  # batch 1, Llama-3-8B KV heads: 512 programs
+    assert tt.decode_splits(1, 1, 8, 1024, 64) == 8
+    assert tt.decode_splits(1, 1, 8, 256, 64) == 2
+    assert tt.decode_splits(1, 1, 8, 255, 64) == 1  # fewer than two splits' worth of positions
+    assert tt.decode_splits(1, 16, 8, 8192, 64) == 4  # 128 pairs: only ×4 stays within the target
+    assert tt.decode_splits(1, 32, 8, 4096, 64) == 2
     assert tt.decode_splits(1, 64, 8, 8192, 64) == 1  # 512 programs already fill the GPU
     assert tt.decode_splits(1, 1, 1, 1 << 20, 64) == tt.MAX_SPLITS
     assert tt.decode_splits(2, 1, 8, 8192, 64) == 1  # a prefill chunk: the varlen launch
     assert tt.decode_splits(512, 1, 8, 8192, 64) == 1
     assert tt.decode_splits(0, 0, 8, 0, 64) == 1  # empty batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_warm_up_compiles_every_tile_a_batch_can_pick(tt: ModuleType, group: int, dtype: torch.dtype) -> None:
+    """The worker's warm-up prefill lengths reach every tile configuration that any prefill chunk
+    (up to 4,096 tokens) selects, and its long decode takes the split-KV path at Llama-3-8B's 8 KV
+    heads (on a GPU anything else would be compiled inside a request)."""
+    from chariot.worker.warmup import WARMUP_LONG_CONTEXT, WARMUP_QUERY_LENGTHS
+
+    reachable = {tt.choose_tiles(n, group, 128, dtype) for n in range(2, 4097)}
+    assert {tt.choose_tiles(n, group, 128, dtype) for n in WARMUP_QUERY_LENGTHS} == reachable
+    assert tt.decode_splits(1, 1, 8, WARMUP_LONG_CONTEXT, tt.kv_tile(128, dtype)) >= 2
 
 
 def test_decode_splits_bounded_and_chunks_cover_the_context(tt: ModuleType) -> None:
