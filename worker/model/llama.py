@@ -38,8 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return normed.mul_(self.weight)  # in place into the norm's own output (a fresh tensor)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -87,14 +87,19 @@ class RotaryTable:
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] by the per-token angles (HF `rotate_half` layout)."""
-    return x * cos + _rotate_half(x) * sin
+    """Rotate [T, heads, head_dim] by the per-token angles (HF `rotate_half` layout).
+
+    Bit for bit Hugging Face's `x·cos + rotate_half(x)·sin` (negation is exact, and a + (-b) is
+    a - b), with one output and one half-size scratch tensor instead of five full-size
+    temporaries: on the CPU each fresh buffer costs page faults as well as a pass over memory."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    rotated = x[..., half:] * sin[..., :half]
+    out[..., :half].sub_(rotated)
+    torch.mul(x[..., :half], sin[..., half:], out=rotated)
+    out[..., half:].add_(rotated)
+    return out
 
 
 class Attention(nn.Module):
@@ -142,7 +147,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))  # in place: one buffer, not two
 
 
 class VocabEmbedding(nn.Module):
@@ -182,8 +187,9 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds in place into each block's fresh output (addition is exact either way round).
+        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class LlamaStage(nn.Module):
