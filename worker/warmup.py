@@ -10,7 +10,7 @@ stage, the backend and the cause.
 Each stage runs its own layers locally on synthetic input (stage 0 on token ids, later stages on
 zero hidden states: no pipeline traffic), in batches that cover every attention path and, on CUDA,
 every attention kernel variant that serving would otherwise compile inside a request (seen on an
-H100: a first 1,001-token request took 2.4 s instead of 0.7 s while Triton compiled five kernels):
+H100: a first 1,001-token request took 2.4 s instead of 0.7 s while Triton compiled six kernels):
 - a mixed batch (a decode and a prefill chunk that crosses a block boundary);
 - a decode beside a prefill chunk of each power-of-two length up to 64 (one query tile each);
 - a decode-only batch;
