@@ -23,6 +23,7 @@ from torch import nn
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
+from chariot.kernels.cpu_layer_ops import rms_norm, silu_and_mul
 from chariot.worker.config import ModelConfig, RopeScaling
 from chariot.worker.model.parallel import NO_SHARD, SINGLE, Collectives, Shard
 
@@ -38,8 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return normed.mul_(self.weight)  # in place into the norm's own output (a fresh tensor)
+        return rms_norm(x, self.weight, self.eps)  # one pass on the CPU in float32, else PyTorch's
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -146,8 +146,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate).mul_(up)))  # in place: one buffer, not two
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class VocabEmbedding(nn.Module):

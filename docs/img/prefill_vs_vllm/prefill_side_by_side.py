@@ -1,0 +1,145 @@
+"""Chariot's engine and vLLM-CPU's, one prefill at a time, alternating, on the same fresh prompts.
+
+Each engine runs in its own process (vLLM in its venv under `build/`, in-process engine core;
+Chariot's `LLM` in the project's venv), loaded once; the driver then asks them in turn for one
+prefill (`max_tokens=1`) of the same random prompt, alternating which goes first, so both see the
+same machine state. Afterwards it takes a torch.profiler table of one 1,536-token prefill in each and
+groups the self CPU time into linear layers, attention and the rest.
+
+    .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py   # writes prefill_side_by_side.json here
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+MODEL = ROOT / "models" / "100m"
+LENGTHS = (128, 432, 1024, 1536)
+ROUNDS = 7
+PROFILE_TOKENS = 1536
+GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::addmm", "aten::mm"),
+          "attention": ("paged_attention", "cpu_attention_with_kv_cache")}
+
+
+# ---- inside one engine's process ------------------------------------------------------------------
+def serve(system: str) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if system == "vllm":
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        llm = LLM(model=str(MODEL), dtype="float32", max_num_batched_tokens=512, enable_chunked_prefill=True,
+                  max_model_len=2048, enable_prefix_caching=False, seed=0)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        def prefill(ids: list[int]) -> None:
+            llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+    else:
+        from chariot.worker import LLM, SamplingParams  # type: ignore[no-redef]
+
+        llm = LLM(str(MODEL), dtype="float32", token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
+                  prefix_caching=False, progress=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        def prefill(ids: list[int]) -> None:
+            llm.generate([ids], params)
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        verb, n, seed = line.split()
+        ids = torch.randint(3, 8000, (int(n),), generator=torch.Generator().manual_seed(int(seed))).tolist()
+        if verb == "run":
+            t0 = time.perf_counter()
+            prefill(ids)
+            print(json.dumps(time.perf_counter() - t0), flush=True)
+        else:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                prefill(ids)
+            rows = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages() if e.self_cpu_time_total > 0}
+            print(json.dumps(rows), flush=True)
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+class Engine:
+    def __init__(self, system: str) -> None:
+        python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "serve", system], cwd="/tmp", env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.system = system
+        self._read_until("ready")
+
+    def _read_until(self, word: str) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip() == word:
+                return
+        raise RuntimeError(f"{self.system} exited before '{word}'")
+
+    def ask(self, verb: str, n: int, seed: int) -> object:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{verb} {n} {seed}\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.system} exited")
+            if line.startswith(("{", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9")):
+                return json.loads(line)
+
+
+def grouped(rows: dict[str, float]) -> dict[str, float]:
+    out = {"linear": 0.0, "attention": 0.0, "other": 0.0}
+    for name, seconds in rows.items():
+        group = next((g for g, keys in GROUPS.items() if any(k in name for k in keys)), "other")
+        out[group] += seconds
+    return out
+
+
+def drive() -> None:
+    sys.path.insert(0, str(ROOT))
+    from chariot.bench.linear_bench import cpu_record
+
+    engines = [Engine("chariot"), Engine("vllm")]
+    for e in engines:  # warm-up: every length once
+        for n in LENGTHS:
+            e.ask("run", n, 999)
+    times: dict[str, dict[int, list[float]]] = {e.system: {n: [] for n in LENGTHS} for e in engines}
+    for rnd in range(ROUNDS):
+        for n in LENGTHS:
+            for e in engines if rnd % 2 == 0 else engines[::-1]:
+                times[e.system][n].append(float(e.ask("run", n, 1000 * rnd + n)))  # type: ignore[arg-type]
+        print(f"round {rnd + 1}/{ROUNDS}", file=sys.stderr, flush=True)
+    rows = []
+    for n in LENGTHS:
+        c, v = statistics.median(times["chariot"][n]), statistics.median(times["vllm"][n])
+        rows.append({"prompt_tokens": n, "chariot_ms": c * 1e3, "vllm_ms": v * 1e3, "chariot_over_vllm": c / v})
+        print(f"{n:5d} tokens: Chariot {c * 1e3:7.1f} ms  vLLM {v * 1e3:7.1f} ms  ratio {c / v:.3f}")
+    profiles = {e.system: e.ask("profile", PROFILE_TOKENS, 4242) for e in engines}
+    for system, prof in profiles.items():
+        top = dict(sorted(prof.items(), key=lambda kv: -kv[1])[:12])  # type: ignore[union-attr]
+        groups = grouped(prof)  # type: ignore[arg-type]
+        print(system, {k: round(v * 1e3, 1) for k, v in groups.items()}, "ms")
+        profiles[system] = {"groups_s": groups, "top_ops_s": top}
+    for e in engines:
+        e.proc.kill()
+    (HERE / "prefill_side_by_side.json").write_text(json.dumps(
+        {"machine": cpu_record(), "rounds": ROUNDS, "rows": rows, "times_s": times, "profiles": profiles}, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    else:
+        drive()

@@ -1,0 +1,118 @@
+"""The one-pass C++ layer kernels (`kernels/csrc/layer_ops.cpp`) against independent references:
+SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm`, and `write_kv`
+against the PyTorch reference's `index_put_`, over widths with vector tails, strided rows, both
+slot dtypes, the CPU cache layout and bf16 caches; and the guard rails: a slot outside the cache
+raises naming `slot_mapping` and writes nothing, and inputs the kernels do not take (bf16
+activations, `CHARIOT_CPU_LAYER_OPS=0`) run the PyTorch code instead.
+
+Both builds are checked: the native one (16 lanes on an AVX-512 machine) and the 256-bit one an
+AVX2 machine gets (`CHARIOT_VECTOR_256`, through a wrapper source that includes the kernel)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from chariot.kernels import cpu_layer_ops, reference
+from chariot.kernels.attention import empty_kv_cache
+from chariot.kernels.cpu_layer_ops import SOURCE, load_kernel
+
+pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
+
+Ops = Callable[[str], Callable[..., None]]
+
+
+@pytest.fixture(scope="module", params=["native", "256-bit"])
+def ops(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ops:
+    if request.param == "native":
+        return load_kernel()
+    sources = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
+    version = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()  # the build cache key
+    wrapper = tmp_path_factory.mktemp("avx2") / "layer_ops_256.cpp"
+    wrapper.write_text(f"// kernel sources {version}\n#define CHARIOT_VECTOR_256 1\n#include \"{SOURCE}\"\n")
+    return load_kernel(Path(wrapper))
+
+
+@pytest.mark.parametrize("rows,width", [(1, 16), (7, 2816), (33, 40), (512, 2816), (3, 5)])
+def test_silu_and_mul_matches_torch(ops: Ops, rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + width)
+    wide = torch.randn(rows, 2 * width + 24, generator=gen) * 6  # rows strided inside a wider buffer
+    wide[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])[: min(4, width)]  # saturating ends of exp
+    gate_up = wide[:, : 2 * width]
+    out = torch.empty(rows, width)
+    ops("silu_and_mul")(gate_up, out)
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1024), (9, 72), (64, 4096), (5, 13)])
+def test_rms_norm_matches_hugging_face(ops: Ops, rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows + width)
+    hf = LlamaRMSNorm(width, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=gen))
+    x = torch.randn(rows, width, generator=gen) * 3
+    out = torch.empty_like(x)
+    ops("rms_norm")(x, hf.weight.detach(), 1e-5, out)
+    with torch.no_grad():
+        torch.testing.assert_close(out, hf(x), rtol=2e-6, atol=2e-6)
+
+
+def _caches(blocks: int, block: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (empty_kv_cache(blocks, block, heads, dim, dtype).fill_(-1),
+            empty_kv_cache(blocks, block, heads, dim, dtype).fill_(-2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_write_kv_matches_reference(ops: Ops, dtype: torch.dtype, slot_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, dim, block, blocks = 77, 4, 64, 16, 12
+    qkv = torch.randn(tokens, (2 + 2 * heads) * dim, generator=gen).to(dtype)  # k and v strided inside it
+    key = qkv[:, 2 * dim: (2 + heads) * dim].view(tokens, heads, dim)
+    value = qkv[:, (2 + heads) * dim:].view(tokens, heads, dim)
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens].to(slot_dtype)
+    got, want = _caches(blocks, block, heads, dim, dtype), _caches(blocks, block, heads, dim, dtype)
+    ops("write_kv")(key, value, *got, slots)
+    reference.write_kv(key, value, *want, slots.long())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_write_kv_slot_outside_the_cache_raises_and_writes_nothing() -> None:
+    key = torch.randn(3, 2, 8)
+    k_cache, v_cache = _caches(2, 4, 2, 8, torch.float32)
+    before = (k_cache.clone(), v_cache.clone())
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[2\] = 8 is outside the cache's 8 slots"):
+        cpu_layer_ops.write_kv(key, key, k_cache, v_cache, torch.tensor([0, 1, 8]))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_wrappers_take_the_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_layer_ops.ENV, "1")
+    assert cpu_layer_ops.enabled()
+    gate_up = torch.randn(2, 3, 96)  # leading dims are flattened and restored
+    out = cpu_layer_ops.silu_and_mul(gate_up)
+    assert out.shape == (2, 3, 48)
+    torch.testing.assert_close(out, F.silu(gate_up[..., :48]) * gate_up[..., 48:], rtol=2e-6, atol=1e-6)
+    x, w = torch.randn(2, 3, 64), torch.randn(64)
+    torch.testing.assert_close(cpu_layer_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (64,), eps=1e-6) * w,
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_bfloat16_and_switched_off_run_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate_up = torch.randn(5, 64).bfloat16()
+    assert torch.equal(cpu_layer_ops.silu_and_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:])
+    monkeypatch.setenv(cpu_layer_ops.ENV, "0")
+    assert not cpu_layer_ops.enabled()
+    x, w = torch.randn(4, 32), torch.randn(32)
+    assert torch.equal(cpu_layer_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (32,), eps=1e-5).mul_(w))
+    key = torch.randn(2, 1, 8)
+    k_cache, v_cache = _caches(1, 4, 1, 8, torch.float32)
+    cpu_layer_ops.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 0]))
+    assert torch.equal(k_cache[0, 3], key[0]) and torch.equal(v_cache[0, 0], key[1])
