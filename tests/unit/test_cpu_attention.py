@@ -8,10 +8,8 @@ accumulator panels on an AVX-512 machine) and the 256-bit one an AVX2 machine ge
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ import torch.nn.functional as F
 from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 from chariot.kernels.cpu_attention import SOURCE, load_kernel, paged_attention
+from tests.kernel_builds import vector_256_source
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
 
@@ -29,11 +28,7 @@ def kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """The kernel as built for this CPU, or as built for a 256-bit (AVX2) one."""
     if request.param == "native":
         return load_kernel()
-    sources = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
-    version = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()  # the build cache key
-    wrapper = tmp_path_factory.mktemp("avx2") / "paged_attention_256.cpp"
-    wrapper.write_text(f"// kernel sources {version}\n#define CHARIOT_VECTOR_256 1\n#include \"{SOURCE}\"\n")
-    return load_kernel(Path(wrapper))
+    return load_kernel(vector_256_source(SOURCE, tmp_path_factory.mktemp("avx2")))
 
 
 def make_case(q_lens: list[int], ctx: list[int], heads: int, kv_heads: int, dim: int, block: int,

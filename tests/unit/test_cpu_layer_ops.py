@@ -10,9 +10,7 @@ AVX2 machine gets (`CHARIOT_VECTOR_256`, through a wrapper source that includes 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from chariot.kernels import cpu_layer_ops, reference
 from chariot.kernels.attention import empty_kv_cache
 from chariot.kernels.cpu_layer_ops import SOURCE, load_kernel
+from tests.kernel_builds import vector_256_source
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
 
@@ -32,11 +31,7 @@ Ops = Callable[[str], Callable[..., None]]
 def ops(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ops:
     if request.param == "native":
         return load_kernel()
-    sources = [SOURCE, *sorted(SOURCE.parent.glob("*.h"))]
-    version = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()  # the build cache key
-    wrapper = tmp_path_factory.mktemp("avx2") / "layer_ops_256.cpp"
-    wrapper.write_text(f"// kernel sources {version}\n#define CHARIOT_VECTOR_256 1\n#include \"{SOURCE}\"\n")
-    return load_kernel(Path(wrapper))
+    return load_kernel(vector_256_source(SOURCE, tmp_path_factory.mktemp("avx2")))
 
 
 @pytest.mark.parametrize("rows,width", [(1, 16), (7, 2816), (33, 40), (512, 2816), (3, 5)])

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
