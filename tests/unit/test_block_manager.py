@@ -22,6 +22,24 @@ def test_allocate_grow_free():
     bm.check_invariants()
 
 
+def test_freed_blocks_are_reused_before_untouched_ones():
+    """Most recently freed first: a cache that never fills keeps to the same blocks (on the CPU, the
+    same resident pages) instead of cycling through all of them."""
+    bm = BlockManager(num_blocks=100, block_size=4, watermark=0.0)
+    bm.allocate(1, 12)
+    first = bm.block_table(1)
+    assert first == [0, 1, 2]
+    bm.allocate(2, 4)
+    bm.free(1)
+    bm.allocate(3, 12)
+    assert bm.block_table(3) == first
+    bm.free(3)
+    bm.free(2)
+    bm.allocate(4, 16)
+    assert set(bm.block_table(4)) == {0, 1, 2, 3}
+    bm.check_invariants()
+
+
 def test_watermark_applies_to_admission_only():
     bm = BlockManager(num_blocks=100, block_size=1, watermark=0.1)
     assert bm.can_admit(90) and not bm.can_admit(91)

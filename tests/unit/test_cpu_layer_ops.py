@@ -1,9 +1,11 @@
 """The one-pass C++ layer kernels (`kernels/csrc/layer_ops.cpp`) against independent references:
 SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm`, and `write_kv`
 against the PyTorch reference's `index_put_`, over widths with vector tails, strided rows, both
-slot dtypes, the CPU cache layout and bf16 caches; and the guard rails: a slot outside the cache
-raises naming `slot_mapping` and writes nothing, and inputs the kernels do not take (bf16
-activations, `CHARIOT_CPU_LAYER_OPS=0`) run the PyTorch code instead.
+slot dtypes, the CPU cache layout and bf16 caches. In bfloat16, SiLU·mul and RMSNorm must round
+where eager PyTorch rounds (bf16 `F.silu(gate).mul_(up)`, Hugging Face's bf16 `LlamaRMSNorm`), so
+the kernel and the eager model give the same tokens. And the guard rails: a slot outside the cache
+raises naming `slot_mapping` and writes nothing, mixed dtypes raise naming the tensor, and inputs
+the kernels do not take (float16, mixed dtypes, `CHARIOT_CPU_LAYER_OPS=0`) run the PyTorch code.
 
 Both builds are checked: the native one (16 lanes on an AVX-512 machine) and the 256-bit one an
 AVX2 machine gets (`CHARIOT_VECTOR_256`, through a wrapper source that includes the kernel)."""
@@ -59,6 +61,49 @@ def test_rms_norm_matches_hugging_face(ops: Ops, rows: int, width: int) -> None:
         torch.testing.assert_close(out, hf(x), rtol=2e-6, atol=2e-6)
 
 
+def _mostly_identical(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results equal to eager's bit for bit, but for rare one-ulp differences where the fp32 value
+    sits on a rounding boundary (exp2 and 1/sqrt are not libm's; RMSNorm rounds twice) and for values below
+    1e-30 (silu(-100) is -3e-36 where eager's exp overflows to give -0); NaN where eager has NaN."""
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    torch.testing.assert_close(got[finite].float(), want[finite].float(), rtol=1.6e-2, atol=1e-5)  # 1 ulp, twice
+    counted = finite & ((got.float().abs() > 1e-30) | (want.float().abs() > 1e-30))
+    assert (got[counted] != want[counted]).float().mean().item() < 2e-3
+
+
+@pytest.mark.parametrize("rows,width", [(1, 16), (7, 2816), (33, 40), (3, 5)])
+def test_bfloat16_silu_and_mul_rounds_like_eager(ops: Ops, rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 7 + width)
+    wide = (torch.randn(rows, 2 * width + 24, generator=gen) * 6).bfloat16()
+    wide[0, :3] = torch.tensor([float("nan"), 100.0, -100.0])[: min(3, width)]
+    gate_up = wide[:, : 2 * width]
+    out = torch.empty(rows, width, dtype=torch.bfloat16)
+    ops("silu_and_mul")(gate_up, out)
+    _mostly_identical(out, F.silu(gate_up[:, :width]).mul_(gate_up[:, width:]))
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1024), (9, 72), (64, 4096), (5, 13)])
+def test_bfloat16_rms_norm_rounds_like_hugging_face(ops: Ops, rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 3 + width)
+    hf = LlamaRMSNorm(width, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=gen))
+    x = (torch.randn(rows, width, generator=gen) * 3).bfloat16()
+    out = torch.empty_like(x)
+    ops("rms_norm")(x, hf.weight.detach(), 1e-5, out)
+    with torch.no_grad():
+        _mostly_identical(out, hf(x))
+
+
+def test_mixed_dtypes_raise_naming_the_tensor(ops: Ops) -> None:
+    x = torch.randn(2, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="weight must have x's dtype"):
+        ops("rms_norm")(x, torch.randn(32), 1e-5, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="out must have gate_up's dtype"):
+        ops("silu_and_mul")(x, torch.empty(2, 16))
+
+
 def _caches(blocks: int, block: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return (empty_kv_cache(blocks, block, heads, dim, dtype).fill_(-1),
             empty_kv_cache(blocks, block, heads, dim, dtype).fill_(-2))
@@ -100,9 +145,23 @@ def test_wrappers_take_the_kernels_for_float32(monkeypatch: pytest.MonkeyPatch) 
                                rtol=2e-6, atol=2e-6)
 
 
-def test_bfloat16_and_switched_off_run_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
-    gate_up = torch.randn(5, 64).bfloat16()
+def test_wrappers_take_the_kernels_for_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    kernel = cpu_layer_ops.load_kernel()
+    monkeypatch.setattr(cpu_layer_ops, "load_kernel", lambda: lambda name: calls.append(name) or kernel(name))
+    gate_up = torch.randn(2, 3, 96).bfloat16()
+    _mostly_identical(cpu_layer_ops.silu_and_mul(gate_up), F.silu(gate_up[..., :48]).mul_(gate_up[..., 48:]))
+    x, w = torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
+    _mostly_identical(cpu_layer_ops.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (64,), eps=1e-5).bfloat16().mul_(w))
+    assert calls == ["silu_and_mul", "rms_norm"]
+
+
+def test_float16_mixed_and_switched_off_run_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate_up = torch.randn(5, 64).half()
     assert torch.equal(cpu_layer_ops.silu_and_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:])
+    x, w32 = torch.randn(4, 32).bfloat16(), torch.randn(32)  # a float32 weight on bf16 rows: PyTorch's promotion
+    want = F.rms_norm(x.float(), (32,), eps=1e-5).to(x.dtype).mul_(w32)
+    assert torch.equal(cpu_layer_ops.rms_norm(x, w32, 1e-5), want)
     monkeypatch.setenv(cpu_layer_ops.ENV, "0")
     assert not cpu_layer_ops.enabled()
     x, w = torch.randn(4, 32), torch.randn(32)

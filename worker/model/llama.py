@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)  # one pass on the CPU in float32, else PyTorch's
+        return rms_norm(x, self.weight, self.eps)  # one pass on the CPU (float32, bfloat16), else PyTorch's
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -417,7 +417,10 @@ def allocate_kv_caches(
 
     Left uninitialised: the attention contract (`chariot.kernels`) never reads a slot at or past a
     sequence's length (the kernel tests run on NaN-filled caches), and zero-filling a cache sized
-    from free memory would cost seconds at start-up and commit all of its memory at once.
+    from free memory would cost seconds at start-up and commit all of its memory at once. A page is
+    committed (one page fault) the first time a block on it is written; the block manager hands out
+    the most recently freed blocks first, so without prefix caching that happens only as far as the
+    peak usage reaches.
     """
     def one() -> torch.Tensor:
         kv_heads = len(shard.kv_heads(config))

@@ -3,6 +3,7 @@ linear layers), torch's packed oneDNN `_linear_pointwise` (Chariot's) and `F.lin
 in vLLM's venv (same torch 2.13). Output: linear_vs_vllm.txt.
 
     build/vllm-venv/bin/python docs/img/prefill_vs_vllm/linear_vs_vllm.py 512
+    build/vllm-venv/bin/python docs/img/prefill_vs_vllm/linear_vs_vllm.py 512 bfloat16
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # (out, in): 
 def main() -> None:
     torch.set_num_threads(2)
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 512
-    weights = [torch.randn(n, k) for n, k in SHAPES]
+    dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32
+    weights = [torch.randn(n, k, dtype=dtype) for n, k in SHAPES]
     handles = [ops.create_onednn_mm(w.t(), 32) for w in weights]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    inputs = [torch.randn(rows, k) for _, k in SHAPES]
+    inputs = [torch.randn(rows, k, dtype=dtype) for _, k in SHAPES]
     routes: dict[str, Callable[[], None]] = {
         "vllm": lambda: [ops.onednn_mm(h, x, None) for h, x in zip(handles, inputs, strict=True)] and None,
         "torch_packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")

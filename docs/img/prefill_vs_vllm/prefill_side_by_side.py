@@ -7,6 +7,7 @@ same machine state. Afterwards it takes a torch.profiler table of one 1,536-toke
 groups the self CPU time into linear layers, attention and the rest.
 
     .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py   # writes prefill_side_by_side.json here
+    .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py bfloat16   # prefill_side_by_side_bfloat16.json
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::a
 
 
 # ---- inside one engine's process ------------------------------------------------------------------
-def serve(system: str) -> None:
+def serve(system: str, dtype: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -38,7 +39,7 @@ def serve(system: str) -> None:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=str(MODEL), dtype="float32", max_num_batched_tokens=512, enable_chunked_prefill=True,
+        llm = LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
                   max_model_len=2048, enable_prefix_caching=False, seed=0)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -47,7 +48,7 @@ def serve(system: str) -> None:
     else:
         from chariot.worker import LLM, SamplingParams  # type: ignore[no-redef]
 
-        llm = LLM(str(MODEL), dtype="float32", token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
+        llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
                   prefix_caching=False, progress=False)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -71,11 +72,12 @@ def serve(system: str) -> None:
 
 # ---- the driver -------------------------------------------------------------------------------------
 class Engine:
-    def __init__(self, system: str) -> None:
+    def __init__(self, system: str, dtype: str) -> None:
         python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).resolve()), "serve", system], cwd="/tmp", env=env,
+        command = [str(python), str(Path(__file__).resolve()), "serve", system, dtype]
+        self.proc = subprocess.Popen(command, cwd="/tmp", env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.system = system
         self._read_until("ready")
@@ -107,11 +109,11 @@ def grouped(rows: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def drive() -> None:
+def drive(dtype: str) -> None:
     sys.path.insert(0, str(ROOT))
     from chariot.bench.linear_bench import cpu_record
 
-    engines = [Engine("chariot"), Engine("vllm")]
+    engines = [Engine("chariot", dtype), Engine("vllm", dtype)]
     for e in engines:  # warm-up: every length once
         for n in LENGTHS:
             e.ask("run", n, 999)
@@ -134,12 +136,14 @@ def drive() -> None:
         profiles[system] = {"groups_s": groups, "top_ops_s": top}
     for e in engines:
         e.proc.kill()
-    (HERE / "prefill_side_by_side.json").write_text(json.dumps(
-        {"machine": cpu_record(), "rounds": ROUNDS, "rows": rows, "times_s": times, "profiles": profiles}, indent=1))
+    name = "prefill_side_by_side.json" if dtype == "float32" else f"prefill_side_by_side_{dtype}.json"
+    (HERE / name).write_text(json.dumps(
+        {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "rows": rows, "times_s": times,
+         "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
-        serve(sys.argv[2])
+        serve(sys.argv[2], sys.argv[3])
     else:
-        drive()
+        drive(sys.argv[1] if len(sys.argv) > 1 else "float32")
