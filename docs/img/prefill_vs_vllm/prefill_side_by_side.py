@@ -3,8 +3,10 @@
 Each engine runs in its own process (vLLM in its venv under `build/`, in-process engine core;
 Chariot's `LLM` in the project's venv), loaded once; the driver then asks them in turn for one
 prefill (`max_tokens=1`) of the same random prompt, alternating which goes first, so both see the
-same machine state. Afterwards it takes a torch.profiler table of one 1,536-token prefill in each and
-groups the self CPU time into linear layers, attention and the rest.
+same machine state. Then decodes the same way: a batch of B fresh 16-token prompts, 64 tokens each
+(time per step = wall / 64). Afterwards it takes a torch.profiler table of one 1,536-token prefill
+and of one batch-32 decode run in each and groups the self CPU time into linear layers, attention
+and the rest.
 
     .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py   # writes prefill_side_by_side.json here
     .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py bfloat16   # prefill_side_by_side_bfloat16.json
@@ -18,12 +20,15 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 MODEL = ROOT / "models" / "100m"
 LENGTHS = (128, 432, 1024, 1536)
+DECODE_BATCHES = (1, 8, 32)
+DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
 GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::addmm", "aten::mm"),
@@ -42,30 +47,42 @@ def serve(system: str, dtype: str) -> None:
         llm = LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
                   max_model_len=2048, enable_prefix_caching=False, seed=0)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        steps = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
 
         def prefill(ids: list[int]) -> None:
             llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+
+        def decode(batch: list[list[int]]) -> None:
+            llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], steps, use_tqdm=False)
     else:
         from chariot.worker import LLM, SamplingParams  # type: ignore[no-redef]
 
         llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
                   prefix_caching=False, progress=False)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        steps = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
 
         def prefill(ids: list[int]) -> None:
             llm.generate([ids], params)
 
+        def decode(batch: list[list[int]]) -> None:
+            llm.generate(batch, steps)
+
     print("ready", flush=True)
     for line in sys.stdin:
         verb, n, seed = line.split()
-        ids = torch.randint(3, 8000, (int(n),), generator=torch.Generator().manual_seed(int(seed))).tolist()
-        if verb == "run":
+        gen = torch.Generator().manual_seed(int(seed))
+        if verb.startswith("decode"):  # n prompts of 16 tokens, DECODE_STEPS tokens each
+            work = partial(decode, [torch.randint(3, 8000, (16,), generator=gen).tolist() for _ in range(int(n))])
+        else:  # one prompt of n tokens, one token out
+            work = partial(prefill, torch.randint(3, 8000, (int(n),), generator=gen).tolist())
+        if not verb.endswith("profile"):
             t0 = time.perf_counter()
-            prefill(ids)
+            work()
             print(json.dumps(time.perf_counter() - t0), flush=True)
         else:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
-                prefill(ids)
+                work()
             rows = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages() if e.self_cpu_time_total > 0}
             print(json.dumps(rows), flush=True)
 
@@ -114,32 +131,47 @@ def drive(dtype: str) -> None:
     from chariot.bench.linear_bench import cpu_record
 
     engines = [Engine("chariot", dtype), Engine("vllm", dtype)]
-    for e in engines:  # warm-up: every length once
+    for e in engines:  # warm-up: every length and batch once
         for n in LENGTHS:
             e.ask("run", n, 999)
+        for b in DECODE_BATCHES:
+            e.ask("decode", b, 999)
     times: dict[str, dict[int, list[float]]] = {e.system: {n: [] for n in LENGTHS} for e in engines}
+    steps: dict[str, dict[int, list[float]]] = {e.system: {b: [] for b in DECODE_BATCHES} for e in engines}
     for rnd in range(ROUNDS):
         for n in LENGTHS:
             for e in engines if rnd % 2 == 0 else engines[::-1]:
                 times[e.system][n].append(float(e.ask("run", n, 1000 * rnd + n)))  # type: ignore[arg-type]
+        for b in DECODE_BATCHES:
+            for e in engines if rnd % 2 == 0 else engines[::-1]:
+                wall = float(e.ask("decode", b, 1000 * rnd + b))  # type: ignore[arg-type]
+                steps[e.system][b].append(wall / DECODE_STEPS)
         print(f"round {rnd + 1}/{ROUNDS}", file=sys.stderr, flush=True)
     rows = []
     for n in LENGTHS:
         c, v = statistics.median(times["chariot"][n]), statistics.median(times["vllm"][n])
         rows.append({"prompt_tokens": n, "chariot_ms": c * 1e3, "vllm_ms": v * 1e3, "chariot_over_vllm": c / v})
         print(f"{n:5d} tokens: Chariot {c * 1e3:7.1f} ms  vLLM {v * 1e3:7.1f} ms  ratio {c / v:.3f}")
-    profiles = {e.system: e.ask("profile", PROFILE_TOKENS, 4242) for e in engines}
-    for system, prof in profiles.items():
-        top = dict(sorted(prof.items(), key=lambda kv: -kv[1])[:12])  # type: ignore[union-attr]
-        groups = grouped(prof)  # type: ignore[arg-type]
-        print(system, {k: round(v * 1e3, 1) for k, v in groups.items()}, "ms")
-        profiles[system] = {"groups_s": groups, "top_ops_s": top}
+    decode_rows = []
+    for b in DECODE_BATCHES:
+        c, v = statistics.median(steps["chariot"][b]), statistics.median(steps["vllm"][b])
+        decode_rows.append({"batch": b, "chariot_ms_per_step": c * 1e3, "vllm_ms_per_step": v * 1e3,
+                            "chariot_over_vllm": c / v})
+        print(f"decode batch {b:3d}: Chariot {c * 1e3:6.1f} ms/step  vLLM {v * 1e3:6.1f} ms/step  ratio {c / v:.3f}")
+    profiles: dict[str, dict[str, object]] = {}
+    for case, verb, n in (("prefill", "profile", PROFILE_TOKENS), ("decode", "decode-profile", DECODE_BATCHES[-1])):
+        for e in engines:
+            prof: dict[str, float] = e.ask(verb, n, 4242)  # type: ignore[assignment]
+            top = dict(sorted(prof.items(), key=lambda kv: -kv[1])[:12])
+            groups = grouped(prof)
+            print(case, e.system, {k: round(v * 1e3, 1) for k, v in groups.items()}, "ms")
+            profiles[f"{case}/{e.system}"] = {"groups_s": groups, "top_ops_s": top}
     for e in engines:
         e.proc.kill()
     name = "prefill_side_by_side.json" if dtype == "float32" else f"prefill_side_by_side_{dtype}.json"
     (HERE / name).write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "rows": rows, "times_s": times,
-         "profiles": profiles}, indent=1))
+         "decode_rows": decode_rows, "decode_steps_s": steps, "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
