@@ -3,10 +3,10 @@
 Each engine runs in its own process (vLLM in its venv under `build/`, in-process engine core;
 Chariot's `LLM` in the project's venv), loaded once; the driver then asks them in turn for one
 prefill (`max_tokens=1`) of the same random prompt, alternating which goes first, so both see the
-same machine state. Then decodes the same way: a batch of B fresh 16-token prompts, 64 tokens each
-(time per step = wall / 64). Afterwards it takes a torch.profiler table of one 1,536-token prefill
-and of one batch-32 decode run in each and groups the self CPU time into linear layers, attention
-and the rest.
+same machine state. Then decodes the same way: a batch of B fresh L-token prompts, 64 tokens each
+(time per step = wall / 64, the batch's prefill included). Afterwards it takes a torch.profiler
+table of one 1,536-token prefill and of one decode run of 32 × 512-token prompts in each and
+groups the self CPU time into linear layers, attention and the rest.
 
     .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py   # writes prefill_side_by_side.json here
     .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py bfloat16   # prefill_side_by_side_bfloat16.json
@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 MODEL = ROOT / "models" / "100m"
 LENGTHS = (128, 432, 1024, 1536)
-DECODE_BATCHES = (1, 8, 32)
+DECODE_CASES = ((1, 16), (8, 16), (32, 16), (32, 512))  # (batch, prompt tokens)
 DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
@@ -70,10 +70,11 @@ def serve(system: str, dtype: str) -> None:
 
     print("ready", flush=True)
     for line in sys.stdin:
-        verb, n, seed = line.split()
+        verb, n, seed, *prompt = line.split()
         gen = torch.Generator().manual_seed(int(seed))
-        if verb.startswith("decode"):  # n prompts of 16 tokens, DECODE_STEPS tokens each
-            work = partial(decode, [torch.randint(3, 8000, (16,), generator=gen).tolist() for _ in range(int(n))])
+        if verb.startswith("decode"):  # n prompts of `prompt` tokens, DECODE_STEPS tokens each
+            size = (int(prompt[0]),)
+            work = partial(decode, [torch.randint(3, 8000, size, generator=gen).tolist() for _ in range(int(n))])
         else:  # one prompt of n tokens, one token out
             work = partial(prefill, torch.randint(3, 8000, (int(n),), generator=gen).tolist())
         if not verb.endswith("profile"):
@@ -106,9 +107,9 @@ class Engine:
                 return
         raise RuntimeError(f"{self.system} exited before '{word}'")
 
-    def ask(self, verb: str, n: int, seed: int) -> object:
+    def ask(self, verb: str, n: int, seed: int, prompt: int = 0) -> object:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{verb} {n} {seed}\n")
+        self.proc.stdin.write(f"{verb} {n} {seed} {prompt}\n")
         self.proc.stdin.flush()
         while True:
             line = self.proc.stdout.readline()
@@ -134,18 +135,18 @@ def drive(dtype: str) -> None:
     for e in engines:  # warm-up: every length and batch once
         for n in LENGTHS:
             e.ask("run", n, 999)
-        for b in DECODE_BATCHES:
-            e.ask("decode", b, 999)
+        for b, length in DECODE_CASES:
+            e.ask("decode", b, 999, length)
     times: dict[str, dict[int, list[float]]] = {e.system: {n: [] for n in LENGTHS} for e in engines}
-    steps: dict[str, dict[int, list[float]]] = {e.system: {b: [] for b in DECODE_BATCHES} for e in engines}
+    steps: dict[str, dict[str, list[float]]] = {e.system: {f"{b}x{n}": [] for b, n in DECODE_CASES} for e in engines}
     for rnd in range(ROUNDS):
         for n in LENGTHS:
             for e in engines if rnd % 2 == 0 else engines[::-1]:
                 times[e.system][n].append(float(e.ask("run", n, 1000 * rnd + n)))  # type: ignore[arg-type]
-        for b in DECODE_BATCHES:
+        for b, length in DECODE_CASES:
             for e in engines if rnd % 2 == 0 else engines[::-1]:
-                wall = float(e.ask("decode", b, 1000 * rnd + b))  # type: ignore[arg-type]
-                steps[e.system][b].append(wall / DECODE_STEPS)
+                wall = float(e.ask("decode", b, 1000 * rnd + b, length))  # type: ignore[arg-type]
+                steps[e.system][f"{b}x{length}"].append(wall / DECODE_STEPS)
         print(f"round {rnd + 1}/{ROUNDS}", file=sys.stderr, flush=True)
     rows = []
     for n in LENGTHS:
@@ -153,15 +154,18 @@ def drive(dtype: str) -> None:
         rows.append({"prompt_tokens": n, "chariot_ms": c * 1e3, "vllm_ms": v * 1e3, "chariot_over_vllm": c / v})
         print(f"{n:5d} tokens: Chariot {c * 1e3:7.1f} ms  vLLM {v * 1e3:7.1f} ms  ratio {c / v:.3f}")
     decode_rows = []
-    for b in DECODE_BATCHES:
-        c, v = statistics.median(steps["chariot"][b]), statistics.median(steps["vllm"][b])
-        decode_rows.append({"batch": b, "chariot_ms_per_step": c * 1e3, "vllm_ms_per_step": v * 1e3,
-                            "chariot_over_vllm": c / v})
-        print(f"decode batch {b:3d}: Chariot {c * 1e3:6.1f} ms/step  vLLM {v * 1e3:6.1f} ms/step  ratio {c / v:.3f}")
+    for b, length in DECODE_CASES:
+        key = f"{b}x{length}"
+        c, v = statistics.median(steps["chariot"][key]), statistics.median(steps["vllm"][key])
+        decode_rows.append({"batch": b, "prompt_tokens": length, "chariot_ms_per_step": c * 1e3,
+                            "vllm_ms_per_step": v * 1e3, "chariot_over_vllm": c / v})
+        print(f"decode {key:>6}: Chariot {c * 1e3:6.1f} ms/step  vLLM {v * 1e3:6.1f} ms/step  ratio {c / v:.3f}")
     profiles: dict[str, dict[str, object]] = {}
-    for case, verb, n in (("prefill", "profile", PROFILE_TOKENS), ("decode", "decode-profile", DECODE_BATCHES[-1])):
+    batch, length = DECODE_CASES[-1]
+    cases = (("prefill", "profile", PROFILE_TOKENS), (f"decode {batch}x{length}", "decode-profile", batch))
+    for case, verb, n in cases:
         for e in engines:
-            prof: dict[str, float] = e.ask(verb, n, 4242)  # type: ignore[assignment]
+            prof: dict[str, float] = e.ask(verb, n, 4242, length)  # type: ignore[assignment]
             top = dict(sorted(prof.items(), key=lambda kv: -kv[1])[:12])
             groups = grouped(prof)
             print(case, e.system, {k: round(v * 1e3, 1) for k, v in groups.items()}, "ms")
