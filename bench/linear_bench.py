@@ -71,17 +71,32 @@ def save_record(out: str | Path, record: Mapping[str, object]) -> None:
 
 
 def time_interleaved(fns: Sequence[Callable[[], object]], reps: int) -> list[float]:
-    """Median seconds of each of `fns`, run in turn (so drifts in machine speed hit all alike)."""
+    """Median seconds of each of `fns`, run in turn (so drifts in machine speed hit all alike).
+
+    The turn order changes every rep (`turn_order`), so each function follows each other one about
+    equally often. In a fixed order, what one function leaves behind (cache contents, freed
+    memory) favours or handicaps the next: an A/A run of two identical attention kernel builds
+    after the PyTorch reference timed the second at 0.85-0.99x the first's time."""
     for _ in range(3):
         for fn in fns:
             fn()
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, samples in zip(fns, times, strict=True):
+    for rep in range(reps):
+        for i in turn_order(len(fns), rep):
             t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
     return [statistics.median(samples) for samples in times]
+
+
+def turn_order(n: int, rep: int) -> list[int]:
+    """The order of `rep`: the n rotations of 0..n-1, then the n rotations of the reverse, repeated.
+    Rotations alone keep each index's cyclic predecessor; the reversed cycle gives each the other."""
+    if n == 0:
+        return []
+    cycle = list(range(n)) if (rep // n) % 2 == 0 else list(range(n - 1, -1, -1))
+    start = rep % n
+    return cycle[start:] + cycle[:start]
 
 
 def time_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
