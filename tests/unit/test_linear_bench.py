@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from chariot.bench.linear_bench import peak_gflops, time_interleaved
+from chariot.bench.linear_bench import peak_gflops, time_interleaved, turn_order
 
 
 def test_peak_counts_two_fma_ports_of_the_widest_simd():
@@ -13,12 +15,25 @@ def test_peak_counts_two_fma_ports_of_the_widest_simd():
     assert peak_gflops(1, frozenset(), 1000.0) == pytest.approx(16.0)  # SSE: 4 lanes, 1 × 2 × 4 × 2 × 1 GHz
 
 
-def test_interleaved_timing_runs_each_function_in_turn_and_reports_each_median():
+def test_interleaved_timing_runs_each_function_once_per_rep_and_varies_who_goes_after_whom():
+    """A fixed order lets one function always inherit what another left behind (an A/A of two
+    identical attention builds measured 0.85-0.99x that way); every ordered pair must occur."""
     calls: list[str] = []
     fns = [lambda: calls.append("a"), lambda: calls.append("b"), lambda: calls.append("c")]
-    times = time_interleaved(fns, reps=4)
-    assert calls == ["a", "b", "c"] * 7  # 3 warm-up rounds, then 4 timed ones, never two in a row
+    times = time_interleaved(fns, reps=6)
+    assert calls[:9] == ["a", "b", "c"] * 3  # warm-up
+    timed = calls[9:]
+    assert all(sorted(timed[i : i + 3]) == ["a", "b", "c"] for i in range(0, 18, 3))
+    followers = set(itertools.pairwise(timed))
+    assert {(x, y) for x in "abc" for y in "abc" if x != y} <= followers
     assert len(times) == 3 and all(t >= 0 for t in times)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_turn_order_is_a_permutation_alternating_rotations_and_reversed_rotations(n: int) -> None:
+    orders = [turn_order(n, rep) for rep in range(2 * n)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert orders[0] == list(range(n)) and orders[n] == list(range(n - 1, -1, -1))
 
 
 def test_the_attention_benchmark_can_hand_a_baseline_the_old_slot_major_cache():
