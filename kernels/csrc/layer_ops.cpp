@@ -78,9 +78,6 @@ struct Lanes<c10::BFloat16> {
   static c10::BFloat16 put(float x) { return c10::BFloat16(x); }
 };
 
-inline float round_to(float x, float) { return x; }
-inline float round_to(float x, c10::BFloat16) { return static_cast<float>(c10::BFloat16(x)); }
-
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16), name,
               " must be a float32 or bfloat16 CPU tensor");
@@ -109,7 +106,7 @@ void silu_and_mul_rows(const at::Tensor& gate_up, const at::Tensor& out) {
       for (; i + kW <= width; i += kW) L::store(o + i, L::round(silu(L::load(g + i))) * L::load(u + i));
       for (; i < width; ++i) {
         const float x = L::get(g[i]);
-        o[i] = L::put(round_to(x / (1.f + std::exp(-x)), T{}) * L::get(u[i]));
+        o[i] = L::put(L::get(L::put(x / (1.f + std::exp(-x)))) * L::get(u[i]));  // silu rounded to T first
       }
     }
   });
@@ -152,7 +149,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float epsilon,
       const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + epsilon);
       const vw scale = W::splat(inv);
       for (i = 0; i + kW <= width; i += kW) L::store(o + i, L::round(L::load(r + i) * scale) * L::load(w + i));
-      for (; i < width; ++i) o[i] = L::put(round_to(L::get(r[i]) * inv, T{}) * L::get(w[i]));
+      for (; i < width; ++i) o[i] = L::put(L::get(L::put(L::get(r[i]) * inv)) * L::get(w[i]));
     }
   });
 }
