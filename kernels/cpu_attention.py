@@ -5,7 +5,9 @@ of every iteration (`index_select`) and then runs SDPA over the copy; on CPU tha
 of an offline run. This C++ kernel walks the block table instead: one call for decodes and prefill
 chunks, work items of (sequence, query tile, KV head) shared out over torch's threads, GQA without
 copies (a K/V row read once serves its whole group of query heads), register-blocked fp32
-micro-kernels with an online softmax, and no read at or past a sequence's length.
+micro-kernels with an online softmax, and no read at or past a sequence's length. With a bf16 query
+and cache on a CPU with AVX512-BF16, tiles of several query tokens run both products on bf16 dot
+products instead (`bf16_dot_tiles`), with fp32 accumulation.
 
 It is compiled on first use against the installed torch and cached (`cpu_build.py`: keyed by the
 source, flags, torch and this CPU; later processes load it without a compiler). `write_kv` is the
@@ -27,7 +29,8 @@ from chariot.kernels.attention import AttentionBackend, AttentionMetadata, Funct
 from chariot.kernels.cpu_build import CACHE_ENV, build_dir, load_ops
 from chariot.kernels.cpu_layer_ops import write_kv
 
-__all__ = ["BACKEND", "CACHE_ENV", "build_problem", "cache_dir", "load_kernel", "paged_attention", "write_kv"]
+__all__ = ["BACKEND", "CACHE_ENV", "bf16_dot_tiles", "build_problem", "cache_dir", "load_kernel", "paged_attention",
+           "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 STEM = "cpu_attention"
@@ -47,6 +50,12 @@ def load_kernel(source: Path = SOURCE) -> KernelFn:
     `source`: another revision of the kernel (the benchmark times one against the current kernel in
     the same process; each build gets its own op namespace)."""
     return load_ops(source, STEM, "CPU attention kernel")("paged_attention")
+
+
+def bf16_dot_tiles(source: Path = SOURCE) -> bool:
+    """Whether this build computes bf16 tiles of several query tokens on bf16 dot products
+    (AVX512-BF16's VDPBF16PS), which it does when the CPU it was built for has them."""
+    return bool(load_ops(source, STEM, "CPU attention kernel")("bf16_dot_tiles")())
 
 
 @cache

@@ -23,6 +23,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(CHARIOT_VECTOR_256)
+#include <immintrin.h>
+#define CHARIOT_BF16_DOT 1
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -207,15 +212,20 @@ struct Scratch {
   std::vector<const char*> lines;  // the next tile's cache lines, for PrefetchQueue
   std::vector<const char*> next_k, next_v;  // the next tile's cache rows (one-token path's prefetch)
   std::vector<float> zeros;        // a key row for the padding lanes of the decode score kernels
-  Scratch(int64_t rows, int64_t dim, bool convert)
+  // The bf16 pair path (below): Q and P as pairs for the row vectors, V as pairs of keys, K in place.
+  std::vector<uint32_t> qpairs, vpairs, ppairs;
+  std::vector<const uint32_t*> kpair;
+  Scratch(int64_t rows, int64_t dim, bool convert, bool pairs)
       : qt(rows * dim), acc(rows * dim), st((kKeyTile + W::kW) * rows), m(rows), l(rows), alpha(rows),
         kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
-        krow(kKeyTile + W::kW), vrow(kKeyTile), next_k(kKeyTile), next_v(kKeyTile), zeros(dim) {
+        krow(kKeyTile + W::kW), vrow(kKeyTile), next_k(kKeyTile), next_v(kKeyTile), zeros(dim),
+        qpairs(pairs ? rows * dim / 2 : 0), vpairs(pairs ? (kKeyTile + 1) / 2 * dim : 0),
+        ppairs(pairs ? (kKeyTile + 1) / 2 * rows : 0), kpair(pairs ? kKeyTile : 0) {
     lines.reserve(2 * kKeyTile * (dim * sizeof(float) / 64 + 1));
   }
 };
 
-inline int64_t padded_rows(int64_t rows) { return (rows + kLanes - 1) / kLanes * kLanes; }
+inline int64_t padded_rows(int64_t rows, int64_t quantum = kLanes) { return (rows + quantum - 1) / quantum * quantum; }
 
 // Points krow/vrow at the cache rows of keys [p0, p0 + n): in place for fp32, else converted to fp32.
 template <typename q_t, typename kv_t>
@@ -255,22 +265,37 @@ PrefetchQueue queue_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0,
   return {s.lines.data(), s.lines.data() + s.lines.size()};
 }
 
-// Qt[d][m] = q[m][d] · scale · log2 e for row m = token × group + head; padded rows are 0 and see every key.
+// Each row's position (padded rows: none, so they see every key), and the running output, max and
+// sum of every row reset.
 template <typename q_t, typename kv_t>
-void load_queries(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t ctx_before, int64_t rows,
-                  Scratch& s) {
+void reset_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t ctx_before, int64_t rows, Scratch& s) {
   const int64_t group = P.group(), real = (w.last - w.first) * group;
-  const float qscale = P.scale * kLog2e;
-  std::fill(s.qt.begin(), s.qt.begin() + rows * P.dim, 0.f);
   for (int64_t r = 0; r < rows; ++r) s.qpos[r] = r < real ? static_cast<int32_t>(ctx_before + w.first + r / group)
                                                           : std::numeric_limits<int32_t>::max();
-  for (int64_t r = 0; r < real; ++r) {
-    const q_t* src = P.q + (start + w.first + r / group) * P.q_stride_t + (w.kv_head * group + r % group) * P.q_stride_h;
-    for (int64_t d = 0; d < P.dim; ++d) s.qt[d * rows + r] = static_cast<float>(src[d]) * qscale;
-  }
   std::fill(s.acc.begin(), s.acc.begin() + rows * P.dim, 0.f);
   std::fill(s.m.begin(), s.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(s.l.begin(), s.l.begin() + rows, 0.f);
+}
+
+// The query row m = token × group + head of the item's tile.
+template <typename q_t, typename kv_t>
+const q_t* query_row(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t m) {
+  const int64_t group = P.group();
+  return P.q + (start + w.first + m / group) * P.q_stride_t + (w.kv_head * group + m % group) * P.q_stride_h;
+}
+
+// Qt[d][m] = q[m][d] · scale · log2 e for row m = token × group + head; padded rows are 0.
+template <typename q_t, typename kv_t>
+void load_queries(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t ctx_before, int64_t rows,
+                  Scratch& s) {
+  const int64_t real = (w.last - w.first) * P.group();
+  const float qscale = P.scale * kLog2e;
+  std::fill(s.qt.begin(), s.qt.begin() + rows * P.dim, 0.f);
+  for (int64_t r = 0; r < real; ++r) {
+    const q_t* src = query_row(P, w, start, r);
+    for (int64_t d = 0; d < P.dim; ++d) s.qt[d * rows + r] = static_cast<float>(src[d]) * qscale;
+  }
+  reset_rows(P, w, ctx_before, rows, s);
 }
 
 // Online-softmax step over the scores St[n][·] of keys [p0, p0 + n), for the vector of rows from m
@@ -327,6 +352,209 @@ void store_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int
     const float inv = 1.f / s.l[r];
     for (int64_t d = 0; d < P.dim; ++d) dst[d] = static_cast<q_t>(s.acc[d * rows + r] * inv);
   }
+}
+
+// --- bf16 tiles on bf16 dot products (AVX512-BF16) -----------------------------------------------
+// With a bf16 query and cache, both products of a tile run on VDPBF16PS, which adds to each fp32 lane
+// the two products of a pair of bf16 values: twice the multiply-adds of an fp32 FMA per instruction.
+// The layout stays transposed (rows in the lanes, 16 per vector), with pairs where fp32 had scalars:
+//   St[n][m]   = Σ_j K[n][2j:2j+2] · Qp[j][m]        Qp[j][m] = q[m][2j:2j+2], exact and unscaled
+//   accT[d][m] = Σ_j Vp[j][d] · Pp[j][m]            Vp[j][d] = (V[2j][d], V[2j+1][d]), Pp likewise of P
+// A K pair is two adjacent dims of a cache row, read in place; V is interleaved key by key once per
+// key tile; the probabilities are rounded to bf16 (round to nearest even), as flash attention does
+// on GPUs, while the scores, the softmax, its sums and the accumulators stay fp32.
+#ifdef CHARIOT_BF16_DOT
+namespace pairs {
+
+constexpr int64_t kL = 16;  // rows per vector
+typedef uint32_t pair_unaligned __attribute__((aligned(2), may_alias));
+
+inline uint32_t pair_at(const void* p) { return *static_cast<const pair_unaligned*>(p); }
+inline __m512 dot(__m512 c, uint32_t a, __m512i b) {
+  return _mm512_dpbf16_ps(c, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+}
+
+// Calls f(B, x) for x over [0, count) in blocks of XB, then the remainder in blocks of decreasing
+// size (each at most once); B is std::integral_constant<int, size>.
+template <int XB, typename F>
+inline void tail(int64_t x, int64_t rest, F& f) {
+  if constexpr (XB > 0) {
+    if (rest >= XB) f(std::integral_constant<int, XB>{}, x), x += XB, rest -= XB;
+    tail<XB - 1>(x, rest, f);
+  }
+}
+template <int XB, typename F>
+inline void blocks(int64_t count, F&& f) {
+  int64_t x = 0;
+  for (; x + XB <= count; x += XB) f(std::integral_constant<int, XB>{}, x);
+  tail<XB - 1>(x, count - x, f);
+}
+
+// St[x][·] = scale · Σ_j krow[x][j] · Qp[j][·] for keys x < XB, MV vectors of rows.
+template <int XB, int MV>
+inline void qk_block(const uint32_t* const* krow, int64_t pairs, const uint32_t* qp, int64_t ld, float scale,
+                     float* st, PrefetchQueue& pf) {
+  __m512 c[XB][MV];
+  for (auto& row : c)
+    for (auto& v : row) v = _mm512_setzero_ps();
+  for (int64_t j = 0; j < pairs; ++j) {
+    if constexpr (MV == 1) pf.issue_one();
+    __m512i b[MV];
+    for (int k = 0; k < MV; ++k) b[k] = _mm512_loadu_si512(qp + j * ld + k * kL);
+    for (int i = 0; i < XB; ++i) {
+      const uint32_t a = pair_at(krow[i] + j);
+      for (int k = 0; k < MV; ++k) c[i][k] = dot(c[i][k], a, b[k]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int i = 0; i < XB; ++i)
+    for (int k = 0; k < MV; ++k) _mm512_storeu_ps(st + i * ld + k * kL, _mm512_mul_ps(c[i][k], sv));
+}
+
+// accT[d0 + x][·] = alpha[·] · accT[d0 + x][·] + Σ_j Vp[j][d0 + x] · Pp[j][·] for x < XB.
+template <int XB, int MV>
+inline void pv_block(const uint32_t* vp, int64_t dim, int64_t d0, int64_t pairs, const uint32_t* pp, int64_t ld,
+                     const float* alpha, float* acc) {
+  __m512 c[XB][MV];
+  for (int k = 0; k < MV; ++k) {
+    const __m512 a = _mm512_loadu_ps(alpha + k * kL);
+    for (int i = 0; i < XB; ++i) c[i][k] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d0 + i) * ld + k * kL), a);
+  }
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512i b[MV];
+    for (int k = 0; k < MV; ++k) b[k] = _mm512_loadu_si512(pp + j * ld + k * kL);
+    const uint32_t* v = vp + j * dim + d0;
+    for (int i = 0; i < XB; ++i)
+      for (int k = 0; k < MV; ++k) c[i][k] = dot(c[i][k], v[i], b[k]);
+  }
+  for (int i = 0; i < XB; ++i)
+    for (int k = 0; k < MV; ++k) _mm512_storeu_ps(acc + (d0 + i) * ld + k * kL, c[i][k]);
+}
+
+// The row vectors in panels of 4 vectors (7 × 4 accumulators, as the fp32 path), then 2 and 1.
+template <typename F>
+inline void panels(int64_t rows, F&& f) {
+  int64_t m = 0;
+  for (; m + 4 * kL <= rows; m += 4 * kL) f(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 * kL <= rows; m += 2 * kL) f(std::integral_constant<int, 2>{}, m);
+  for (; m < rows; m += kL) f(std::integral_constant<int, 1>{}, m);
+}
+
+template <int MV>
+constexpr int kBlock = MV == 4 ? 7 : MV == 2 ? 6 : 8;
+
+void scores(const uint32_t* const* krow, int64_t keys, int64_t pairs, const uint32_t* qp, int64_t rows, float scale,
+            float* st, PrefetchQueue& pf) {
+  panels(rows, [&](auto mv, int64_t m) {
+    constexpr int MV = decltype(mv)::value;
+    blocks<kBlock<MV>>(keys, [&](auto xb, int64_t x) {
+      qk_block<decltype(xb)::value, MV>(krow + x, pairs, qp + m, rows, scale, st + x * rows + m, pf);
+    });
+  });
+}
+
+void accumulate(const uint32_t* vp, int64_t dim, int64_t pairs, const uint32_t* pp, int64_t rows, const float* alpha,
+                float* acc) {
+  panels(rows, [&](auto mv, int64_t m) {
+    constexpr int MV = decltype(mv)::value;
+    blocks<kBlock<MV>>(dim, [&](auto xb, int64_t d0) {
+      pv_block<decltype(xb)::value, MV>(vp, dim, d0, pairs, pp + m, rows, alpha + m, acc + m);
+    });
+  });
+}
+
+// Pp[j][m] = (P[2j][m], P[2j+1][m]) in bf16 (P[n] = 0 past the tile's n keys).
+void pack_probabilities(const float* pt, int64_t n, int64_t rows, uint32_t* pp) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const float* even = pt + 2 * j * rows;
+    const float* odd = 2 * j + 1 < n ? even + rows : nullptr;
+    for (int64_t m = 0; m < rows; m += kL) {
+      const __m512 hi = odd ? _mm512_loadu_ps(odd + m) : _mm512_setzero_ps();
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_loadu_ps(even + m));  // [even ×16, odd ×16]
+      _mm512_storeu_si512(pp + j * rows + m, _mm512_permutexvar_epi16(order, packed));
+    }
+  }
+}
+
+// Vp[j][d] = (V[p0 + 2j][d], V[p0 + 2j + 1][d]) of keys [p0, p0 + n) (0 past n), and Kp[i] = key
+// p0 + i's cache row, read in place.
+template <typename q_t, typename kv_t>
+void locate_pairs(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
+  static_assert(sizeof(kv_t) == 2);
+  const int32_t* table = P.tables + w.seq * P.table_stride;
+  auto row = [&](const kv_t* base, int64_t bs, int64_t ss, int64_t hs, int64_t pos) {
+    return base + table[pos / P.block_size] * bs + pos % P.block_size * ss + w.kv_head * hs;
+  };
+  for (int64_t i = 0; i < n; ++i)
+    s.kpair[i] = reinterpret_cast<const uint32_t*>(row(P.k, P.k_stride_b, P.k_stride_s, P.k_stride_h, p0 + i));
+  const uint16_t zero_row[1] = {0};
+  for (int64_t j = 0; 2 * j < n; ++j) {
+    const auto* a = reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, p0 + 2 * j));
+    const bool has_b = 2 * j + 1 < n;
+    const auto* b = has_b ? reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h,
+                                                                  p0 + 2 * j + 1))
+                          : zero_row;
+    uint32_t* out = s.vpairs.data() + j * P.dim;
+    for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d] | static_cast<uint32_t>(has_b ? b[d] : 0) << 16;
+  }
+}
+
+// Qp[j][m] = q[m][2j:2j+2] for the tile's rows; padded rows are 0.
+template <typename q_t, typename kv_t>
+void load_query_pairs(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t ctx_before, int64_t rows,
+                      Scratch& s) {
+  const int64_t real = (w.last - w.first) * P.group(), half = P.dim / 2;
+  std::fill(s.qpairs.begin(), s.qpairs.begin() + rows * half, 0u);
+  for (int64_t r = 0; r < real; ++r) {
+    const q_t* src = query_row(P, w, start, r);
+    for (int64_t j = 0; j < half; ++j) s.qpairs[j * rows + r] = pair_at(src + 2 * j);
+  }
+  reset_rows(P, w, ctx_before, rows, s);
+}
+
+template <typename q_t, typename kv_t>
+void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
+  const int64_t start = P.query_start[w.seq];
+  const int64_t ctx_before = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start);
+  const int64_t rows = padded_rows((w.last - w.first) * P.group(), kL);
+  load_query_pairs(P, w, start, ctx_before, rows, s);
+  const int64_t end = ctx_before + w.last, first_row_pos = ctx_before + w.first;
+  const float qscale = P.scale * kLog2e;
+  for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, end - p0), pairs = (n + 1) / 2;
+    locate_pairs(P, w, p0, n, s);
+    PrefetchQueue pf = queue_rows(P, w, p0 + n, std::min(kKeyTile, end - p0 - n), s);
+    scores(s.kpair.data(), n, P.dim / 2, s.qpairs.data(), rows, qscale, s.st.data(), pf);
+    while (pf.next < pf.end) pf.issue_one();
+    softmax_step(s, p0, n, rows, p0 + n - 1 > first_row_pos);
+    pack_probabilities(s.st.data(), n, rows, s.ppairs.data());
+    accumulate(s.vpairs.data(), P.dim, pairs, s.ppairs.data(), rows, s.alpha.data(), s.acc.data());
+  }
+  store_output(P, w, start, rows, s);
+}
+
+}  // namespace pairs
+#endif
+
+// Whether a problem's multi-token tiles take the bf16 pair path: bf16 query and cache, an even
+// head_dim, and a CPU with AVX512-BF16 (the build's -march=native decides).
+template <typename q_t, typename kv_t>
+bool uses_pairs(const Problem<q_t, kv_t>& P) {
+#ifdef CHARIOT_BF16_DOT
+  return std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && P.dim % 2 == 0;
+#else
+  (void)P;
+  return false;
+#endif
+}
+
+// Rows of a tile are padded to whole vectors: 16 lanes on the pair path, 8 otherwise.
+template <typename q_t, typename kv_t>
+int64_t row_quantum(const Problem<q_t, kv_t>& P) {
+  return uses_pairs(P) ? 16 : kLanes;
 }
 
 // --- one query token: head_dim in the vector lanes ----------------------------------------------
@@ -606,6 +834,10 @@ bool attend_one_token_any(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s
 template <typename q_t, typename kv_t>
 void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
   if (w.last - w.first == 1 && attend_one_token_any(P, w, s)) return;
+#ifdef CHARIOT_BF16_DOT
+  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>)
+    if (uses_pairs(P)) return pairs::attend(P, w, s);
+#endif
   const int64_t start = P.query_start[w.seq];
   const int64_t ctx_before = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start);
   const int64_t rows = padded_rows((w.last - w.first) * P.group());
@@ -661,11 +893,12 @@ void run(const Problem<q_t, kv_t>& P, int64_t num_seqs) {
   const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads);
   if (items.empty()) return;
   int64_t max_rows = 0;
-  for (const Item& w : items) max_rows = std::max(max_rows, padded_rows((w.last - w.first) * P.group()));
+  const int64_t quantum = row_quantum(P);
+  for (const Item& w : items) max_rows = std::max(max_rows, padded_rows((w.last - w.first) * P.group(), quantum));
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch s(max_rows, P.dim, !std::is_same_v<kv_t, float>);
+    Scratch s(max_rows, P.dim, !std::is_same_v<kv_t, float>, uses_pairs(P));
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
       attend(P, items[i], s);
     }
@@ -755,6 +988,15 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   }
 }
 
+// Whether this build runs bf16 tiles on bf16 dot products (the CPU it was built for has AVX512-BF16).
+bool bf16_dot_tiles() {
+#ifdef CHARIOT_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 #define CHARIOT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
@@ -762,4 +1004,5 @@ CHARIOT_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, Tensor seq_lens, "
         "Tensor block_tables, float scale, Tensor(a!) out) -> ()",
         &paged_attention);
+  m.def("bf16_dot_tiles() -> bool", &bf16_dot_tiles);
 }

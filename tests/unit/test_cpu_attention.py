@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
-from chariot.kernels.cpu_attention import SOURCE, load_kernel, paged_attention
+from chariot.kernels.cpu_attention import SOURCE, bf16_dot_tiles, load_kernel, paged_attention
 from tests.kernel_builds import vector_256_source
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
@@ -134,6 +135,45 @@ def test_head_major_cache_matches_sdpa(case: str) -> None:
     assert not ours.isnan().any()
     torch.testing.assert_close(ours, sdpa_oracle(query, k, v, meta, 0.125), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ours, paged_attention(query, k, v, meta, 0.125), atol=1e-6, rtol=1e-6)
+
+
+BF16_CASES = {
+    **CASES,
+    "odd-key-tiles": ([37], [98]),  # tiles of 64 and 71 keys: a key pair with one real key at each tile's end
+    "rows-not-a-whole-vector": ([3, 5, 2], [0, 70, 9]),  # 3 × group rows: padded rows in the last vector
+    "long-chunk-many-tiles": ([130], [200]),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (8, 2, 64), (6, 2, 40), (4, 1, 80), (2, 2, 128)])
+def test_bf16_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int,
+                                    kernel: Callable[..., None]) -> None:
+    """bf16 query and cache over every case, GQA groups of 1 to 4 and head_dims that are not a
+    multiple of 16 or 32 (40, 80): on an AVX512-BF16 CPU the native build's multi-token tiles run on
+    bf16 dot products with probabilities rounded to bf16. The error stays within a few roundings of
+    the exact result to bf16 (fp32 SDPA over the same bf16 inputs), and NaN in unused slots never
+    reaches the output."""
+    q_lens, ctx = BF16_CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, 16, torch.bfloat16, seed=dim + heads + len(case))
+    scale = 1 / math.sqrt(dim)
+    ours = paged_attention(query, k, v, meta, scale, kernel=kernel)
+    assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
+    exact = sdpa_oracle(query, k, v, meta, scale)
+    rounding = (exact.bfloat16().float() - exact).abs().max()
+    assert (ours.float() - exact).abs().max() <= 3 * rounding
+    torch.testing.assert_close(ours.float(), exact, atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_dot_tiles_where_the_cpu_has_them() -> None:
+    """The native build takes the bf16 dot-product path exactly when this CPU has AVX512-BF16 (so
+    the test above covers it on such a machine); the 256-bit build, as an AVX2 machine gets, never."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    assert bf16_dot_tiles() == ("avx512_bf16" in flags and "avx512bw" in flags)
+
+
+def test_the_256_bit_build_never_takes_bf16_dot_tiles(tmp_path: Path) -> None:
+    assert not bf16_dot_tiles(vector_256_source(SOURCE, tmp_path))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -5,7 +5,7 @@ reference leaves behind (evicted caches, freed memory) skewed an A/A run of two 
 up to 15 % (docs/kernels.md). Here the current build runs as A, B, A in turn over the benchmark's
 shapes (`turn_order` varies the order every rep), so "A again / A" shows the noise floor of the run.
 
-    .venv/bin/python docs/img/attention_ab/ab_builds.py OTHER.cpp   # OTHER.cpp next to its headers
+    .venv/bin/python docs/img/attention_ab/ab_builds.py OTHER.cpp [bfloat16]   # OTHER.cpp next to its headers
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from chariot.kernels import cpu_attention
 REPS = 31
 
 
-def main(other_source: Path) -> None:
+def main(other_source: Path, dtype: torch.dtype) -> None:
     current = cpu_attention.load_kernel()
     other = cpu_attention.load_kernel(other_source)
-    print({k: v for k, v in cpu_record().items() if k != "cpu_flags"})
+    print({k: v for k, v in cpu_record().items() if k != "cpu_flags"}, dtype)
     with torch.inference_mode():
         for shape in SHAPES:
-            q, k, v, meta = make_problem(shape)
+            q, k, v, meta = make_problem(shape, dtype)
             a, b, a2 = time_interleaved([
                 lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, kernel=current),  # noqa: B023
                 lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, kernel=other),  # noqa: B023
@@ -39,4 +39,4 @@ def main(other_source: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32)
