@@ -4,7 +4,8 @@ A decode iteration multiplies one row per running sequence by every weight matri
 the whole model from memory for a handful of rows. oneDNN reaches the memory bandwidth for one row,
 but for 2–32 rows it runs at a fraction of it; this kernel streams each weight row once and computes
 it against every input row while it is in cache (numbers in docs/BENCHMARKS.md, "CPU linear
-layers"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied.
+layers"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied. bf16 weights
+take the same route on CPUs with AVX512-BF16 (`bf16_rows`), on bf16 dot products with fp32 sums.
 
 Built on first use and cached like the attention kernel (`cpu_build.py`). `worker/model/cpu_linear.py`
 decides when a layer calls it.
@@ -21,10 +22,11 @@ import torch
 from chariot.kernels import cpu_build
 from chariot.kernels.cpu_build import load_ops
 
-__all__ = ["MAX_ROWS", "build_problem", "load_kernel", "skinny_linear", "supports"]
+__all__ = ["MAX_ROWS", "bf16_rows", "build_problem", "load_kernel", "skinny_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 LANES = 8
+BF16_STEP = 32  # bf16 values of K per step of the AVX512-BF16 path (one cache line of a weight row)
 MAX_ROWS = 16
 """The most rows it is ever used for: from 16 rows on, oneDNN's packed GEMM was as fast in whole
 decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); where it crosses
@@ -45,16 +47,28 @@ def build_problem() -> str | None:
     return cpu_build.build_problem(load_kernel, "C++ linear kernel")
 
 
+@cache
+def bf16_rows(source: Path = SOURCE) -> bool:
+    """Whether this build multiplies bf16 rows: on AVX512-BF16 dot products, which it has when the CPU
+    it was built for does (elsewhere a bf16 model keeps oneDNN for every row count)."""
+    return bool(load_ops(source, "cpu_linear", "CPU linear kernel")("bf16_rows")())
+
+
 def supports(weight: torch.Tensor) -> bool:
-    """Whether the kernel can multiply by this weight: fp32 on the CPU, input size a multiple of 8."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 \
-        and weight.shape[1] % LANES == 0
+    """Whether the kernel can multiply by this weight on the CPU: fp32 with an input size that is a
+    multiple of 8, or bf16 with one that is a multiple of 32 where the build has `bf16_rows`."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.float32:
+        return weight.shape[1] % LANES == 0
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % BF16_STEP == 0 and bf16_rows()
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   kernel: KernelFn | None = None) -> torch.Tensor:
-    """`x Wᵀ + b` for x [M, K] (any M; meant for M <= MAX_ROWS), W [N, K] contiguous fp32."""
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    """`x Wᵀ + b` for x [M, K] (any M; meant for M <= MAX_ROWS), W [N, K] contiguous, x and W of one
+    dtype (float32, or bfloat16 where `bf16_rows()`)."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
     if x.shape[0]:
         (kernel or load_kernel())(x.contiguous(), weight, bias, out)
     return out

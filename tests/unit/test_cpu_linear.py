@@ -3,6 +3,8 @@ oneDNN-packed weights for the rest, each alone and together; and when each is re
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from chariot.worker.model.cpu_linear import (
     plan_linears,
     skinny_problem,
 )
+from tests.kernel_builds import vector_256_source
+
+BF16_ROWS = skinny.bf16_rows()  # this machine's build multiplies bf16 rows (AVX512-BF16)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 17, 300])
@@ -37,6 +42,53 @@ def test_skinny_kernel_matches_f_linear(rows: int, out_features: int, in_feature
     b = torch.randn(out_features, generator=gen)
     torch.testing.assert_close(skinny.skinny_linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(skinny.skinny_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def cpu_flags() -> set[str]:
+    info = Path("/proc/cpuinfo")
+    return set(info.read_text().split()) if info.exists() else set()
+
+
+def test_bf16_rows_where_the_cpu_has_avx512_bf16(tmp_path: Path) -> None:
+    """The native build multiplies bf16 rows exactly when this CPU has AVX512-BF16; the 256-bit build
+    (what an AVX2 machine gets) never does."""
+    assert ({"avx512_bf16", "avx512bw"} <= cpu_flags()) == BF16_ROWS
+    assert not skinny.bf16_rows(vector_256_source(skinny.SOURCE, tmp_path))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 32), (5, 64), (130, 1024), (64, 2816)])
+def test_bf16_skinny_kernel_within_one_rounding_of_fp32(rows: int, out_features: int, in_features: int) -> None:
+    """bf16 rows on bf16 dot products: every row-block (4 rows) and output-block remainder, with and
+    without bias, against F.linear in fp32 over the same bf16 values; the only error is the final
+    rounding to bf16 (and the order of fp32 sums). Without AVX512-BF16 bf16 is refused by name."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    if not BF16_ROWS:
+        assert not skinny.supports(w)
+        with pytest.raises(RuntimeError, match="float32"):
+            skinny.skinny_linear(x, w)
+        return
+    assert skinny.supports(w)
+    for bias in (None, b):
+        ours = skinny.skinny_linear(x, w, bias)
+        exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), exact, atol=1e-3, rtol=2**-8)
+
+
+def test_bf16_skinny_kernel_refuses_mixed_dtypes_and_odd_sizes() -> None:
+    x, w = torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="float32"):
+        skinny.skinny_linear(x, w.float())
+    if BF16_ROWS:
+        with pytest.raises(RuntimeError, match="multiple of 32"):
+            skinny.skinny_linear(x[:, :48].contiguous(), w[:, :48].contiguous())
+        with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
+            skinny.skinny_linear(x, w, torch.randn(4))  # fp32 bias for a bf16 weight
+    assert not skinny.supports(w[:, :48])
 
 
 def test_skinny_kernel_takes_strided_rows_and_no_rows() -> None:
@@ -69,6 +121,21 @@ def test_cpu_linear_equals_nn_linear(packed: bool, plain: bool, bias: bool, rows
     with torch.inference_mode():
         torch.testing.assert_close(fast(x), linear(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast(x.view(rows, 1, 256)), linear(x).view(rows, 1, 384), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_bf16_cpu_linear_equals_nn_linear(rows: int) -> None:
+    """A bf16 layer keeping both weights: rows up to the limit take the skinny kernel (where the build
+    has bf16 rows), the rest oneDNN; both agree with eager bf16 `nn.Linear` to bf16 precision."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 384).to(torch.bfloat16).eval()
+    fast = CpuLinear(linear, packed=True, plain=True)
+    assert fast.skinny == BF16_ROWS
+    x = torch.randn(rows, 256).bfloat16()
+    with torch.inference_mode():
+        ours = fast(x)
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), linear(x).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_a_cpu_linear_keeps_some_weight() -> None:
@@ -120,7 +187,9 @@ def test_the_skinny_path_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatc
     cpu = torch.device("cpu")
     gib = 2**30
     assert skinny_problem(cpu, torch.float32, gib, packed=True, memory_bytes=16 * gib) is None
-    assert "not float32" in (skinny_problem(cpu, torch.bfloat16, gib, packed=True) or "")
+    assert "neither float32 nor bfloat16" in (skinny_problem(cpu, torch.float16, gib, packed=True) or "")
+    bf16 = skinny_problem(cpu, torch.bfloat16, gib, packed=True, memory_bytes=16 * gib)
+    assert bf16 is None if BF16_ROWS else "AVX512-BF16" in (bf16 or "")
     assert "not the CPU" in (skinny_problem(torch.device("meta"), torch.float32, gib, packed=True) or "")
     too_big = skinny_problem(cpu, torch.float32, 5 * gib, packed=True, memory_bytes=16 * gib)
     assert too_big is not None and "25%" in too_big and f"{SKINNY_LINEAR_ENV}=1" in too_big

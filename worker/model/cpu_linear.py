@@ -68,6 +68,7 @@ class CpuLinear(nn.Module):
         self.skinny = plain and skinny.supports(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
+        self.dtype = weight.dtype
         self.skinny_max_rows = skinny.MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -148,13 +149,16 @@ def skinny_problem(device: torch.device, dtype: torch.dtype, weight_bytes: int, 
         return f"{SKINNY_LINEAR_ENV}=0"
     if device.type != "cpu":
         return f"device {device.type} is not the CPU"
-    if dtype != torch.float32:
-        return f"dtype {dtype} is not float32"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype} is neither float32 nor bfloat16"
     memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
     if packed and mode == "auto" and weight_bytes > SKINNY_MEMORY_FRACTION * memory:
         return (f"a plain copy of the weights ({weight_bytes / 2**30:.1f} GiB) beside the packed one would take over "
                 f"{SKINNY_MEMORY_FRACTION:.0%} of memory ({memory / 2**30:.1f} GiB); {SKINNY_LINEAR_ENV}=1 keeps it")
-    return skinny.build_problem()
+    problem = skinny.build_problem()
+    if problem is None and dtype == torch.bfloat16 and not skinny.bf16_rows():
+        return "dtype torch.bfloat16 needs AVX512-BF16 in the skinny kernel's build"
+    return problem
 
 
 def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> LinearPlan:
@@ -192,7 +196,8 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
                           clock: Callable[[], float] = time.perf_counter) -> RowsCalibration:
     """Time both routes over all `layers` (each keeping both weights) for every row count, the routes
     interleaved pass by pass after one untimed pass each (oneDNN builds a primitive per shape)."""
-    inputs = {(m, layer.in_features): torch.randn(m, layer.in_features) for m in rows for layer in layers}
+    inputs = {(m, layer.in_features): torch.randn(m, layer.in_features, dtype=layer.dtype)
+              for m in rows for layer in layers}
 
     def one_pass(m: int, route: str) -> float:
         t0 = clock()
