@@ -1,0 +1,59 @@
+"""The skinny linear kernel against another build of it and oneDNN's packed GEMM, interleaved.
+
+One pass = every linear layer of the `100m` preset (8 layers × qkv, o, gate_up, down: 200 MB of
+weights in bf16, 400 MB in fp32, so they stream from memory) for M rows. `time_interleaved`
+alternates the order of the three callers every rep. Writes `kernel_ab_<dtype>.json` here.
+
+    git show ca5e6b7:kernels/csrc/skinny_linear.cpp > /tmp/base/skinny_linear.cpp   # headers beside it
+    git show ca5e6b7:kernels/csrc/vec8.h > /tmp/base/vec8.h
+    .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from chariot.bench.linear_bench import cpu_record, time_interleaved
+from chariot.kernels import skinny_linear as skinny
+
+HERE = Path(__file__).resolve().parent
+SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # [out, in] of one 100m layer's linears
+LAYERS = 8
+ROWS = (1, 2, 4, 8, 16)
+REPS = 11
+
+
+def main(other_source: Path, dtype: torch.dtype) -> None:
+    current, other = skinny.load_kernel(), skinny.load_kernel(other_source)
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+
+    def kernel_pass(kernel: skinny.KernelFn, x: dict[int, torch.Tensor]) -> None:
+        for w in weights:
+            skinny.skinny_linear(x[w.shape[1]], w, None, kernel=kernel)
+
+    def onednn_pass(x: dict[int, torch.Tensor]) -> None:
+        for w, p in zip(weights, packed, strict=True):
+            torch.ops.mkldnn._linear_pointwise(x[w.shape[1]], p, None, "none", [], "")
+
+    rows = []
+    with torch.inference_mode():
+        for m in ROWS:
+            x = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for _, k in SHAPES}}
+            a, b, d = time_interleaved([lambda: kernel_pass(current, x), lambda: kernel_pass(other, x),  # noqa: B023
+                                        lambda: onednn_pass(x)], REPS)  # noqa: B023
+            rows.append({"rows": m, "current_ms": a * 1e3, "other_ms": b * 1e3, "onednn_ms": d * 1e3})
+            print(f"{m:2d} rows: current {a * 1e3:6.2f} ms  other {b * 1e3:6.2f} ms  oneDNN {d * 1e3:6.2f} ms  "
+                  f"other/current {b / a:.3f}  oneDNN/current {d / a:.3f}", flush=True)
+    name = str(dtype).removeprefix("torch.")
+    (HERE / f"kernel_ab_{name}.json").write_text(json.dumps(
+        {"machine": cpu_record(), "dtype": name, "other": str(other_source), "reps": REPS, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32)
