@@ -770,6 +770,85 @@ void row_addresses(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64
   }
 }
 
+#ifdef CHARIOT_BF16_DOT
+// st[k·G + h] = scale · Σ_d krow[k][d] · q[h][d] for the KB keys of krow and the G heads: bf16 K rows
+// read in place from the cache against the bf16 query, on VDPBF16PS (32 dims per step); dim is a
+// multiple of 32.
+template <int G>
+inline void group_scores_bf16(const c10::BFloat16* const* krow, const c10::BFloat16* const* q, int64_t dim,
+                              float scale, float* st) {
+  constexpr int KB = 16 / G;
+  W::vw c[16];
+  for (auto& v : c) v = W::vw{};
+  for (int64_t d = 0; d < dim; d += 32) {
+    __m512i qv[G];
+    for (int h = 0; h < G; ++h) qv[h] = _mm512_loadu_si512(q[h] + d);
+    for (int k = 0; k < KB; ++k) {
+      const __m512i key = _mm512_loadu_si512(krow[k] + d);
+      for (int h = 0; h < G; ++h)
+        c[k * G + h] = (W::vw)_mm512_dpbf16_ps((__m512)c[k * G + h], (__m512bh)key, (__m512bh)qv[h]);
+    }
+  }
+  W::store(st, W::lane_sums(c) * W::splat(scale));
+}
+
+// Pp[j·G + h] = (p[2j·G + h], p[(2j+1)·G + h]) in bf16 for the n keys' probabilities p ([key][head]),
+// 0 past n.
+template <int G>
+inline void pack_group_probabilities(const float* p, int64_t n, uint32_t* pp) {
+  for (int64_t j = 0; 2 * j < n; ++j)
+    for (int h = 0; h < G; ++h) {
+      const uint32_t lo = c10::BFloat16(p[2 * j * G + h]).x;
+      const uint32_t hi = 2 * j + 1 < n ? c10::BFloat16(p[(2 * j + 1) * G + h]).x : 0u;
+      pp[j * G + h] = lo | hi << 16;
+    }
+}
+
+// acc[h0 + h][d0 + ·] = alpha[h0 + h] · acc + Σ_j Pp[j·G + h0 + h] · Vp[j][d0 + ·] for HB heads and VB
+// vectors of 16 dims: a V pair vector holds 16 dims of two adjacent keys.
+template <int G, int HB, int VB>
+inline void group_pv_pairs(const uint32_t* vp, int64_t pairs, int64_t h0, int64_t d0, const uint32_t* pp,
+                           const float* alpha, float* acc, int64_t dim) {
+  __m512 c[HB][VB];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j)
+      c[h][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (h0 + h) * dim + d0 + j * 16), _mm512_set1_ps(alpha[h0 + h]));
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512i b[VB];
+    for (int j = 0; j < VB; ++j) b[j] = _mm512_loadu_si512(vp + jp * dim + d0 + j * 16);
+    for (int h = 0; h < HB; ++h) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(pp[jp * G + h0 + h]));
+      for (int j = 0; j < VB; ++j) c[h][j] = _mm512_dpbf16_ps(c[h][j], (__m512bh)a, (__m512bh)b[j]);
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < VB; ++j) _mm512_storeu_ps(acc + (h0 + h) * dim + d0 + j * 16, c[h][j]);
+}
+
+// dim is a multiple of 32 on this path.
+template <int G>
+void group_pv_all_pairs(const uint32_t* vp, int64_t pairs, const uint32_t* pp, const float* alpha, float* acc,
+                        int64_t dim) {
+  constexpr int VB = 4, HB = std::min(G, 4);
+  for (int64_t h0 = 0; h0 < G; h0 += HB) {
+    int64_t d0 = 0;
+    for (; d0 + VB * 16 <= dim; d0 += VB * 16) group_pv_pairs<G, HB, VB>(vp, pairs, h0, d0, pp, alpha, acc, dim);
+    for (; d0 < dim; d0 += 16) group_pv_pairs<G, HB, 1>(vp, pairs, h0, d0, pp, alpha, acc, dim);
+  }
+}
+#endif
+
+// Whether the group path runs a bf16 query against a bf16 cache on VDPBF16PS: the scores against K rows
+// read in place, P·V against V interleaved key by key with the probabilities rounded to bf16, as the
+// multi-token pair path does (section "bf16 tiles" above).
+template <typename q_t, typename kv_t>
+constexpr bool kGroupBf16Dots =
+#ifdef CHARIOT_BF16_DOT
+    std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && W::kW == 16;
+#else
+    false;
+#endif
+
 template <int G, typename q_t, typename kv_t>
 void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
   constexpr int KB = W::kW / G;
@@ -781,27 +860,55 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
   float* acc = s.acc.data();  // [G][dim]
   float* st = s.st.data();    // [key][G]
   const float qscale = P.scale * kLog2e;
+  const q_t* qrow[G];         // the bf16 score path reads the query rows in place
+  const bool bf16_dots = kGroupBf16Dots<q_t, kv_t> && dim % 32 == 0;
   for (int64_t h = 0; h < G; ++h) {
     const q_t* src = P.q + token * P.q_stride_t + (w.kv_head * G + h) * P.q_stride_h;
+    qrow[h] = src;
     for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * qscale;
   }
   std::fill(acc, acc + G * dim, 0.f);
   W::vw m = W::splat(-std::numeric_limits<float>::infinity()), l = {};
   alignas(64) float alpha[W::kW];
+  const kv_t* kraw[kKeyTile + W::kW];
   for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, end - p0), padded = (n + KB - 1) / KB * KB;
     const int64_t next = std::min(kKeyTile, end - p0 - n);
-    locate_rows(P, w, p0, n, s);
-    for (int64_t i = n; i < padded; ++i) s.krow[i] = s.zeros.data();
+#ifdef CHARIOT_BF16_DOT
+    if constexpr (kGroupBf16Dots<q_t, kv_t>) {
+      if (bf16_dots) {
+        pairs::locate_pairs(P, w, p0, n, s);  // K rows in place, V interleaved key by key
+        for (int64_t i = 0; i < n; ++i) kraw[i] = reinterpret_cast<const kv_t*>(s.kpair[i]);
+        for (int64_t i = n; i < padded; ++i) kraw[i] = reinterpret_cast<const kv_t*>(s.zeros.data());
+      }
+    }
+#endif
+    if (!bf16_dots) {
+      locate_rows(P, w, p0, n, s);
+      for (int64_t i = n; i < padded; ++i) s.krow[i] = s.zeros.data();
+    }
     row_addresses(P, w, p0 + n, next, s);  // next <= n: only a full tile has another after it
     int64_t requested = 0;
     for (int64_t x = 0; x < padded; x += KB) {
-      group_scores<G>(s.krow.data() + x, q, dim, st + x * G);
+#ifdef CHARIOT_BF16_DOT
+      if constexpr (kGroupBf16Dots<q_t, kv_t>) {
+        if (bf16_dots) group_scores_bf16<G>(kraw + x, qrow, dim, qscale, st + x * G);
+      }
+#endif
+      if (!bf16_dots) group_scores<G>(s.krow.data() + x, q, dim, st + x * G);
       for (; requested < std::min(next, x + KB); ++requested)
         prefetch_row(s.next_k[requested], row_bytes), prefetch_row(s.next_v[requested], row_bytes);
     }
     W::store(alpha, group_softmax<G>(st, n, padded / KB, m, l));
-    group_pv_all<G>(s.vrow.data(), n, st, alpha, acc, dim);
+#ifdef CHARIOT_BF16_DOT
+    if constexpr (kGroupBf16Dots<q_t, kv_t>) {
+      if (bf16_dots) {
+        pack_group_probabilities<G>(st, n, s.ppairs.data());
+        group_pv_all_pairs<G>(s.vpairs.data(), (n + 1) / 2, s.ppairs.data(), alpha, acc, dim);
+      }
+    }
+#endif
+    if (!bf16_dots) group_pv_all<G>(s.vrow.data(), n, st, alpha, acc, dim);
   }
   alignas(64) float sums[W::kW];
   W::store(sums, l);

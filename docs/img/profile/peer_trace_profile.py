@@ -1,11 +1,13 @@
-"""The peer benchmark's offline trace (chat ×0.25, 64 requests at t=0, fresh prompts, float32, budget
+"""The peer benchmark's offline trace (chat ×0.25, 64 requests at t=0, fresh prompts, float32 or bf16, budget
 512, 1 GiB of KV) through `LLM.generate` in one process: wall time and engine overhead per iteration
 kind, then the same run under torch.profiler. Ad hoc, for BENCHMARKS.md's peer section; run from the
-repository root: python docs/img/profile/peer_trace_profile.py > docs/img/profile/peer_trace_<machine>.txt
+repository root: python docs/img/profile/peer_trace_profile.py [DTYPE] > docs/img/profile/peer_trace_<machine>.txt
+(DTYPE: float32, the default, or bfloat16)
 """
 
 import collections
 import json
+import sys
 import time
 
 from torch.profiler import ProfilerActivity, profile
@@ -17,7 +19,8 @@ from chariot.worker.output_processor import OutputProcessor, run_step
 
 trace = make_trace(TRACES["chat"], 64, 1.0, seed=0, scale=0.25, max_len=2048)
 params = [SamplingParams(max_tokens=r.decode_len, ignore_eos=True, temperature=0) for r in trace]
-llm = LLM("models/100m", policy="sarathi", token_budget=512, dtype="float32", kv_cache_tokens=65536, progress=False)
+dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+llm = LLM("models/100m", policy="sarathi", token_budget=512, dtype=dtype, kv_cache_tokens=65536, progress=False)
 llm.generate([[1] * 64], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
 
 engine, processor = llm.engine, OutputProcessor(llm.engine.tokenizer)
