@@ -6,8 +6,8 @@ of an offline run. This C++ kernel walks the block table instead: one call for d
 chunks, work items of (sequence, query tile, KV head) shared out over torch's threads, GQA without
 copies (a K/V row read once serves its whole group of query heads), register-blocked fp32
 micro-kernels with an online softmax, and no read at or past a sequence's length. With a bf16 query
-and cache on a CPU with AVX512-BF16, tiles of several query tokens run both products on bf16 dot
-products instead (`bf16_dot_tiles`), with fp32 accumulation.
+and cache on a CPU with AVX512-BF16, both products run on bf16 dot products instead, in tiles of
+several query tokens and in decodes of whole GQA groups (`bf16_dot_tiles`), with fp32 accumulation.
 
 It is compiled on first use against the installed torch and cached (`cpu_build.py`: keyed by the
 source, flags, torch and this CPU; later processes load it without a compiler). `write_kv` is the
@@ -53,8 +53,9 @@ def load_kernel(source: Path = SOURCE) -> KernelFn:
 
 
 def bf16_dot_tiles(source: Path = SOURCE) -> bool:
-    """Whether this build computes bf16 tiles of several query tokens on bf16 dot products
-    (AVX512-BF16's VDPBF16PS), which it does when the CPU it was built for has them."""
+    """Whether this build computes bf16 attention on bf16 dot products (AVX512-BF16's VDPBF16PS):
+    tiles of several query tokens, and decodes of GQA groups that divide 16 with head_dim a multiple
+    of 32. It does when the CPU it was built for has them."""
     return bool(load_ops(source, STEM, "CPU attention kernel")("bf16_dot_tiles")())
 
 

@@ -9,7 +9,9 @@
 //   accT[d][m] = Σ_n V[n][d] · Pt[n][m]     unnormalised output (PV, transposed)
 // Both are one register-blocked micro-kernel shape: a scalar of K or V broadcast against vectors
 // of rows. K and V are read straight from the cache rows (fp32) or from a small per-tile fp32 copy
-// (bf16, fp16); nothing is gathered or transposed. The online softmax (flash attention, log2
+// (bf16, fp16); nothing is gathered or transposed. With a bf16 query and cache on a CPU with
+// AVX512-BF16, both products run on bf16 dot products instead (the `pairs` section, and the decode
+// group path), K read in place. The online softmax (flash attention, log2
 // units, fp32) works on whole vectors of rows too: running max, sum and rescale per lane.
 // Causality and seq_len bound every read: a tile reads keys up to its last token's position, which
 // is below seq_len, and masks (selects, never multiplies) keys after each row's own position, so
