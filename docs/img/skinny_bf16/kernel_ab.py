@@ -4,8 +4,8 @@ One pass = every linear layer of the `100m` preset (8 layers × qkv, o, gate_up,
 weights in bf16, 400 MB in fp32, so they stream from memory) for M rows. `time_interleaved`
 alternates the order of the three callers every rep. Writes `kernel_ab_<dtype>.json` here.
 
-    git show ca5e6b7:kernels/csrc/skinny_linear.cpp > /tmp/base/skinny_linear.cpp   # headers beside it
-    git show ca5e6b7:kernels/csrc/vec8.h > /tmp/base/vec8.h
+    git show 483c0ca:kernels/csrc/skinny_linear.cpp > /tmp/base/skinny_linear.cpp   # headers beside it
+    git show 483c0ca:kernels/csrc/vec8.h > /tmp/base/vec8.h
     .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16
 """
 
