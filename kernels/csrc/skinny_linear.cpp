@@ -6,10 +6,11 @@
 // written for that range: each thread streams its own output rows of W exactly once, four at a time,
 // and computes them against every row of x while they are in L1/L2 (x itself stays in L2). The
 // stream is requested ahead into L2, not L1 (`prefetch_l2_from_register`).
-// Dot products run along K in 8-lane vectors (K contiguous in both operands, so no packing and no
-// second copy of the weights); the 8-lane partial sums are reduced once per output at the end.
-// More than three rows of x take several passes over a block of W, and only the first pass reads
-// memory; so every pass requests a share of the *next* block's cache lines as it goes (`Lines`),
+// Dot products run along K in 8-lane fp32 vectors, or for bf16 on AVX512-BF16 dot products, 32
+// values per step (K contiguous in both operands, so no packing and no second copy of the weights);
+// the partial sums are reduced once per output at the end.
+// More than a pass's rows of x take several passes over a block of W, and only the first pass reads
+// memory; so every pass requests a share of a later block's cache lines as it goes (`Lines`),
 // which keeps the memory busy through the passes that compute from cache. Without it 4–16 rows ran
 // at a fraction of the bandwidth one row reaches (the passes and the stream took turns).
 #include <ATen/Parallel.h>
