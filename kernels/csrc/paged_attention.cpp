@@ -858,7 +858,7 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
   const int64_t token = start + w.first;
   const int64_t end = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start) + w.last;  // keys [0, end)
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(kv_t));
-  float* q = s.qt.data();     // [G][dim], pre-scaled into log2 units
+  float* q = s.qt.data();     // [G][dim], pre-scaled into log2 units (fp32 scores only)
   float* acc = s.acc.data();  // [G][dim]
   float* st = s.st.data();    // [key][G]
   const float qscale = P.scale * kLog2e;
@@ -867,7 +867,8 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
   for (int64_t h = 0; h < G; ++h) {
     const q_t* src = P.q + token * P.q_stride_t + (w.kv_head * G + h) * P.q_stride_h;
     qrow[h] = src;
-    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * qscale;
+    if (!bf16_dots)
+      for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * qscale;
   }
   std::fill(acc, acc + G * dim, 0.f);
   W::vw m = W::splat(-std::numeric_limits<float>::infinity()), l = {};
