@@ -20,8 +20,9 @@ largest row count below which it won every time (`calibrate_skinny_rows`).
 `CpuLinear` that routes each call by its number of rows. Keeping both layouts costs a second copy
 of the weights, so by default (`CHARIOT_CPU_SKINNY_LINEAR=auto`) the skinny path is only kept when
 that copy takes at most a quarter of the machine's memory; `1` forces it, `0` turns it off.
-`CHARIOT_CPU_PACKED_LINEAR=0` turns packing off. Neither applies to other devices, and dtypes other
-than float32 keep what they had (bf16 is packed where oneDNN can, as with AVX-512; never skinny).
+`CHARIOT_CPU_PACKED_LINEAR=0` turns packing off. Neither applies to other devices. bf16 is packed
+where oneDNN can (as with AVX-512) and takes the skinny kernel where its build multiplies bf16 rows
+(AVX512-BF16); other dtypes keep what they had.
 """
 
 from __future__ import annotations
