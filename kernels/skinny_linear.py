@@ -61,7 +61,8 @@ def supports(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.float32:
         return weight.shape[1] % LANES == 0
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % BF16_STEP == 0 and bf16_rows()
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % BF16_STEP == 0 and build_problem() is None \
+        and bf16_rows()
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

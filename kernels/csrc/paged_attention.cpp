@@ -492,15 +492,15 @@ void locate_pairs(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_
   };
   for (int64_t i = 0; i < n; ++i)
     s.kpair[i] = reinterpret_cast<const uint32_t*>(row(P.k, P.k_stride_b, P.k_stride_s, P.k_stride_h, p0 + i));
-  const uint16_t zero_row[1] = {0};
   for (int64_t j = 0; 2 * j < n; ++j) {
     const auto* a = reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, p0 + 2 * j));
-    const bool has_b = 2 * j + 1 < n;
-    const auto* b = has_b ? reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h,
-                                                                  p0 + 2 * j + 1))
-                          : zero_row;
     uint32_t* out = s.vpairs.data() + j * P.dim;
-    for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d] | static_cast<uint32_t>(has_b ? b[d] : 0) << 16;
+    if (2 * j + 1 == n) {  // an odd count: the last key pairs with a zero key
+      for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d];
+      continue;
+    }
+    const auto* b = reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, p0 + 2 * j + 1));
+    for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
   }
 }
 
@@ -774,11 +774,11 @@ void row_addresses(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64
 
 #ifdef CHARIOT_BF16_DOT
 // st[k·G + h] = scale · Σ_d krow[k][d] · q[h][d] for the KB keys of krow and the G heads: bf16 K rows
-// read in place from the cache against the bf16 query, on VDPBF16PS (32 dims per step); dim is a
-// multiple of 32.
+// (as dim pairs, `pairs::locate_pairs`) read in place from the cache against the bf16 query, on
+// VDPBF16PS (32 dims per step); dim is a multiple of 32.
 template <int G>
-inline void group_scores_bf16(const c10::BFloat16* const* krow, const c10::BFloat16* const* q, int64_t dim,
-                              float scale, float* st) {
+inline void group_scores_bf16(const uint32_t* const* krow, const c10::BFloat16* const* q, int64_t dim, float scale,
+                              float* st) {
   constexpr int KB = 16 / G;
   W::vw c[16];
   for (auto& v : c) v = W::vw{};
@@ -786,7 +786,7 @@ inline void group_scores_bf16(const c10::BFloat16* const* krow, const c10::BFloa
     __m512i qv[G];
     for (int h = 0; h < G; ++h) qv[h] = _mm512_loadu_si512(q[h] + d);
     for (int k = 0; k < KB; ++k) {
-      const __m512i key = _mm512_loadu_si512(krow[k] + d);
+      const __m512i key = _mm512_loadu_si512(krow[k] + d / 2);
       for (int h = 0; h < G; ++h)
         c[k * G + h] = (W::vw)_mm512_dpbf16_ps((__m512)c[k * G + h], (__m512bh)key, (__m512bh)qv[h]);
     }
@@ -873,7 +873,6 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
   std::fill(acc, acc + G * dim, 0.f);
   W::vw m = W::splat(-std::numeric_limits<float>::infinity()), l = {};
   alignas(64) float alpha[W::kW];
-  const kv_t* kraw[kKeyTile + W::kW];
   for (int64_t p0 = 0; p0 < end; p0 += kKeyTile) {
     const int64_t n = std::min(kKeyTile, end - p0), padded = (n + KB - 1) / KB * KB;
     const int64_t next = std::min(kKeyTile, end - p0 - n);
@@ -881,8 +880,8 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
     if constexpr (kGroupBf16Dots<q_t, kv_t>) {
       if (bf16_dots) {
         pairs::locate_pairs(P, w, p0, n, s);  // K rows in place, V interleaved key by key
-        for (int64_t i = 0; i < n; ++i) kraw[i] = reinterpret_cast<const kv_t*>(s.kpair[i]);
-        for (int64_t i = n; i < padded; ++i) kraw[i] = reinterpret_cast<const kv_t*>(s.zeros.data());
+        for (int64_t i = n; i < padded; ++i)  // padded <= kKeyTile: KB divides it
+          s.kpair[i] = reinterpret_cast<const uint32_t*>(s.zeros.data());
       }
     }
 #endif
@@ -895,7 +894,7 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
     for (int64_t x = 0; x < padded; x += KB) {
 #ifdef CHARIOT_BF16_DOT
       if constexpr (kGroupBf16Dots<q_t, kv_t>) {
-        if (bf16_dots) group_scores_bf16<G>(kraw + x, qrow, dim, qscale, st + x * G);
+        if (bf16_dots) group_scores_bf16<G>(s.kpair.data() + x, qrow, dim, qscale, st + x * G);
       }
 #endif
       if (!bf16_dots) group_scores<G>(s.krow.data() + x, q, dim, st + x * G);
@@ -1098,7 +1097,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   }
 }
 
-// Whether this build runs bf16 tiles on bf16 dot products (the CPU it was built for has AVX512-BF16).
+// Whether this build runs bf16 attention (tiles and group decodes) on bf16 dot products (the CPU it was
+// built for has AVX512-BF16).
 bool bf16_dot_tiles() {
 #ifdef CHARIOT_BF16_DOT
   return true;
