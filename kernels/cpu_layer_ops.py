@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from chariot.kernels import cpu_build, reference
 from chariot.kernels.cpu_build import load_ops
 
-__all__ = ["ENV", "build_problem", "enabled", "load_kernel", "rms_norm", "silu_and_mul", "write_kv"]
+__all__ = ["ENV", "build_problem", "enabled", "load_kernel", "rms_norm", "rope_", "silu_and_mul", "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
 STEM = "cpu_layer_ops"
@@ -82,6 +82,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(flat.shape, dtype=x.dtype)
     load_kernel()("rms_norm")(flat, weight, float(eps), out)
     return out.view(x.shape)
+
+
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place by each token's angles
+    (cos, sin [T, 1, head_dim], q's dtype), bit for bit as `reference.rope` (Hugging Face's order of
+    roundings). q and k may be strided views (of one fused projection): only head_dim must be contiguous."""
+    cos2, sin2 = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+    if _fast(q, k, cos2, sin2) and q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1 \
+            and sin2.stride(-1) == 1:
+        load_kernel()("rope")(q, k, cos2, sin2)
+        return
+    q.copy_(reference.rope(q, cos, sin))
+    k.copy_(reference.rope(k, cos, sin))
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

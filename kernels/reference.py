@@ -3,7 +3,8 @@
 Runs on any device (it is the CPU path) and is the oracle for the Triton kernels. No per-sequence
 Python loops on the hot path: decodes are one batched SDPA call, prefill chunks another (padded to
 the longest chunk). GQA is handled without copying K/V: the query heads that share a KV head are
-folded into the query-length dimension.
+folded into the query-length dimension. Also the reference RoPE rotation (`rope`), which the CPU
+layer kernel (`cpu_layer_ops.rope_`) matches bit for bit and falls back to.
 """
 
 from __future__ import annotations
@@ -12,6 +13,21 @@ import torch
 import torch.nn.functional as F
 
 from chariot.kernels.attention import AttentionBackend, AttentionMetadata, FunctionBackend
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, head_dim] by the per-token angles (cos, sin [T, 1, head_dim]; HF `rotate_half` layout).
+
+    Bit for bit Hugging Face's `x·cos + rotate_half(x)·sin` (negation is exact, and a + (-b) is
+    a - b), with one output and one half-size scratch tensor instead of five full-size
+    temporaries: on the CPU each fresh buffer costs page faults as well as a pass over memory."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    rotated = x[..., half:] * sin[..., :half]
+    out[..., :half].sub_(rotated)
+    torch.mul(x[..., :half], sin[..., half:], out=rotated)
+    out[..., half:].add_(rotated)
+    return out
 
 
 def write_kv(

@@ -4,6 +4,9 @@ out-of-place forms, on whole `LLM.generate` calls: 8 interleaved rounds (order a
 round dropped). Also checks that both give the same greedy tokens.
 
     .venv/bin/python docs/img/elementwise_ab.py     # writes /tmp/elementwise_ab.json
+
+Historical (session 9): since session 12 the layer rotates q and k in place through
+`cpu_layer_ops.rope_`, so `llama.apply_rope` (now `reference.rope`) is no longer what "new" swaps in.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 import chariot.worker.model.llama as llama
 from chariot.bench.linear_bench import cpu_record
+from chariot.kernels import reference
 from chariot.worker import LLM, SamplingParams
 
 CASES = ("prefill 1536 tokens", "32 x 16-token prompts, 64 tokens each")
@@ -45,11 +49,11 @@ def layer_old(self: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 
 IMPL = {"old": (rope_old, mlp_old, norm_old, layer_old),
-        "new": (llama.apply_rope, llama.MLP.forward, llama.RMSNorm.forward, llama.DecoderLayer.forward)}
+        "new": (reference.rope, llama.MLP.forward, llama.RMSNorm.forward, llama.DecoderLayer.forward)}
 
 
 def use(name: str) -> None:
-    llama.apply_rope, llama.MLP.forward, llama.RMSNorm.forward, llama.DecoderLayer.forward = IMPL[name]  # type: ignore[method-assign]
+    reference.rope, llama.MLP.forward, llama.RMSNorm.forward, llama.DecoderLayer.forward = IMPL[name]  # type: ignore[method-assign]
 
 
 def main() -> None:

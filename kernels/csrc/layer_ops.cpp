@@ -9,6 +9,7 @@
 //   silu_and_mul(gate_up, out):   out[t][i] = silu(gate_up[t][i]) · gate_up[t][I + i]
 //   rms_norm(x, weight, eps, out): out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight   (sum in fp32)
 //   write_kv(key, value, k_cache, v_cache, slots): each token's K/V rows into its cache slot
+//   rope(q, k, cos, sin):          q and k rotated in place by each token's angles (HF `rotate_half`)
 //
 // SiLU·mul and RMSNorm take float32 or bfloat16 rows (computed in fp32, rounded where eager PyTorch
 // rounds); write_kv copies rows of any dtype. Rows are shared out over torch's thread pool
@@ -18,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -168,6 +170,64 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const a
     rms_norm_rows<c10::BFloat16>(x, weight, static_cast<float>(eps), out);
 }
 
+// One head's row x [D] rotated in place by its token's cos, sin [D] (half = D / 2), rounded as eager
+// PyTorch's `x·cos + rotate_half(x)·sin` rounds: each product, then the sum. No multiply-add is
+// fused (fp-contract off), so fp32 matches PyTorch bit for bit too.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_row(T* x, const T* cos, const T* sin, int64_t half) {
+  using L = Lanes<T>;
+  int64_t i = 0;
+  for (; i + kW <= half; i += kW) {
+    const vw a = L::load(x + i), b = L::load(x + half + i);
+    const vw lo = L::round(a * L::load(cos + i)) - L::round(b * L::load(sin + i));
+    const vw hi = L::round(b * L::load(cos + half + i)) + L::round(a * L::load(sin + half + i));
+    L::store(x + i, lo), L::store(x + half + i, hi);
+  }
+  for (; i < half; ++i) {
+    const float a = L::get(x[i]), b = L::get(x[half + i]);
+    const auto r = [](float v) { return L::get(L::put(v)); };
+    const float lo = r(a * L::get(cos[i])) - r(b * L::get(sin[i]));
+    const float hi = r(b * L::get(cos[half + i])) + r(a * L::get(sin[half + i]));
+    x[i] = L::put(lo), x[half + i] = L::put(hi);
+  }
+}
+
+template <typename T>
+void rope_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = q.size(0), half = q.size(2) / 2;
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin.data_ptr<T>();
+  const int64_t heads = q.size(1) + k.size(1), grain = std::max<int64_t>(1, 256 / heads);  // rows per task
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (const at::Tensor* x : {&q, &k}) {
+        T* base = x->data_ptr<T>() + t * x->stride(0);
+        for (int64_t h = 0; h < x->size(1); ++h)
+          rope_row(base + h * x->stride(1), c + t * cos.stride(0), s + t * sin.stride(0), half);
+      }
+  });
+}
+
+void rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* x : {&q, &k})
+    TORCH_CHECK(x->device().is_cpu() && x->dim() == 3 && x->stride(2) == 1 && x->size(0) == q.size(0) &&
+                    x->size(2) == q.size(2) && x->size(2) % 2 == 0,
+                "q and k must be CPU tensors [tokens, heads, head_dim] of one token count and an even head_dim, "
+                "unit stride along head_dim");
+  for (const at::Tensor* t : {&cos, &sin}) {
+    check_rows(*t, "cos and sin");
+    TORCH_CHECK(t->size(0) == q.size(0) && t->size(1) == q.size(2), "cos and sin must be [tokens, head_dim] = [",
+                q.size(0), ", ", q.size(2), "], got ", t->sizes());
+  }
+  check_same_dtype(q, k, "q", "k");
+  check_same_dtype(q, cos, "q", "cos");
+  check_same_dtype(q, sin, "q", "sin");
+  if (q.scalar_type() == at::kFloat)
+    rope_rows<float>(q, k, cos, sin);
+  else
+    rope_rows<c10::BFloat16>(q, k, cos, sin);
+}
+
 template <typename index_t>
 void copy_rows(const at::Tensor& src, const at::Tensor& cache, const index_t* slots, int64_t tokens) {
   const int64_t heads = src.size(1), row_bytes = src.size(2) * src.element_size();
@@ -220,6 +280,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 TORCH_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()", &silu_and_mul);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &rms_norm);
+  m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rope);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &write_kv);
 }

@@ -1,5 +1,6 @@
 """The one-pass C++ layer kernels (`kernels/csrc/layer_ops.cpp`) against independent references:
-SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm`, and `write_kv`
+SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm`, RoPE against
+Hugging Face's `apply_rotary_pos_emb` (bit for bit, in place on strided q/k views), and `write_kv`
 against the PyTorch reference's `index_put_`, over widths with vector tails, strided rows, both
 slot dtypes, the CPU cache layout and bf16 caches. In bfloat16, SiLU·mul and RMSNorm must round
 where eager PyTorch rounds (bf16 `F.silu(gate).mul_(up)`, Hugging Face's bf16 `LlamaRMSNorm`), so
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from chariot.kernels import cpu_layer_ops, reference
 from chariot.kernels.attention import empty_kv_cache
@@ -102,6 +103,49 @@ def test_mixed_dtypes_raise_naming_the_tensor(ops: Ops) -> None:
         ops("rms_norm")(x, torch.randn(32), 1e-5, torch.empty_like(x))
     with pytest.raises(RuntimeError, match="out must have gate_up's dtype"):
         ops("silu_and_mul")(x, torch.empty(2, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 16, 4, 64), (7, 4, 4, 80), (300, 8, 2, 40), (5, 2, 1, 128)])
+def test_rope_matches_hugging_face_bit_for_bit(ops: Ops, dtype: torch.dtype, tokens: int, heads: int, kv_heads: int,
+                                               dim: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * 7 + dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 4).to(dtype)  # q, k strided in it
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim: (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 2000
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    value = qkv[:, (heads + kv_heads) * dim:].clone()
+    ops("rope")(q, k, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], value)  # v, beside them, untouched
+
+
+def test_rope_rejects_angles_of_the_wrong_shape(ops: Ops) -> None:
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[tokens, head_dim\] = \[3, 64\]"):
+        ops("rope")(q, k, torch.randn(3, 32), torch.randn(3, 32))
+    with pytest.raises(RuntimeError, match="cos must have q's dtype"):
+        ops("rope")(q, k, torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16())
+
+
+def test_rope_wrapper_takes_the_kernel_or_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(5)
+    cos, sin = torch.randn(6, 1, 32, generator=gen), torch.randn(6, 1, 32, generator=gen)
+    for dtype in (torch.bfloat16, torch.float16):  # the kernel, then PyTorch (float16 is not taken)
+        q, k = torch.randn(6, 4, 32, generator=gen).to(dtype), torch.randn(6, 2, 32, generator=gen).to(dtype)
+        c, s = cos.to(dtype), sin.to(dtype)
+        want_q, want_k = reference.rope(q, c, s), reference.rope(k, c, s)
+        cpu_layer_ops.rope_(q, k, c, s)
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    calls: list[str] = []
+    kernel = cpu_layer_ops.load_kernel()
+    monkeypatch.setattr(cpu_layer_ops, "load_kernel", lambda: lambda name: calls.append(name) or kernel(name))
+    cpu_layer_ops.rope_(torch.randn(6, 4, 32), torch.randn(6, 2, 32), cos, sin)
+    monkeypatch.setenv(cpu_layer_ops.ENV, "0")
+    cpu_layer_ops.rope_(torch.randn(6, 4, 32), torch.randn(6, 2, 32), cos, sin)
+    assert calls == ["rope"]
 
 
 def _caches(blocks: int, block: int, heads: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from torch import nn
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
-from chariot.kernels.cpu_layer_ops import rms_norm, silu_and_mul
+from chariot.kernels.cpu_layer_ops import rms_norm, rope_, silu_and_mul
 from chariot.worker.config import ModelConfig, RopeScaling
 from chariot.worker.model.parallel import NO_SHARD, SINGLE, Collectives, Shard
 
@@ -87,21 +87,6 @@ class RotaryTable:
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, head_dim] by the per-token angles (HF `rotate_half` layout).
-
-    Bit for bit Hugging Face's `x·cos + rotate_half(x)·sin` (negation is exact, and a + (-b) is
-    a - b), with one output and one half-size scratch tensor instead of five full-size
-    temporaries: on the CPU each fresh buffer costs page faults as well as a pass over memory."""
-    half = x.shape[-1] // 2
-    out = x * cos
-    rotated = x[..., half:] * sin[..., :half]
-    out[..., :half].sub_(rotated)
-    torch.mul(x[..., :half], sin[..., half:], out=rotated)
-    out[..., half:].add_(rotated)
-    return out
-
-
 class Attention(nn.Module):
     """GQA self-attention with fused q/k/v, RoPE, and the paged KV cache."""
 
@@ -127,8 +112,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        rope_(q, k, cos, sin)  # in place, in the projection's output
         k_cache, v_cache = kv_cache
         write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
