@@ -27,10 +27,11 @@ __all__ = ["MAX_ROWS", "bf16_rows", "build_problem", "load_kernel", "skinny_line
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 LANES = 8
 BF16_STEP = 32  # bf16 values of K per step of the AVX512-BF16 path (one cache line of a weight row)
-MAX_ROWS = 16
-"""The most rows it is ever used for: from 16 rows on, oneDNN's packed GEMM was as fast in whole
-decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); where it crosses
-below that on a given machine is measured at load time (`worker/model/cpu_linear.py`)."""
+MAX_ROWS = 32
+"""The most rows it is ever used for. In fp32 oneDNN's packed GEMM was as fast from 16 rows in whole
+decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); in bf16 on
+AVX512-BF16 the kernel won up to 24 rows and tied at 32 (`docs/img/skinny_bf16/kernel_ab.py`). Where
+it crosses on a given machine and dtype is measured at load time (`worker/model/cpu_linear.py`)."""
 
 KernelFn = Callable[..., None]
 

@@ -4,16 +4,18 @@ PyTorch's default CPU matmul goes through MKL, which on this project's AVX2 EPYC
 only 27 GFLOP/s for a 32-row decode batch; oneDNN with the weight reordered once at load time into
 its blocked layout runs the same product 2× faster (1.05–1.2× for 512-token prefill chunks).
 vLLM's CPU backend takes the same route. For 1–16 rows (a decode iteration of a few sequences,
-bound by streaming every weight from memory), neither reaches the memory bandwidth; the package's
-C++ skinny kernel (`kernels/skinny_linear.py`) does, on the weight's plain layout: one sequence's
-decode step on the `100m` preset takes 22 ms instead of 30 (docs/BENCHMARKS.md, "CPU linear layers").
+bound by streaming every weight from memory; in bf16 up to 24), neither reaches the memory
+bandwidth; the package's C++ skinny kernel (`kernels/skinny_linear.py`) does, on the weight's
+plain layout: one sequence's decode step on the `100m` preset takes 22 ms instead of 30
+(docs/BENCHMARKS.md, "CPU linear layers").
 
 Where the two routes cross depends on the machine: on an AVX2 EPYC the kernel won up to 16 rows, on
 an AVX-512 one oneDNN's kernels win from 4 rows. So when a stage keeps both layouts, `cpu_linears`
 times both routes over the stage's own layers (the first 256 MiB of their weights, so they come from
-memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8 and 16 rows
-(interleaved, median of a few passes; about a second on the `100m` preset) and routes to the kernel up to the
-largest row count below which it won every time (`calibrate_skinny_rows`).
+memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8, 12, 16, 24
+and 32 rows (interleaved, median of a few passes; about two seconds on the `100m` preset) and
+routes to the kernel up to the largest row count below which it won every time
+(`calibrate_skinny_rows`).
 `CHARIOT_CPU_SKINNY_MAX_ROWS=N` sets that limit instead of measuring it.
 
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
 SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
-ROW_CANDIDATES = (1, 2, 4, 8, skinny.MAX_ROWS)  # row counts the calibration times, ascending
+ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, skinny.MAX_ROWS)  # row counts the calibration times, ascending
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)

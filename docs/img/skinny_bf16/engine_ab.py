@@ -3,9 +3,11 @@
 Two `LLM`s on the same weights: one with `CHARIOT_CPU_SKINNY_LINEAR=0` (oneDNN for every row count),
 one with the default `auto` (the load-time calibration routes rows to the kernel where it wins).
 Each round sends the same fresh batch of 16-token prompts (64 tokens out each) to both, the order
-alternating; medians of the rounds after the first. Writes `engine_ab.json` here.
+alternating; medians of the rounds after the first. Writes `engine_ab.json` here, or with batch
+sizes given, `engine_ab_<sizes>.json`.
 
     .venv/bin/python docs/img/skinny_bf16/engine_ab.py      # run from any directory
+    .venv/bin/python docs/img/skinny_bf16/engine_ab.py 12 16 24 32   # session 12: six rows per pass
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +31,7 @@ ROUNDS = 9
 STEPS = 64
 
 
-def main() -> None:
+def main(batches: tuple[int, ...] = BATCHES) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from chariot.worker import LLM, SamplingParams
 
@@ -41,7 +44,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for batch in BATCHES:
+    for batch in batches:
         times: dict[str, list[float]] = {name: [] for name in engines}
         for r in range(ROUNDS):
             prompts = [torch.randint(3, 8000, (16,), generator=gen).tolist() for _ in range(batch)]
@@ -54,9 +57,10 @@ def main() -> None:
                      "speedup": med["onednn"] / med["skinny"], "raw_s": times})
         print(f"batch {batch}: oneDNN {med['onednn'] * 1e3:.2f} ms/step  skinny route {med['skinny'] * 1e3:.2f} "
               f"ms/step  speed-up {med['onednn'] / med['skinny']:.3f}", flush=True)
-    (HERE / "engine_ab.json").write_text(json.dumps({"machine": cpu_record(), "rounds": ROUNDS, "steps": STEPS,
+    name = "engine_ab.json" if batches == BATCHES else f"engine_ab_{'_'.join(map(str, batches))}.json"
+    (HERE / name).write_text(json.dumps({"machine": cpu_record(), "rounds": ROUNDS, "steps": STEPS,
                                                      "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(int(a) for a in sys.argv[1:]) or BATCHES)

@@ -2,11 +2,12 @@
 
 One pass = every linear layer of the `100m` preset (8 layers × qkv, o, gate_up, down: 200 MB of
 weights in bf16, 400 MB in fp32, so they stream from memory) for M rows. `time_interleaved`
-alternates the order of the three callers every rep. Writes `kernel_ab_<dtype>.json` here.
+alternates the order of the three callers every rep. Writes `kernel_ab_<dtype>[_<tag>].json` here.
 
     git show 483c0ca:kernels/csrc/skinny_linear.cpp > /tmp/base/skinny_linear.cpp   # headers beside it
     git show 483c0ca:kernels/csrc/vec8.h > /tmp/base/vec8.h
     .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16
+    .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16 six_rows  # session 12
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from chariot.kernels import skinny_linear as skinny
 HERE = Path(__file__).resolve().parent
 SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # [out, in] of one 100m layer's linears
 LAYERS = 8
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # session 11 timed 1, 2, 4, 8 and 16
 REPS = 11
 
 
-def main(other_source: Path, dtype: torch.dtype) -> None:
+def main(other_source: Path, dtype: torch.dtype, tag: str = "") -> None:
     current, other = skinny.load_kernel(), skinny.load_kernel(other_source)
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
@@ -51,9 +52,10 @@ def main(other_source: Path, dtype: torch.dtype) -> None:
             print(f"{m:2d} rows: current {a * 1e3:6.2f} ms  other {b * 1e3:6.2f} ms  oneDNN {d * 1e3:6.2f} ms  "
                   f"other/current {b / a:.3f}  oneDNN/current {d / a:.3f}", flush=True)
     name = str(dtype).removeprefix("torch.")
-    (HERE / f"kernel_ab_{name}.json").write_text(json.dumps(
+    (HERE / f"kernel_ab_{name}{'_' + tag if tag else ''}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": name, "other": str(other_source), "reps": REPS, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32)
+    main(Path(sys.argv[1]), getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32,
+         sys.argv[3] if len(sys.argv) > 3 else "")
