@@ -22,6 +22,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -36,16 +37,29 @@ GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::a
 
 
 # ---- inside one engine's process ------------------------------------------------------------------
+def load(system: str, dtype: str) -> Any:
+    """The engine under test (vLLM's `LLM` in its venv, or Chariot's): the `100m` weights, token budget
+    512, chunked prefill, no prefix caching. Also used by `docs/img/profile/trace_side_by_side.py`."""
+    if system == "vllm":
+        from vllm import LLM
+
+        return LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
+                   max_model_len=2048, enable_prefix_caching=False, seed=0)
+    from chariot.worker import LLM as ChariotLLM
+
+    return ChariotLLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
+                      prefix_caching=False, progress=False)
+
+
 def serve(system: str, dtype: str) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    llm = load(system, dtype)
     if system == "vllm":
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
-                  max_model_len=2048, enable_prefix_caching=False, seed=0)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         steps = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
 
@@ -55,10 +69,8 @@ def serve(system: str, dtype: str) -> None:
         def decode(batch: list[list[int]]) -> None:
             llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], steps, use_tqdm=False)
     else:
-        from chariot.worker import LLM, SamplingParams  # type: ignore[no-redef]
+        from chariot.worker import SamplingParams  # type: ignore[no-redef]
 
-        llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
-                  prefix_caching=False, progress=False)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         steps = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
 
@@ -90,11 +102,13 @@ def serve(system: str, dtype: str) -> None:
 
 # ---- the driver -------------------------------------------------------------------------------------
 class Engine:
-    def __init__(self, system: str, dtype: str) -> None:
+    """One engine's process: `script serve SYSTEM DTYPE` in that system's venv, talked to over stdin/stdout."""
+
+    def __init__(self, system: str, dtype: str, script: Path = Path(__file__)) -> None:
         python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        command = [str(python), str(Path(__file__).resolve()), "serve", system, dtype]
+        command = [str(python), str(script.resolve()), "serve", system, dtype]
         self.proc = subprocess.Popen(command, cwd="/tmp", env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.system = system

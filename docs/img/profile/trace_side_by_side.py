@@ -21,42 +21,35 @@ the same oneDNN kernels for the linear layers' large products (`linear_vs_vllm.p
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-MODEL = ROOT / "models" / "100m"
+sys.path.insert(0, str(HERE.parent / "prefill_vs_vllm"))
+import prefill_side_by_side as sbs  # noqa: E402  (the engines' loading, process and op grouping)
+
 ROUNDS = 3
 SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # (out, in): qkv, o, gate_up, down
 LAYERS, VOCAB, HIDDEN = 8, 8192, 1024
-GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::addmm", "aten::mm"),
-          "attention": ("paged_attention", "cpu_attention_with_kv_cache")}
 
 
 # ---- inside one engine's process ------------------------------------------------------------------
 def serve(system: str, dtype: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    llm = sbs.load(system, dtype)
     if system == "vllm":
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-
-        llm = LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
-                  max_model_len=2048, enable_prefix_caching=False, seed=0)
 
         def run(prompts: list[list[int]], outputs: list[int]) -> None:
             params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
             llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
     else:
-        from chariot.worker import LLM, SamplingParams  # type: ignore[no-redef]
-
-        llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
-                  prefix_caching=False, progress=False)
+        from chariot.worker import SamplingParams  # type: ignore[no-redef]
 
         def run(prompts: list[list[int]], outputs: list[int]) -> None:
             llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs])
@@ -78,21 +71,13 @@ def serve(system: str, dtype: str) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------
-class Engine:
-    def __init__(self, system: str, dtype: str) -> None:
-        python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-        command = [str(python), str(Path(__file__).resolve()), "serve", system, dtype]
-        self.proc = subprocess.Popen(command, cwd="/tmp", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-        self.system = system
-        for line in self.proc.stdout or ():
-            if line.strip() == "ready":
-                return
-        raise RuntimeError(f"{system} exited before it was ready")
+class Engine(sbs.Engine):
+    """`sbs.Engine` running this script's `serve`, asked for whole traces (one JSON line each way)."""
 
-    def ask(self, prompts: list[list[int]], outputs: list[int], profile: bool = False) -> dict[str, object]:
+    def __init__(self, system: str, dtype: str) -> None:
+        super().__init__(system, dtype, Path(__file__))
+
+    def run(self, prompts: list[list[int]], outputs: list[int], profile: bool = False) -> dict[str, object]:
         if self.proc.stdin is None or self.proc.stdout is None:
             raise RuntimeError(f"{self.system} has no pipes")
         self.proc.stdin.write(json.dumps({"prompts": prompts, "outputs": outputs, "profile": profile}) + "\n")
@@ -101,14 +86,6 @@ class Engine:
             if line.startswith("{"):
                 return dict(json.loads(line))
         raise RuntimeError(f"{self.system} exited")
-
-
-def grouped(rows: dict[str, float]) -> dict[str, float]:
-    out = {"linear": 0.0, "attention": 0.0, "other": 0.0}
-    for name, seconds in rows.items():
-        group = next((g for g, keys in GROUPS.items() if any(k in name for k in keys)), "other")
-        out[group] += seconds
-    return out
 
 
 def gemm_rate(dtype: str, rows: int = 512, reps: int = 20) -> float:
@@ -148,22 +125,22 @@ def drive(dtype: str) -> None:
     flops = trace_flops(lengths, outputs)
     engines = [Engine("chariot", dtype), Engine("vllm", dtype)]
     for e in engines:  # warm-up on a short trace of the same shapes
-        e.ask(fresh_prompts(lengths[:8], VOCAB, "warm"), [8] * 8)
+        e.run(fresh_prompts(lengths[:8], VOCAB, "warm"), [8] * 8)
     walls: dict[str, list[float]] = {e.system: [] for e in engines}
     rates = [gemm_rate(dtype)]
     for rnd in range(ROUNDS):
         prompts = fresh_prompts(lengths, VOCAB, f"side-by-side:{rnd}")
         for e in engines if rnd % 2 == 0 else engines[::-1]:
-            walls[e.system].append(float(e.ask(prompts, outputs)["wall_s"]))  # type: ignore[arg-type]
+            walls[e.system].append(float(e.run(prompts, outputs)["wall_s"]))  # type: ignore[arg-type]
         rates.append(gemm_rate(dtype))
         print(f"round {rnd + 1}/{ROUNDS}: {({k: round(v[-1], 1) for k, v in walls.items()})} s", file=sys.stderr,
               flush=True)
     profiles: dict[str, dict[str, object]] = {}
     prompts = fresh_prompts(lengths, VOCAB, "side-by-side:profile")
     for e in engines:
-        answer = e.ask(prompts, outputs, profile=True)
+        answer = e.run(prompts, outputs, profile=True)
         ops: dict[str, float] = answer["ops_s"]  # type: ignore[assignment]
-        groups = grouped(ops)
+        groups = sbs.grouped(ops)
         profiles[e.system] = {"wall_s": answer["wall_s"], "groups_s": groups,
                               "linear_gflop_per_s": flops["linear_gflop"] / groups["linear"],
                               "top_ops_s": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:16])}
