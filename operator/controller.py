@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chariot.operator import crd
-from chariot.operator.kube import Kube, Ref
+from chariot.operator.kube import ApiError, Kube, Ref
 from chariot.operator.reconcile import (
     Backoff,
     Condition,
@@ -25,6 +25,7 @@ from chariot.operator.reconcile import (
     Plan,
     PodState,
     conditions_to_dicts,
+    drain_release,
     group_conditions,
     invalid_conditions,
     plan_groups,
@@ -133,7 +134,11 @@ class Controller:
         groups = [g.index for g in plan.groups]
         self._apply_pruned(owner, "NetworkPolicy", network_policies(owner, groups),  # before a new group's pods
                            network_policy_selector(owner))
-        self._apply_pruned(owner, "PodDisruptionBudget", disruption_budgets(owner, spec, groups),
+        released = drain_release(plan, pods, self._cordoned({p.node for p in pods if p.node}))
+        if released is not None:
+            log.info("%s/%s: group %d has a stage on a cordoned node and every other group is Ready: its "
+                     "disruption budget lets the drain evict it", owner.namespace, owner.name, released)
+        self._apply_pruned(owner, "PodDisruptionBudget", disruption_budgets(owner, spec, groups, released),
                            disruption_budget_selector(owner))
         self._execute(owner, spec, image, hash_, plan, pods)
         for manifest in shared_objects(owner, spec, image, hash_, plan.ready_groups):
@@ -144,6 +149,22 @@ class Controller:
         converged = not plan.waiting and router_ready
         message = "; ".join(plan.waiting) or conditions[0].message
         return Outcome(converged, message, requeue_after=plan.requeue_after)
+
+    def _cordoned(self, nodes: set[str]) -> set[str]:
+        """Those of `nodes` marked unschedulable (what `kubectl drain` and `cordon` do first). Without
+        permission to read nodes (an older chart's RBAC) none is: budgets then never release."""
+        out = set()
+        for name in sorted(nodes):
+            try:
+                node = self.kube.get(Ref("Node", "", name))
+            except ApiError as exc:
+                if exc.status != 403:
+                    raise
+                log.warning("cannot read node %s (%s): drains wait for the group budgets", name, exc)
+                return set()
+            if node is not None and (node.get("spec") or {}).get("unschedulable"):
+                out.add(name)
+        return out
 
     def _with_defaults(self, spec: Spec) -> Spec:
         """Operator-wide defaults (chart values) for what the spec leaves open."""

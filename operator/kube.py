@@ -33,6 +33,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Node": ("/api/v1", "nodes"),  # cluster-scoped: a Ref with namespace ""
     crd.KIND: (f"/apis/{crd.API_VERSION}", crd.PLURAL),
 }
 MERGE_PATCH = "application/merge-patch+json"
@@ -58,7 +59,7 @@ class Ref:
 
     def path(self, subresource: str | None = None) -> str:
         prefix, plural = KINDS[self.kind]
-        out = f"{prefix}/namespaces/{quote(self.namespace)}/{plural}"
+        out = f"{prefix}/namespaces/{quote(self.namespace)}/{plural}" if self.namespace else f"{prefix}/{plural}"
         if self.name:
             out += f"/{quote(self.name)}"
         return out + (f"/{subresource}" if subresource else "")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,6 +62,8 @@ class PodState:
     terminating: bool
     failure: str = ""
     """The worker container's termination message (its last log lines when it exited with an error)."""
+    node: str = ""
+    """The node it was scheduled to (`spec.nodeName`; empty until then)."""
 
     @property
     def failed(self) -> bool:
@@ -80,7 +82,8 @@ class PodState:
         return cls(name=meta.get("name", ""), group=group, stage=stage,
                    config_hash=(meta.get("annotations") or {}).get(ANNOTATION_CONFIG_HASH, ""),
                    phase=status.get("phase") or "Pending", ready=ready,
-                   terminating=bool(meta.get("deletionTimestamp")), failure=_termination_message(status))
+                   terminating=bool(meta.get("deletionTimestamp")), failure=_termination_message(status),
+                   node=(pod.get("spec") or {}).get("nodeName") or "")
 
 
 def _termination_message(status: Manifest) -> str:
@@ -158,6 +161,21 @@ class Plan:
         self.waiting.append(reason)
         if after is not None:
             self.requeue_after = after if self.requeue_after is None else min(self.requeue_after, after)
+
+
+def drain_release(plan: Plan, pods: Iterable[PodState], cordoned: Collection[str]) -> int | None:
+    """The one group whose disruption budget is released so a node drain can go on, or None.
+
+    `kubectl drain` cordons a node, then evicts its pods; a Ready group's budget (all P stage pods)
+    refuses every eviction. So while a Ready group has a stage pod on a cordoned node, and every
+    other group is Ready too (at least two groups: the drain may cost one group's worth of capacity,
+    never more), the lowest-index such group is released. Its eviction takes it down; it
+    gang-restarts elsewhere, and until it is Ready again no other group is released."""
+    groups = plan.groups
+    if len(groups) < 2 or any(g.phase != "Ready" for g in groups):
+        return None
+    on_cordoned = {p.group for p in pods if p.node in cordoned and not p.terminating}
+    return min(on_cordoned & {g.index for g in groups}, default=None)
 
 
 def format_time(t: float) -> str:

@@ -477,13 +477,16 @@ def _budget(owner: Owner, name: str, pods: dict[str, str], min_available: int, *
                      "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
 
 
-def disruption_budgets(owner: Owner, spec: Spec, groups: Iterable[int]) -> list[Manifest]:
+def disruption_budgets(owner: Owner, spec: Spec, groups: Iterable[int], released: int | None = None) -> list[Manifest]:
     """PodDisruptionBudgets: per group, all P stage pods must stay (evicting any one stage takes the
     whole group down, so allowing one pod would allow a whole replica; an integer `minAvailable` is
-    what Kubernetes supports for pods of a custom controller); for the routers, all but one once there
-    are two or more (with one router a budget would either block every drain or protect nothing)."""
+    what Kubernetes supports for pods of a custom controller), except the `released` group, whose
+    budget allows every eviction while a node of it drains (`reconcile.drain_release`); for the
+    routers, all but one once there are two or more (with one router a budget would either block
+    every drain or protect nothing)."""
     out = [_budget(owner, f"{owner.name}-g{g}", {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "worker",
-                                                  LABEL_GROUP: str(g)}, spec.pipeline, **{LABEL_GROUP: str(g)})
+                                                  LABEL_GROUP: str(g)}, 0 if g == released else spec.pipeline,
+                   **{LABEL_GROUP: str(g)})
            for g in sorted(groups)]
     if spec.router.replicas >= 2:
         out.append(_budget(owner, router_name(owner), {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"},

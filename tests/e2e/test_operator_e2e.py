@@ -205,6 +205,50 @@ def _serving_groups(name: str, ready_pods: dict[str, bool]) -> set[int]:
     return {g for g, states in groups.items() if len(states) == 2 and all(states)}
 
 
+def budgets_are(cluster: Cluster, name: str, want: dict[str, int]) -> bool:
+    return disruption_budgets(cluster, name) == want
+
+
+def test_a_node_drain_releases_one_ready_group_at_a_time(cluster: Cluster) -> None:
+    """`kubectl cordon` (what `kubectl drain` does before it evicts) of a node that runs a Ready group's
+    stage releases that group's budget while every other group is Ready, one group at a time; the
+    released group restarts elsewhere, then the next one goes; uncordon restores the budgets. The
+    emulator has no scheduler, so the test binds pods to nodes itself (as the scheduler's binding
+    would set `spec.nodeName`)."""
+    cluster.apply(example("drain", replicas=2))
+    cluster.wait_ready("drain")
+    for node in ("node-a", "node-b"):
+        cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+    for pod_name in pods(cluster, "drain"):
+        node = "node-a" if "-g0-" in pod_name else "node-b"
+        cluster.kubectl("patch", "pod", pod_name, "-n", cluster.namespace, "--type=merge",
+                        "-p", json.dumps({"spec": {"nodeName": node}}))
+    assert budgets_are(cluster, "drain", {"drain-g0": 2, "drain-g1": 2})  # nothing cordoned
+    cluster.kubectl("cordon", "node-a", "node-b")  # both groups' nodes: still only one group goes
+    cluster.wait_for("group 0 released", lambda: budgets_are(cluster, "drain", {"drain-g0": 0, "drain-g1": 2}))
+    time.sleep(2)  # two resyncs later, still one group
+    assert budgets_are(cluster, "drain", {"drain-g0": 0, "drain-g1": 2})
+    cluster.kubectl("delete", "pod", "drain-g0-s0", "-n", cluster.namespace)  # the drain evicts it
+    cluster.wait_for("group 0 back, unbound, and group 1 released",
+                     lambda: budgets_are(cluster, "drain", {"drain-g0": 2, "drain-g1": 0}), timeout=60)
+    assert cluster.wait_ready("drain")["status"]["readyReplicas"] == 2
+    cluster.kubectl("uncordon", "node-b")
+    cluster.wait_for("budgets restored", lambda: budgets_are(cluster, "drain", {"drain-g0": 2, "drain-g1": 2}))
+
+
+def test_a_single_group_is_never_released_by_a_drain(cluster: Cluster) -> None:
+    """With one group a drain would take the whole deployment down: its budget stays (docs: scale up first)."""
+    cluster.apply(example("lone", replicas=1))
+    cluster.wait_ready("lone")
+    cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-c"}})
+    for pod_name in pods(cluster, "lone"):
+        cluster.kubectl("patch", "pod", pod_name, "-n", cluster.namespace, "--type=merge",
+                        "-p", json.dumps({"spec": {"nodeName": "node-c"}}))
+    cluster.kubectl("cordon", "node-c")
+    time.sleep(2.5)  # resyncs every second
+    assert budgets_are(cluster, "lone", {"lone-g0": 2})
+
+
 def test_pod_templates_reach_the_stage_pods_and_the_router(cluster: Cluster) -> None:
     template = {"spec": {"nodeSelector": {"pool": "h100"}, "runtimeClassName": "nvidia",
                          "imagePullSecrets": [{"name": "registry"}],

@@ -162,6 +162,17 @@ def test_rbac_is_least_privilege(values: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("values", VALUES)
+def test_cluster_wide_rules_are_read_only(values: dict[str, Any]) -> None:
+    """Discovery (CRDs, namespaces) and the nodes of its stage pods (drains), nothing else, nothing written."""
+    (role,) = [r for r in by_kind(release_objects(render(values)), "ClusterRole")
+               if r["metadata"]["name"].endswith("-discovery")]
+    granted = {(group, resource): set(rule["verbs"])
+               for rule in role["rules"] for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert granted == {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+                       ("", "namespaces"): {"get", "list", "watch"}, ("", "nodes"): {"get"}}
+
+
+@pytest.mark.parametrize("values", VALUES)
 def test_operator_pod_is_hardened(values: dict[str, Any]) -> None:
     (deployment,) = by_kind(render(values), "Deployment")
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"

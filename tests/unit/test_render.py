@@ -22,7 +22,15 @@ from chariot.operator.cli import add_operator_parser
 from chariot.operator.controller import Controller, Outcome, Settings
 from chariot.operator.handlers import raise_for
 from chariot.operator.kube import ApiError, Kube, Ref, matches
-from chariot.operator.reconcile import Backoff, GroupStatus, PodState, group_conditions, plan_groups
+from chariot.operator.reconcile import (
+    Backoff,
+    GroupStatus,
+    Plan,
+    PodState,
+    drain_release,
+    group_conditions,
+    plan_groups,
+)
 from chariot.operator.render import Owner
 from chariot.operator.spec import PRESET_SHAPES, InvalidSpec, Spec, parse_spec
 
@@ -342,6 +350,31 @@ BACKOFF = Backoff(base_s=5, max_s=40, reset_after_s=100)
 def pod_states(spec: Spec, groups: Iterable[int], h: str = "h", ready: bool = True,
                phase: str = "Running") -> list[PodState]:
     return [PodState(f"llama-g{g}-s{s}", g, s, h, phase, ready, False) for g in groups for s in range(spec.pipeline)]
+
+
+def on_nodes(pods: list[PodState], nodes: dict[int, str]) -> list[PodState]:
+    return [PodState(p.name, p.group, p.stage, p.config_hash, p.phase, p.ready, p.terminating, node=nodes[p.group])
+            for p in pods]
+
+
+def test_a_drain_releases_the_lowest_ready_group_on_a_cordoned_node_while_the_others_are_ready() -> None:
+    spec = spec_of(2, 3)
+    pods = on_nodes(pod_states(spec, range(3)), {0: "a", 1: "b", 2: "b"})
+    ready = Plan(statuses={g: GroupStatus(g, "Ready") for g in range(3)})
+    assert drain_release(ready, pods, set()) is None  # nothing cordoned
+    assert drain_release(ready, pods, {"b"}) == 1 and drain_release(ready, pods, {"a", "b"}) == 0
+    one_down = Plan(statuses={0: GroupStatus(0, "Restarting"), 1: GroupStatus(1, "Ready"), 2: GroupStatus(2, "Ready")})
+    assert drain_release(one_down, pods, {"b"}) is None  # another group is down: the drain waits
+    lone = Plan(statuses={0: GroupStatus(0, "Ready")})
+    assert drain_release(lone, pods[:2], {"a"}) is None  # one group: releasing it is an outage
+    leaving = [p if p.group != 1 else PodState(p.name, 1, p.stage, "h", "Running", True, True, node="b") for p in pods]
+    assert drain_release(ready, leaving, {"b"}) == 2  # group 1's pods are already going
+
+
+def test_a_released_group_budget_allows_every_eviction() -> None:
+    budgets = {b["metadata"]["name"]: b["spec"]["minAvailable"]
+               for b in render.disruption_budgets(OWNER, spec_of(3, 2), [0, 1], released=1)}
+    assert budgets == {"llama-g0": 3, "llama-g1": 0}
 
 
 def test_plan_creates_missing_groups_and_reports_them_pending() -> None:
