@@ -4,7 +4,7 @@ Each test applies its own ModelDeployment (a renamed copy of examples/modeldeplo
 watches the operator drive it through the API alone — what DESIGN.md §6 promises: objects owned by
 the deployment, Ready status, gang restarts, scaling by group, rollouts (with and without a surge group), pod
 templates merged onto the stage and router pods, invalid specs reported by field with nothing applied,
-cleanup through the finalizer.
+cleanup through the finalizer, node drains released one group at a time.
 """
 
 from __future__ import annotations
