@@ -9,6 +9,7 @@ handed. Nothing here is kopf-specific: `handlers.py` maps the `Outcome` to kopf'
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -134,7 +135,7 @@ class Controller:
         groups = [g.index for g in plan.groups]
         self._apply_pruned(owner, "NetworkPolicy", network_policies(owner, groups),  # before a new group's pods
                            network_policy_selector(owner))
-        released = drain_release(plan, pods, self._cordoned({p.node for p in pods if p.node}))
+        released = drain_release(plan, pods, functools.cache(self._cordoned))  # each node read once a pass
         if released is not None:
             log.info("%s/%s: group %d has a stage on a cordoned node and every other group is Ready: its "
                      "disruption budget lets the drain evict it", owner.namespace, owner.name, released)
@@ -150,21 +151,17 @@ class Controller:
         message = "; ".join(plan.waiting) or conditions[0].message
         return Outcome(converged, message, requeue_after=plan.requeue_after)
 
-    def _cordoned(self, nodes: set[str]) -> set[str]:
-        """Those of `nodes` marked unschedulable (what `kubectl drain` and `cordon` do first). Without
-        permission to read nodes (an older chart's RBAC) none is: budgets then never release."""
-        out = set()
-        for name in sorted(nodes):
-            try:
-                node = self.kube.get(Ref("Node", "", name))
-            except ApiError as exc:
-                if exc.status != 403:
-                    raise
-                log.warning("cannot read node %s (%s): drains wait for the group budgets", name, exc)
-                return set()
-            if node is not None and (node.get("spec") or {}).get("unschedulable"):
-                out.add(name)
-        return out
+    def _cordoned(self, name: str) -> bool:
+        """Whether the node is marked unschedulable (what `kubectl drain` and `cordon` do first). Without
+        permission to read nodes (an older chart's RBAC) it counts as not: budgets then never release."""
+        try:
+            node = self.kube.get(Ref("Node", "", name))
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            log.warning("cannot read node %s (%s): drains wait for the group budgets", name, exc)
+            return False
+        return bool(node is not None and (node.get("spec") or {}).get("unschedulable"))
 
     def _with_defaults(self, spec: Spec) -> Spec:
         """Operator-wide defaults (chart values) for what the spec leaves open."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import itertools
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -163,19 +163,26 @@ class Plan:
             self.requeue_after = after if self.requeue_after is None else min(self.requeue_after, after)
 
 
-def drain_release(plan: Plan, pods: Iterable[PodState], cordoned: Collection[str]) -> int | None:
+def drain_release(plan: Plan, pods: Iterable[PodState], cordoned: Callable[[str], bool]) -> int | None:
     """The one group whose disruption budget is released so a node drain can go on, or None.
 
     `kubectl drain` cordons a node, then evicts its pods; a Ready group's budget (all P stage pods)
     refuses every eviction. So while a Ready group has a stage pod on a cordoned node, and every
     other group is Ready too (at least two groups: the drain may cost one group's worth of capacity,
     never more), the lowest-index such group is released. Its eviction takes it down; it
-    gang-restarts elsewhere, and until it is Ready again no other group is released."""
+    gang-restarts elsewhere, and until it is Ready again no other group is released. `cordoned(node)`
+    is asked only once the groups allow a release, lowest group first, until one answers True."""
     groups = plan.groups
     if len(groups) < 2 or any(g.phase != "Ready" for g in groups):
         return None
-    on_cordoned = {p.group for p in pods if p.node in cordoned and not p.terminating}
-    return min(on_cordoned & {g.index for g in groups}, default=None)
+    nodes: dict[int, set[str]] = defaultdict(set)
+    for p in pods:
+        if p.node and not p.terminating:
+            nodes[p.group].add(p.node)
+    for g in sorted(g.index for g in groups):
+        if any(cordoned(node) for node in sorted(nodes[g])):
+            return g
+    return None
 
 
 def format_time(t: float) -> str:
