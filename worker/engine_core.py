@@ -433,20 +433,23 @@ class EngineCoreClient:
     def _on_step(self, message: StepMessage) -> None:
         if message.stats is not None:
             self._snapshot = message.stats
-        outputs = [out for out in (self._output(d) for d in message.deltas) if out is not None]
+        with self._state_lock:
+            streams = [self._streams.get(delta.request_id) for delta in message.deltas]
+        deliveries = [(stream, self._output(stream, delta))
+                      for stream, delta in zip(streams, message.deltas, strict=True) if stream is not None]
+        _deliver_threadsafe(deliveries)
         if self._observer is not None and message.step is not None:
             try:
-                self._observer(message.step, outputs)
+                self._observer(message.step, [out for _, out in deliveries])
             except Exception:
                 log.exception("step observer failed")
         for request_id, exc in message.failures:
             self._put(request_id, exc)
 
-    def _output(self, delta: Delta) -> RequestOutput | None:
-        with self._state_lock:
-            stream = self._streams.get(delta.request_id)
-        if stream is None:
-            return None
+    @staticmethod
+    def _output(stream: _Stream, delta: Delta) -> RequestOutput:
+        """The request's `RequestOutput` for `delta`, with the front's copies of its prompt and times
+        brought up to date."""
         if delta.prompt_token_ids is not None:
             stream.prompt_token_ids = delta.prompt_token_ids
         t, new = stream.times, delta.times
@@ -455,11 +458,9 @@ class EngineCoreClient:
         else:
             t.first_scheduled, t.first_token, t.finished = new.first_scheduled, new.first_token, new.finished
             t.token_times.extend(new.token_times)
-        out = RequestOutput(delta.request_id, stream.prompt_token_ids, delta.new_token_ids, delta.new_text,
-                            delta.num_output_tokens, delta.finish_reason is not None, delta.finish_reason, t,
-                            delta.num_preemptions, delta.error, delta.new_logprobs)
-        _put_threadsafe(stream, out)
-        return out
+        return RequestOutput(delta.request_id, stream.prompt_token_ids, delta.new_token_ids, delta.new_text,
+                             delta.num_output_tokens, delta.finish_reason is not None, delta.finish_reason, t,
+                             delta.num_preemptions, delta.error, delta.new_logprobs)
 
     def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._state_lock:
@@ -490,3 +491,19 @@ class EngineCoreClient:
 def _put_threadsafe(stream: _Stream, item: RequestOutput | BaseException) -> None:
     with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _deliver_threadsafe(deliveries: Sequence[tuple[_Stream, RequestOutput]]) -> None:
+    """Put each output on its stream's queue with one wake-up of each event loop, not one per
+    output: a step's tokens for every request reach the server's loop in one hand-over."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    for stream, out in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the consumers' loop is closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: Sequence[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)

@@ -18,6 +18,7 @@ from chariot.contracts.errors import ConfigError, PipelineError
 from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner
+from chariot.worker.host_memory import keep_freed_memory
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.model.loader import load_stage
 from chariot.worker.model.parallel import SINGLE, Shard
@@ -74,7 +75,8 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
                         peer_check: PeerCheck | None = None) -> StageRuntime:
     """Size the KV cache, join the pipeline group (if `topology`), agree on the block count, load
     this rank's layers, allocate its cache and run a warm-up forward pass (`warmup.py`: a broken
-    backend fails here, before the stage reports ready, not in the first request).
+    backend fails here, before the stage reports ready, not in the first request). On the CPU,
+    malloc is first told to keep freed activation memory (`host_memory.py`).
 
     The attention backend is selected first, so that a kernel compiled on first use (the C++ CPU
     kernel, ~25 s) is built before the stages meet, not inside the first micro-batch where a peer
@@ -83,6 +85,8 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
     resolved = _rank_device(resolved, place)
     rank, engine = place.stage, resolved.engine
     log.info("stage %d attention backend: %s", rank, active_backend().name)
+    if resolved.device.type == "cpu" and (why := keep_freed_memory()) is not None:
+        log.info("malloc left as it is: %s", why)
     if topology is not None:
         pin_stage_cpus(topology.rank)
     first, last = resolved.layer_ranges[rank]
