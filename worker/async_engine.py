@@ -336,8 +336,8 @@ class AsyncEngine:
         """An unexpected exception escaped the engine: its state is unknown, so it is dead."""
         log.exception("engine loop crashed")
         reason = f"engine loop crashed: {exc!r}"
+        self._die(reason)  # first: whoever sees a stream end with the error finds the engine already failed
         self._fail_all(EngineDeadError(reason))
-        self._die(reason)
 
     def _drain(self, timeout: float) -> bool:
         """Run queued commands, waiting up to `timeout` s for the first; True if any ran."""

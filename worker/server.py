@@ -125,7 +125,7 @@ async def _run(
     log.info("engine ready; serving")
     if on_ready is not None:
         on_ready()
-    if not await _first_or_stop(engine.wait_failed(), stop):
+    if not await _first_or_stop(engine.wait_failed(), stop) and engine.failed is None:
         log.info("shutting down")
         return EXIT_OK
     log.error("engine failed (%s); exiting", engine.failed)

@@ -47,7 +47,7 @@ def faults_per_run(mode: str) -> dict[str, object]:
 def test_kept_memory_serves_the_next_iteration_without_page_faults() -> None:
     kept, default = faults_per_run("keep"), faults_per_run("default")
     assert kept["why"] is None
-    # 10 iterations of ~88 MiB: with the initial thresholds every one is mapped and faulted in afresh
+    # 10 iterations of ~86 MiB: with the initial thresholds every one is mapped and faulted in afresh
     assert int(default["faults"]) > 10 * 20_000  # type: ignore[call-overload]
     assert int(kept["faults"]) < 1_000  # type: ignore[call-overload]
 
