@@ -489,14 +489,13 @@ class EngineCoreClient:
 
 
 def _put_threadsafe(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    with contextlib.suppress(RuntimeError):  # the consumer's loop is closed: nobody is listening
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    _deliver_threadsafe([(stream, item)])
 
 
-def _deliver_threadsafe(deliveries: Sequence[tuple[_Stream, RequestOutput]]) -> None:
-    """Put each output on its stream's queue with one wake-up of each event loop, not one per
-    output: a step's tokens for every request reach the server's loop in one hand-over."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+def _deliver_threadsafe(deliveries: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    """Put each item on its stream's queue with one wake-up of each event loop, not one per item:
+    a step's tokens for every request reach the server's loop in one hand-over."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
     for stream, out in deliveries:
         by_loop.setdefault(stream.loop, []).append((stream, out))
     for loop, items in by_loop.items():
@@ -504,6 +503,6 @@ def _deliver_threadsafe(deliveries: Sequence[tuple[_Stream, RequestOutput]]) -> 
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: Sequence[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(items: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
