@@ -31,6 +31,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <limits>
@@ -62,6 +63,19 @@ struct PrefetchQueue {
 };
 
 using chariot_vmath::exp2_of;
+
+// Calls f(i, block, slot) for keys p0 + i, i < n, of a sequence with block table `table`: the
+// (block, slot) pair advances by one per key, so a tile costs one division, not one per key (the
+// per-key divisions were a quarter of a decode's time; kernels.md).
+template <typename F>
+inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t p0, int64_t n, F&& f) {
+  int64_t index = p0 / block_size, slot = p0 % block_size;
+  for (int64_t i = 0; i < n; ++i) {
+    f(i, static_cast<int64_t>(table[index]), slot);
+    if (++slot == block_size) slot = 0, ++index;
+  }
+}
+
 
 inline vf exp2v(vf x) { return exp2_of<vf, vi>(x); }
 
@@ -232,10 +246,7 @@ inline int64_t padded_rows(int64_t rows, int64_t quantum = kLanes) { return (row
 // Points krow/vrow at the cache rows of keys [p0, p0 + n): in place for fp32, else converted to fp32.
 template <typename q_t, typename kv_t>
 void locate_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
-  const int32_t* table = P.tables + w.seq * P.table_stride;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = p0 + i;
-    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+  for_each_slot(P.tables + w.seq * P.table_stride, P.block_size, p0, n, [&](int64_t i, int64_t block, int64_t slot) {
     const kv_t* key = P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h;
     const kv_t* val = P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h;
     if constexpr (std::is_same_v<kv_t, float>) {
@@ -246,7 +257,7 @@ void locate_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t
       for (int64_t d = 0; d < P.dim; ++d) kd[d] = static_cast<float>(key[d]), vd[d] = static_cast<float>(val[d]);
       s.krow[i] = kd, s.vrow[i] = vd;
     }
-  }
+  });
 }
 
 // Queues the cache lines of keys [p0, p0 + n) (K and V), to be requested while the current tile
@@ -254,16 +265,13 @@ void locate_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t
 // keeps in flight cap decode attention at a fraction of the memory bandwidth.
 template <typename q_t, typename kv_t>
 PrefetchQueue queue_rows(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
-  const int32_t* table = P.tables + w.seq * P.table_stride;
   const int64_t bytes = P.dim * static_cast<int64_t>(sizeof(kv_t));
   s.lines.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = p0 + i;
-    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+  for_each_slot(P.tables + w.seq * P.table_stride, P.block_size, p0, n, [&](int64_t, int64_t block, int64_t slot) {
     const char* key = reinterpret_cast<const char*>(P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h);
     const char* val = reinterpret_cast<const char*>(P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h);
     for (int64_t b = 0; b < bytes; b += 64) s.lines.push_back(key + b), s.lines.push_back(val + b);
-  }
+  });
   return {s.lines.data(), s.lines.data() + s.lines.size()};
 }
 
@@ -481,26 +489,39 @@ void pack_probabilities(const float* pt, int64_t n, int64_t rows, uint32_t* pp) 
   }
 }
 
+// out[d] = (a[d], b[d]) for 32 dims: two words of one row each into 32-bit pairs, in two permutes
+// (the compiler's widening of the scalar loop took a fifth of a decode's time; kernels.md).
+inline void interleave_32(const uint16_t* a, const uint16_t* b, uint32_t* out) {
+  alignas(64) static constexpr int16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i va = _mm512_loadu_si512(a), vb = _mm512_loadu_si512(b);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi16(va, _mm512_load_si512(kLow), vb));
+  _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi16(va, _mm512_load_si512(kHigh), vb));
+}
+
 // Vp[j][d] = (V[p0 + 2j][d], V[p0 + 2j + 1][d]) of keys [p0, p0 + n) (0 past n), and Kp[i] = key
 // p0 + i's cache row, read in place.
 template <typename q_t, typename kv_t>
 void locate_pairs(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
   static_assert(sizeof(kv_t) == 2);
-  const int32_t* table = P.tables + w.seq * P.table_stride;
-  auto row = [&](const kv_t* base, int64_t bs, int64_t ss, int64_t hs, int64_t pos) {
-    return base + table[pos / P.block_size] * bs + pos % P.block_size * ss + w.kv_head * hs;
-  };
-  for (int64_t i = 0; i < n; ++i)
-    s.kpair[i] = reinterpret_cast<const uint32_t*>(row(P.k, P.k_stride_b, P.k_stride_s, P.k_stride_h, p0 + i));
+  const uint16_t* vrow[kKeyTile];
+  for_each_slot(P.tables + w.seq * P.table_stride, P.block_size, p0, n, [&](int64_t i, int64_t block, int64_t slot) {
+    s.kpair[i] = reinterpret_cast<const uint32_t*>(P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h);
+    vrow[i] = reinterpret_cast<const uint16_t*>(P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h);
+  });
   for (int64_t j = 0; 2 * j < n; ++j) {
-    const auto* a = reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, p0 + 2 * j));
+    const uint16_t* a = vrow[2 * j];
     uint32_t* out = s.vpairs.data() + j * P.dim;
     if (2 * j + 1 == n) {  // an odd count: the last key pairs with a zero key
       for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d];
       continue;
     }
-    const auto* b = reinterpret_cast<const uint16_t*>(row(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, p0 + 2 * j + 1));
-    for (int64_t d = 0; d < P.dim; ++d) out[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+    const uint16_t* b = vrow[2 * j + 1];
+    int64_t d = 0;
+    for (; d + 32 <= P.dim; d += 32) interleave_32(a + d, b + d, out + d);
+    for (; d < P.dim; ++d) out[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
   }
 }
 
@@ -763,13 +784,10 @@ void group_pv_all(const float* const* vrow, int64_t keys, const float* p, const 
 // Raw addresses of the K and V rows of keys [p0, p0 + n), for prefetching.
 template <typename q_t, typename kv_t>
 void row_addresses(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, Scratch& s) {
-  const int32_t* table = P.tables + w.seq * P.table_stride;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t pos = p0 + i;
-    const int64_t block = table[pos / P.block_size], slot = pos % P.block_size;
+  for_each_slot(P.tables + w.seq * P.table_stride, P.block_size, p0, n, [&](int64_t i, int64_t block, int64_t slot) {
     s.next_k[i] = reinterpret_cast<const char*>(P.k + block * P.k_stride_b + slot * P.k_stride_s + w.kv_head * P.k_stride_h);
     s.next_v[i] = reinterpret_cast<const char*>(P.v + block * P.v_stride_b + slot * P.v_stride_s + w.kv_head * P.v_stride_h);
-  }
+  });
 }
 
 #ifdef CHARIOT_BF16_DOT
@@ -798,7 +816,25 @@ inline void group_scores_bf16(const uint32_t* const* krow, const c10::BFloat16* 
 // 0 past n.
 template <int G>
 inline void pack_group_probabilities(const float* p, int64_t n, uint32_t* pp) {
-  for (int64_t j = 0; 2 * j < n; ++j)
+  // 16 pairs (2·16/G keys) per step: both vectors rounded to bf16 in one instruction, then one
+  // permute puts each head's even and odd key side by side.
+  static constexpr auto kOrder = [] {
+    std::array<int16_t, 32> order{};
+    for (int k = 0; k < 16; ++k) {
+      order[2 * k] = static_cast<int16_t>(2 * G * (k / G) + k % G);
+      order[2 * k + 1] = static_cast<int16_t>(2 * G * (k / G) + k % G + G);
+    }
+    return order;
+  }();
+  const __m512i order = _mm512_loadu_si512(kOrder.data());
+  constexpr int64_t kKeys = 32 / G;  // keys per step
+  int64_t j = 0;
+  for (; (j + kKeys / 2) * 2 <= n; j += kKeys / 2) {
+    const float* src = p + 2 * j * G;
+    const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+    _mm512_storeu_si512(pp + j * G, _mm512_permutexvar_epi16(order, words));
+  }
+  for (; 2 * j < n; ++j)
     for (int h = 0; h < G; ++h) {
       const uint32_t lo = c10::BFloat16(p[2 * j * G + h]).x;
       const uint32_t hi = 2 * j + 1 < n ? c10::BFloat16(p[(2 * j + 1) * G + h]).x : 0u;

@@ -165,6 +165,23 @@ def test_bf16_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: i
     torch.testing.assert_close(ours.float(), exact, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("case", ["decodes-across-tiles", "odd-key-tiles", "long-chunk-many-tiles", "mixed"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 1), (16, 1), (16, 4)])
+@pytest.mark.parametrize("block", [5, 24])
+def test_bf16_blocks_that_do_not_divide_a_key_tile(case: str, heads: int, kv_heads: int, block: int,
+                                                   kernel: Callable[..., None]) -> None:
+    """Block sizes that do not divide the 64-key tile, so tiles start and end inside blocks (the
+    kernel walks (block, slot) from each tile's first key), with GQA groups of 8, 16 and 4 on the
+    one-token group path (whole pairs of keys rounded to bf16 sixteen at a time, an odd key last)."""
+    q_lens, ctx = BF16_CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, 64, block, torch.bfloat16, seed=heads + block)
+    ours = paged_attention(query, k, v, meta, 0.125, kernel=kernel)
+    assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
+    exact = sdpa_oracle(query, k, v, meta, 0.125)
+    rounding = (exact.bfloat16().float() - exact).abs().max()
+    assert (ours.float() - exact).abs().max() <= 3 * rounding
+
+
 def test_bf16_dot_tiles_where_the_cpu_has_them() -> None:
     """The native build takes the bf16 dot-product path exactly when this CPU has AVX512-BF16 (so
     the test above covers it on such a machine); the 256-bit build, as an AVX2 machine gets, never."""
