@@ -65,8 +65,8 @@ struct PrefetchQueue {
 using chariot_vmath::exp2_of;
 
 // Calls f(i, block, slot) for keys p0 + i, i < n, of a sequence with block table `table`: the
-// (block, slot) pair advances by one per key, so a tile costs one division, not one per key (the
-// per-key divisions were a quarter of a decode's time; kernels.md).
+// (block, slot) pair advances by one per key, so a tile costs one division, not one per key (under
+// perf, finding rows and interleaving V took about a quarter of a bf16 decode's time; kernels.md).
 template <typename F>
 inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t p0, int64_t n, F&& f) {
   int64_t index = p0 / block_size, slot = p0 % block_size;
@@ -75,7 +75,6 @@ inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t p0, 
     if (++slot == block_size) slot = 0, ++index;
   }
 }
-
 
 inline vf exp2v(vf x) { return exp2_of<vf, vi>(x); }
 
@@ -490,7 +489,7 @@ void pack_probabilities(const float* pt, int64_t n, int64_t rows, uint32_t* pp) 
 }
 
 // out[d] = (a[d], b[d]) for 32 dims: two words of one row each into 32-bit pairs, in two permutes
-// (the compiler's widening of the scalar loop took a fifth of a decode's time; kernels.md).
+// instead of the scalar loop the compiler widened element by element (kernels.md).
 inline void interleave_32(const uint16_t* a, const uint16_t* b, uint32_t* out) {
   alignas(64) static constexpr int16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
