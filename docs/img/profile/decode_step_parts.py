@@ -6,12 +6,13 @@ first 20 it reports the median of:
 - the engine step's parts (`IterationTimes`: schedule, prepare, execute, postprocess);
 - inside execute: building the device batch (`ModelRunner.decode`), the stage's forward, the final
   norm + LM head (`compute_logits`) and the sampler;
-- then the stage's forward alone, repeated on the last step's inputs: as it is, with the linear
+- then the stage's forward alone, repeated on the inputs of the last decode step that held all N
+  sequences (session 14 repeated the very last step, which held fewer): as it is, with the linear
   layers replaced by a lookup of preallocated outputs, and with attention replaced too. What is left
   in the last is the Python around the ops plus the small ops (norms, RoPE, KV writes, SiLU·mul):
   the most a compiled layer could save.
 
-    .venv/bin/python docs/img/profile/decode_step_parts.py [N ...]   # ~1 min per N; prints a table
+    .venv/bin/python docs/img/profile/decode_step_parts.py [float32|bfloat16] [N ...]   # ~1 min per N
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[3]
 SKIP = 20
 
 
-def load() -> Any:
+def load(dtype: str) -> Any:
     from chariot.worker import LLM
 
-    return LLM(str(ROOT / "models" / "100m"), dtype="bfloat16", token_budget=512, max_model_len=2048,
+    return LLM(str(ROOT / "models" / "100m"), dtype=dtype, token_budget=512, max_model_len=2048,
                kv_cache_tokens=65536, prefix_caching=False, progress=False)
 
 
@@ -58,7 +59,8 @@ def step_parts(llm: Any, seqs: int) -> tuple[dict[str, float], tuple[Any, tuple[
     forward = runner.forward
 
     def grab(inp: Any, hidden_states: Any = None) -> Any:
-        last["inp"] = inp
+        if inp.input_ids.shape[0] == seqs:  # a decode step of all N sequences, not the last (fewer may be left)
+            last["inp"] = inp
         return forward(inp, hidden_states)
 
     runner.forward = grab
@@ -107,6 +109,7 @@ def forward_without(call: tuple[Any, tuple[Any, ...], dict[str, Any]], reps: int
         return torch.empty_like(q)
 
     linear, attention = cpu_linear.CpuLinear.forward, llama.paged_attention
+    print(f"  (the repeated forward's batch: {kwargs['input_ids'].shape[0]} token(s))")
     out = {"forward, repeated": median_ms()}
     try:
         cpu_linear.CpuLinear.forward = no_linear
@@ -118,13 +121,13 @@ def forward_without(call: tuple[Any, tuple[Any, ...], dict[str, Any]], reps: int
     return out
 
 
-def main(counts: list[int]) -> None:
+def main(dtype: str, counts: list[int]) -> None:
     from chariot.bench.linear_bench import cpu_record
 
     record = cpu_record()
     print({k: v for k, v in record.items() if k != "all_flags"})
     for seqs in counts:
-        llm = load()
+        llm = load(dtype)
         parts, call = step_parts(llm, seqs)
         parts.update(forward_without(call))
         print(f"\n{seqs} sequence(s), median ms per decode step:")
@@ -135,4 +138,6 @@ def main(counts: list[int]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    main([int(a) for a in sys.argv[1:]] or [1, 16])
+    args = sys.argv[1:]
+    dtype = args.pop(0) if args and not args[0].isdigit() else "bfloat16"
+    main(dtype, [int(a) for a in args] or [1, 16])
