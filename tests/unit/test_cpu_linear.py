@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 from chariot.worker.model.cpu_linear import (
     PACKED_LINEAR_ENV,
@@ -91,6 +92,37 @@ def test_bf16_skinny_kernel_refuses_mixed_dtypes_and_odd_sizes() -> None:
     assert not skinny.supports(w[:, :48])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 32, 64, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (5, 12), (16, 64), (130, 264), (1024, 2816)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_matches_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+    """Every pass remainder (passes of six rows), panels of 16 outputs with a partial last one, any K."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    b = torch.randn(out_features, generator=gen) if bias else None
+    packed = panel.pack(w, b)
+    assert packed.panels.shape == (-(-out_features // 16), in_features, 16)
+    torch.testing.assert_close(panel.panel_linear(x, packed), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
+
+
+def test_panel_kernel_takes_strided_rows_and_no_rows() -> None:
+    w = torch.randn(40, 32)
+    x = torch.randn(7, 64)[:, ::2]  # not contiguous
+    torch.testing.assert_close(panel.panel_linear(x, panel.pack(w)), F.linear(x, w), atol=2e-5, rtol=1e-5)
+    assert panel.panel_linear(torch.empty(0, 32), panel.pack(w)).shape == (0, 40)
+
+
+def test_panel_kernel_refuses_what_it_cannot_do() -> None:
+    with pytest.raises(ValueError, match="float32 \\[N, K\\] weight"):
+        panel.pack(torch.randn(8, 16).bfloat16())
+    packed = panel.pack(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="x must be float32 \\[M, 16\\]"):
+        panel.panel_linear(torch.randn(3, 12), packed)
+    with pytest.raises(ValueError, match="x must be float32"):
+        panel.panel_linear(torch.randn(3, 16).double(), packed)
+
+
 def test_skinny_kernel_takes_strided_rows_and_no_rows() -> None:
     x = torch.randn(4, 64)[:, ::2]  # not contiguous: the wrapper copies it
     w = torch.randn(16, 32)
@@ -145,13 +177,31 @@ def test_a_cpu_linear_keeps_some_weight() -> None:
         CpuLinear(nn.Linear(8, 8), packed=False, plain=False)
 
 
-def test_input_sizes_the_kernel_cannot_take_use_f_linear() -> None:
-    linear = nn.Linear(12, 8).eval()  # 12 inputs: not a multiple of 8
+def test_a_layer_neither_kernel_takes_uses_f_linear() -> None:
+    linear = nn.Linear(12, 8).double().eval()  # float64: neither the panel nor the skinny kernel
     fast = CpuLinear(linear, packed=False, plain=True)
-    assert not fast.skinny
-    x = torch.randn(3, 12)
+    assert not fast.skinny and fast.panels is None
+    x = torch.randn(3, 12, dtype=torch.float64)
     with torch.inference_mode():
         torch.testing.assert_close(fast(x), linear(x))
+
+
+def test_float32_input_sizes_the_skinny_kernel_cannot_take_go_to_the_panel_kernel() -> None:
+    linear = nn.Linear(12, 8).eval()  # 12 inputs: not a multiple of 8, which the panel kernel does not need
+    fast = CpuLinear(linear, packed=False, plain=True)
+    assert fast.skinny and fast.panels is not None
+    x = torch.randn(3, 12)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), linear(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_float32_panels_take_the_place_of_the_plain_weight(packed: bool) -> None:
+    """Beside oneDNN's packed weight the panels replace the plain copy (no third copy); without it the
+    plain weight stays for the rows above the limit."""
+    fast = CpuLinear(nn.Linear(64, 48).eval(), packed=packed, plain=True)
+    assert fast.panels is not None and (fast.weight is None) == packed
+    assert "panels<=" in repr(fast)
 
 
 def test_cpu_linears_swaps_nested_layers_and_keeps_the_rest() -> None:
@@ -255,9 +305,10 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
         want = model(x)
     assert cpu_linears(model, torch.device("cpu"), torch.float32) == 1
     layer = model[0]
-    assert layer.skinny_max_rows == 3 and "skinny<=3 rows" in repr(layer)
+    assert layer.skinny_max_rows == 3 and "panels<=3 rows" in repr(layer)  # float32: the panel kernel
     used: list[int] = []
-    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b=None: (used.append(x.shape[0]), F.linear(x, w, b))[1])
+    real = panel.panel_linear
+    monkeypatch.setattr(panel, "panel_linear", lambda x, w: (used.append(x.shape[0]), real(x, w))[1])
     with torch.inference_mode():
         torch.testing.assert_close(layer(x[:3]), want[:3], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
@@ -269,7 +320,7 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
         cpu_linears(measured, torch.device("cpu"), torch.float32)
     limit = measured[0].skinny_max_rows
     assert limit in (0, *ROW_CANDIDATES)
-    line = next(r.getMessage() for r in caplog.records if "skinny kernel for up to" in r.getMessage())
+    line = next(r.getMessage() for r in caplog.records if "panel kernel for up to" in r.getMessage())
     assert f"up to {limit} rows" in line and all(f"{m} rows " in line for m in ROW_CANDIDATES)
 
 

@@ -40,12 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 
 log = logging.getLogger(__name__)
 PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
 SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
+PANEL_LINEAR_ENV = "CHARIOT_CPU_PANEL_LINEAR"
 ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, skinny.MAX_ROWS)  # row counts the calibration times, ascending
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
@@ -67,16 +69,20 @@ class CpuLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
-        self.weight = weight.contiguous() if plain else None
-        self.skinny = plain and skinny.supports(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        # float32 takes the panel kernel for few rows, in place of the plain copy (kept only when
+        # nothing else can serve the rows above the limit)
+        panels = plain and os.environ.get(PANEL_LINEAR_ENV, "1") != "0" and panel.supports(weight)
+        self.panels = panel.pack(weight, self.bias) if panels else None
+        self.weight = weight.contiguous() if plain and (self.panels is None or not packed) else None
+        self.skinny = plain and (self.panels is not None or skinny.supports(weight))
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
         self.dtype = weight.dtype
         self.skinny_max_rows = skinny.MAX_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, weight = x.reshape(-1, self.in_features), self.weight
-        if weight is not None and self.skinny and flat.shape[0] <= self.skinny_max_rows:
+        if self.skinny and flat.shape[0] <= self.skinny_max_rows:
             out = self.plain(flat)
         elif self.packed_weight is not None:
             out = self.packed(flat)
@@ -91,14 +97,18 @@ class CpuLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
-        """The skinny-kernel route for [rows, in_features] (the plain weight must be kept)."""
+        """The few-rows route for [rows, in_features]: the panel kernel where the panels are kept
+        (float32), else the skinny kernel on the plain weight."""
+        if self.panels is not None:
+            return panel.panel_linear(flat, self.panels)
         if self.weight is None:
             raise RuntimeError("the skinny route needs the plain weight, which this layer does not keep")
         return skinny.skinny_linear(flat, self.weight, self.bias)
 
     def extra_repr(self) -> str:
+        few = "panels" if self.panels is not None else "skinny"
         kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
-                                      (f"skinny<={self.skinny_max_rows} rows", self.skinny)) if on]
+                                      (f"{few}<={self.skinny_max_rows} rows", self.skinny)) if on]
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
 
 
@@ -252,9 +262,10 @@ def route_rows(layers: Sequence[CpuLinear]) -> None:
     if limit is None and both:
         calibration = calibrate_skinny_rows(calibration_layers(both))
         limit = calibration.max_rows
-        log.info("linear layers: skinny kernel for up to %d rows, oneDNN above (measured per pass over the first "
+        kernel = "panel" if both[0].panels is not None else "skinny"
+        log.info("linear layers: %s kernel for up to %d rows, oneDNN above (measured per pass over the first "
                  "%d MiB of the stage's layers, kernel vs oneDNN: %s)",
-                 limit, CALIBRATION_BYTES >> 20, calibration.describe())
+                 kernel, limit, CALIBRATION_BYTES >> 20, calibration.describe())
     for m in both:
         m.skinny_max_rows = skinny.MAX_ROWS if limit is None else limit
 
