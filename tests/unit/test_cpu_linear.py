@@ -3,6 +3,7 @@ oneDNN-packed weights for the rest, each alone and together; and when each is re
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 from chariot.worker.model.cpu_linear import (
     PACKED_LINEAR_ENV,
+    PANEL_LINEAR_ENV,
     ROW_CANDIDATES,
     SKINNY_LINEAR_ENV,
     SKINNY_ROWS_ENV,
@@ -324,8 +326,26 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
     assert f"up to {limit} rows" in line and all(f"{m} rows " in line for m in ROW_CANDIDATES)
 
 
-@pytest.mark.parametrize("value", ["-1", "33", "many"])
+def test_a_configured_limit_is_capped_by_each_layers_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The panel kernel takes up to 64 rows, the skinny kernel (here: panels turned off) up to 32."""
+    monkeypatch.setenv(SKINNY_ROWS_ENV, "48")
+    base = nn.Linear(16, 8).eval()
+    x = torch.randn(40, 16)
+    with torch.inference_mode():
+        want = base(x)
+    panels, plain = nn.Sequential(copy.deepcopy(base)), nn.Sequential(copy.deepcopy(base))
+    cpu_linears(panels, torch.device("cpu"), torch.float32)
+    monkeypatch.setenv(PANEL_LINEAR_ENV, "0")
+    cpu_linears(plain, torch.device("cpu"), torch.float32)
+    assert panels[0].panels is not None and panels[0].skinny_max_rows == 48
+    assert plain[0].panels is None and plain[0].weight is not None and plain[0].skinny_max_rows == skinny.MAX_ROWS
+    with torch.inference_mode():
+        for layer in (panels[0], plain[0]):
+            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value", ["-1", "65", "many"])
 def test_a_bad_row_limit_names_the_variable_and_range(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(SKINNY_ROWS_ENV, value)
-    with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be an integer in \[0, 32\]"):
+    with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be an integer in \[0, 64\]"):
         configured_skinny_rows()

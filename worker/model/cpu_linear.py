@@ -15,8 +15,14 @@ times both routes over the stage's own layers (the first 256 MiB of their weight
 memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8, 12, 16, 24
 and 32 rows (interleaved, median of a few passes; about two seconds on the `100m` preset) and
 routes to the kernel up to the largest row count below which it won every time
-(`calibrate_skinny_rows`).
+(`calibrate_skinny_rows`); the panel kernel of float32 layers is also timed at 48 and 64 rows.
 `CHARIOT_CPU_SKINNY_MAX_ROWS=N` sets that limit instead of measuring it.
+
+For float32 the few-rows route is the panel kernel (`kernels/panel_linear.py`: the weight packed
+once into panels of 16 outputs, up to six rows broadcast against them), which ran 12-64 rows
+1.27-1.60x as fast as the skinny kernel on an AVX2 EPYC and 1-2 rows within 3 % of it; its panels
+take the place of the plain copy (`CHARIOT_CPU_PANEL_LINEAR=0` keeps the skinny kernel instead).
+bf16 keeps the skinny kernel.
 
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
 `CpuLinear` that routes each call by its number of rows. Keeping both layouts costs a second copy
@@ -48,7 +54,8 @@ PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
 SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
 PANEL_LINEAR_ENV = "CHARIOT_CPU_PANEL_LINEAR"
-ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, skinny.MAX_ROWS)  # row counts the calibration times, ascending
+ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts the calibration may time, ascending
+FEW_ROWS_LIMIT = max(skinny.MAX_ROWS, panel.MAX_ROWS)  # the most rows a configured limit may name
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,9 +65,10 @@ SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept bes
 class CpuLinear(nn.Module):
     """`y = x Wᵀ + b` for inputs of any number of rows, with W kept plain, packed for oneDNN, or both.
 
-    Up to `skinny_max_rows` rows (at most `skinny.MAX_ROWS`; set by `cpu_linears`) go to the skinny
-    kernel when the plain weight is kept; more rows go to oneDNN when the packed weight is kept, else
-    to `F.linear`. At least one of the two is kept."""
+    Up to `skinny_max_rows` rows (at most `few_rows_cap`; set by `cpu_linears`) go to the few-rows
+    route when it is kept (float32: the panel kernel; else the skinny kernel on the plain weight);
+    more rows go to oneDNN when the packed weight is kept, else to `F.linear`. At least one of the two
+    is kept."""
 
     def __init__(self, linear: nn.Linear, packed: bool, plain: bool) -> None:
         super().__init__()
@@ -78,7 +86,8 @@ class CpuLinear(nn.Module):
         self.skinny = plain and (self.panels is not None or skinny.supports(weight))
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
         self.dtype = weight.dtype
-        self.skinny_max_rows = skinny.MAX_ROWS
+        self.few_rows_cap = panel.MAX_ROWS if self.panels is not None else skinny.MAX_ROWS
+        self.skinny_max_rows = self.few_rows_cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat, weight = x.reshape(-1, self.in_features), self.weight
@@ -233,12 +242,12 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
 
 
 def configured_skinny_rows() -> int | None:
-    """`CHARIOT_CPU_SKINNY_MAX_ROWS` as an int in [0, MAX_ROWS], or None when unset (measure it)."""
+    """`CHARIOT_CPU_SKINNY_MAX_ROWS` as an int in [0, FEW_ROWS_LIMIT], or None when unset (measure it)."""
     text = os.environ.get(SKINNY_ROWS_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) > skinny.MAX_ROWS:
-        raise ValueError(f"{SKINNY_ROWS_ENV} must be an integer in [0, {skinny.MAX_ROWS}], got {text!r}")
+    if not text.isdigit() or int(text) > FEW_ROWS_LIMIT:
+        raise ValueError(f"{SKINNY_ROWS_ENV} must be an integer in [0, {FEW_ROWS_LIMIT}], got {text!r}")
     return int(text)
 
 
@@ -255,19 +264,21 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
 
 
 def route_rows(layers: Sequence[CpuLinear]) -> None:
-    """Set how many rows the skinny kernel takes: from the environment, else measured on `layers`
-    when they keep both weights (with only the plain one, the kernel takes up to MAX_ROWS)."""
+    """Set how many rows the few-rows route takes: from the environment, else measured on `layers`
+    when they keep both weights (with only the few-rows route, it takes up to its cap); never more
+    than a layer's `few_rows_cap` (64 for the panel kernel, 32 for the skinny one)."""
     both = [m for m in layers if m.skinny and m.packed_weight is not None]
     limit = configured_skinny_rows()
     if limit is None and both:
-        calibration = calibrate_skinny_rows(calibration_layers(both))
+        cap = min(m.few_rows_cap for m in both)
+        calibration = calibrate_skinny_rows(calibration_layers(both), [r for r in ROW_CANDIDATES if r <= cap])
         limit = calibration.max_rows
         kernel = "panel" if both[0].panels is not None else "skinny"
         log.info("linear layers: %s kernel for up to %d rows, oneDNN above (measured per pass over the first "
                  "%d MiB of the stage's layers, kernel vs oneDNN: %s)",
                  kernel, limit, CALIBRATION_BYTES >> 20, calibration.describe())
     for m in both:
-        m.skinny_max_rows = skinny.MAX_ROWS if limit is None else limit
+        m.skinny_max_rows = m.few_rows_cap if limit is None else min(limit, m.few_rows_cap)
 
 
 def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
