@@ -1,6 +1,7 @@
-"""Whole decode iterations with the skinny linear kernel on and off, interleaved in one engine.
+"""Whole decode iterations with the few-rows linear kernel on and off, interleaved in one engine.
 
-`CpuLinear` keeps both the plain and the oneDNN-packed weight, so one loaded engine can route its
+`CpuLinear` keeps the oneDNN-packed weight beside the few-rows one (float32: the panel kernel's
+panels, since session 15; bf16: the skinny kernel's plain weight), so one loaded engine can route its
 decode rows either way: steps alternate between the two routes (flipping `CpuLinear.skinny`) over
 the same running sequences, so machine drift hits both alike. This is where
 `kernels.skinny_linear.MAX_ROWS` came from (docs/BENCHMARKS.md, "CPU linear layers"); the engine
@@ -27,13 +28,16 @@ from chariot.worker.model.cpu_linear import CpuLinear
 
 
 def route_skinny(engine: Engine, on: bool) -> None:
+    """Send every row count up to the layers' cap to the few-rows route (float32: the panel kernel,
+    else the skinny kernel on the plain weight), or none of them (oneDNN)."""
     runner = engine.executor.runner  # type: ignore[attr-defined]  # single-process engines only
     layers = [m for m in runner.stage.modules() if isinstance(m, CpuLinear)]
-    if not layers or not all(m.weight is not None and m.packed_weight is not None for m in layers):
-        raise SystemExit("the engine's linear layers do not keep both weights (packing or the skinny kernel is off)")
+    few_rows = [m.panels is not None or (m.weight is not None and skinny.supports(m.weight)) for m in layers]
+    if not layers or not all(few and m.packed_weight is not None for few, m in zip(few_rows, layers, strict=True)):
+        raise SystemExit("the engine's linear layers do not keep both routes (packing or the few-rows kernel is off)")
     for m in layers:
-        m.skinny = on and m.weight is not None and skinny.supports(m.weight)
-        m.skinny_max_rows = skinny.MAX_ROWS
+        m.skinny = on
+        m.skinny_max_rows = m.few_rows_cap
 
 
 def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:
@@ -56,7 +60,7 @@ def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--batches", default="1,2,4,8,12,16,24,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--batches", default="1,2,4,8,12,16,24,32,48,64", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12, help="steps per route and batch")
     parser.add_argument("--out", default="bench/results/decode_linear.json")
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in tqdm([int(x) for x in args.batches.split(",")], desc="decode batches", file=sys.stderr):
         row = measure(args.model, b, args.context, args.steps)
         rows.append(row)
-        tqdm.write(f"decode {b:3d} (ctx {args.context}): skinny {row['skinny_ms']:7.1f} ms, "
+        tqdm.write(f"decode {b:3d} (ctx {args.context}): few-rows kernel {row['skinny_ms']:7.1f} ms, "
                    f"packed {row['packed_ms']:7.1f} ms, {row['speedup']:4.2f}x", file=sys.stderr)
     save_record(args.out, {"machine": cpu_record(), "model": args.model, "rows": rows})
     return 0
