@@ -12,7 +12,7 @@
 # Non-root (uid 10001, matching the pods' securityContext). The final image keeps a C/C++ compiler
 # (gcc, g++) because two things compile on first use, at worker start-up (the warm-up forward pass
 # runs both before the worker reports ready, so a missing piece fails the pod, not a request): the
-# CPU kernels (kernels/cpu_build.py, C++: paged attention, skinny linear) and Triton's CUDA launcher stub (C, against
+# CPU kernels (kernels/cpu_build.py, C++: paged attention, panel and skinny linear, layer ops) and Triton's CUDA launcher stub (C, against
 # the Python headers that the python image ships in /usr/local/include).
 ARG PYTHON_VERSION=3.11
 

@@ -28,7 +28,7 @@ run: $(STAMP) $(MODEL)/config.json
 	$(BIN)/chariot up --model $(MODEL)
 
 # Real servers the tests run against (Debian packages): Prometheus and Redis; g++ builds the CPU
-# kernels on first use (kernels/cpu_build.py: paged attention, skinny linear).
+# kernels on first use (kernels/cpu_build.py: paged attention, panel and skinny linear, layer ops).
 SYSTEM_BINS := prometheus redis-server g++
 system-deps:
 	@missing=""; for b in $(SYSTEM_BINS); do command -v $$b >/dev/null || missing="$$missing $$b"; done; \
