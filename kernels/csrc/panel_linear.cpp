@@ -7,9 +7,10 @@
 // W is packed once into panels of 16 outputs, [N/16][K][16], so one step of k loads two vectors of
 // W (16 outputs) and multiplies them by up to six rows of x, each broadcast from memory: 12 FMAs
 // into 12 accumulators per two loads of W and six broadcasts, and no reduction across lanes. Each
-// thread takes a contiguous range of panels, so W is one sequential stream per thread; the first
-// pass over a panel reads it from memory (and requests the panel two ahead into L2), the other
-// passes read it from L2.
+// thread takes a contiguous range of panels, so W is one sequential stream per thread; the panel
+// two ahead is requested into L2 a line at a time, spread over all the passes of the current one,
+// so the passes compute from L2 while memory streams. Input rows are packed per call into groups
+// of six, [K][6], so a pass's broadcasts read adjacent values.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -30,7 +31,7 @@ using namespace chariot_vec8;
 
 constexpr int64_t kPanel = 16;  // outputs per panel: two 8-lane vectors
 constexpr int kRowsPerPass = 6;  // 12 accumulators + 2 W vectors + 1 broadcast: 15 of AVX2's 16 registers
-constexpr int64_t kAhead = 2;    // panels ahead that the first pass requests into L2
+constexpr int64_t kAhead = 2;    // how many panels ahead the passes request into L2
 
 // The next panel's cache lines, requested into L2 one per `every` steps of k over all the passes of
 // the panel before it, so the memory stays busy while the passes compute from cache.
