@@ -6,14 +6,18 @@ decode rows either way: steps alternate between the two routes (flipping `CpuLin
 the same running sequences, so machine drift hits both alike. This is where
 `kernels.skinny_linear.MAX_ROWS` came from (docs/BENCHMARKS.md, "CPU linear layers"); the engine
 measures the crossover below it when a stage loads (`cpu_linear.calibrate_skinny_rows`), and this
-benchmark overrides that to time the kernel at every batch size.
+benchmark overrides that to time the kernel at every batch size. `--prefill-chunks N` times N
+prefill steps of one token budget each (float32: the panel kernel's blocked order against oneDNN)
+the same way, alternating step by step over long prompts.
 
     python -m chariot.bench.decode_linear_bench --model models/100m --out docs/img/decode_linear_100m.json
+    python -m chariot.bench.decode_linear_bench --model models/100m --batches 0 --prefill-chunks 16
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -24,7 +28,7 @@ from chariot.bench.engine_bench import NEVER_STOP, Target, make_engine, prefill_
 from chariot.bench.linear_bench import cpu_record, save_record
 from chariot.kernels import skinny_linear as skinny
 from chariot.worker.engine import Engine
-from chariot.worker.model.cpu_linear import CpuLinear
+from chariot.worker.model.cpu_linear import SKINNY_ROWS_ENV, CpuLinear
 
 
 def route_skinny(engine: Engine, on: bool) -> None:
@@ -57,16 +61,42 @@ def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> 
             "speedup": packed_ms / skinny_ms}
 
 
+def measure_prefill(model: str, budget: int, chunks: int, seed: int = 0) -> dict[str, object]:
+    """Prefill steps of `budget` tokens each (chunks of prompts four budgets long), routes alternating."""
+    engine = make_engine(Target(model, "cpu", "float32"), "sarathi", budget, 4 * budget + 4096)
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    for _ in range(-(-2 * chunks // 4) + 1):
+        engine.add_request([rng.randrange(vocab) for _ in range(4 * budget)], NEVER_STOP)
+    engine.step()  # oneDNN builds its primitive for the shape
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(chunks):
+        for on in (True, False):
+            route_skinny(engine, on)
+            times[on].append(engine.step().times.total * 1e3)
+    kernel_ms, packed_ms = statistics.median(times[True]), statistics.median(times[False])
+    return {"prefill_tokens": budget, "steps": chunks, "skinny_ms": kernel_ms, "packed_ms": packed_ms,
+            "speedup": packed_ms / kernel_ms}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--batches", default="1,2,4,8,12,16,24,32,48,64", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12, help="steps per route and batch")
+    parser.add_argument("--prefill-chunks", type=int, default=0, help="also time this many prefill steps per route")
+    parser.add_argument("--budget", type=int, default=512, help="tokens per prefill step")
     parser.add_argument("--out", default="bench/results/decode_linear.json")
     args = parser.parse_args(argv)
+    os.environ[SKINNY_ROWS_ENV] = "0"  # both layouts stay loaded; `route_skinny` picks one per step
     rows = []
-    for b in tqdm([int(x) for x in args.batches.split(",")], desc="decode batches", file=sys.stderr):
+    if args.prefill_chunks:
+        row = measure_prefill(args.model, args.budget, args.prefill_chunks)
+        rows.append(row)
+        tqdm.write(f"prefill {args.budget} tokens: few-rows kernel {row['skinny_ms']:7.1f} ms, "
+                   f"packed {row['packed_ms']:7.1f} ms, {row['speedup']:4.2f}x", file=sys.stderr)
+    for b in tqdm([int(x) for x in args.batches.split(",") if int(x)], desc="decode batches", file=sys.stderr):
         row = measure(args.model, b, args.context, args.steps)
         rows.append(row)
         tqdm.write(f"decode {b:3d} (ctx {args.context}): few-rows kernel {row['skinny_ms']:7.1f} ms, "

@@ -1,13 +1,17 @@
-"""`y = x Wᵀ + b` in float32 for up to a few dozen rows on the CPU (`csrc/panel_linear.cpp`), on a
-weight packed once into panels of 16 outputs.
+"""`y = x Wᵀ + b` in float32 on the CPU (`csrc/panel_linear.cpp`), on a weight packed once into
+panels of 16 outputs, for any number of rows.
 
 Decode steps of 8-32 sequences are where the linear layers were furthest from the machine on an
 AVX2 EPYC: the skinny kernel (`skinny_linear.py`, which reduces along K inside the vector
 registers) ran them at about half the FMA rate and oneDNN slower still (docs/BENCHMARKS.md, session
 15). This kernel puts 16 outputs in the lanes of two vectors and broadcasts up to six rows of x
-against them, so there is no reduction across lanes; W streams once per thread, its next panels
-requested into L2 while the passes compute. From 1 to 8 rows it streams the weights as fast as the
-skinny kernel, so for float32 it replaces it: the panels take the place of the plain copy.
+against them, so there is no reduction across lanes. Up to `STREAM_ROWS` rows W streams once per
+thread, its next panels requested into L2 while the passes compute; from 1 to 8 rows that is as
+fast as the skinny kernel, so for float32 it replaces it: the panels take the place of the plain
+copy. More rows (prefill chunks) take the classic blocked order, 256 steps of a panel held in L1
+against blocks of 96 rows held in L2; on an AVX2 EPYC whole 512-token prefill steps of the `100m`
+preset ran 1.08-1.11x as fast as on oneDNN (docs/kernels.md, session 16), so where a stage measures
+that at load, its layers drop oneDNN's copy (`worker/model/cpu_linear.py`).
 
 Built on first use and cached like the other CPU kernels (`cpu_build.py`). `worker/model/cpu_linear.py`
 decides when a layer calls it.
@@ -25,14 +29,12 @@ import torch
 from chariot.kernels import cpu_build
 from chariot.kernels.cpu_build import load_ops
 
-__all__ = ["MAX_ROWS", "PANEL", "PanelWeight", "build_problem", "pack", "panel_linear", "supports"]
+__all__ = ["PANEL", "STREAM_ROWS", "PanelWeight", "build_problem", "pack", "panel_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
 PANEL = 16  # outputs per panel
-MAX_ROWS = 64
-"""The most rows it is ever used for. On an AVX2 EPYC it beat oneDNN's packed GEMM at every row count
-measured up to 64, by 1.31x at 64 (docs/kernels.md, "Float32 rows on panels"); where it crosses on a
-given machine is measured at load time (`worker/model/cpu_linear.py`)."""
+STREAM_ROWS = 64
+"""Up to this many rows W streams once per call (`kStreamRows` in the C++); more take the blocked order."""
 
 KernelFn = Callable[..., None]
 
@@ -89,7 +91,7 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PanelWeight:
 
 
 def panel_linear(x: torch.Tensor, weight: PanelWeight) -> torch.Tensor:
-    """`x Wᵀ + b` for x [M, K] float32 (any M; meant for decode rows) with W packed by `pack`."""
+    """`x Wᵀ + b` for x [M, K] float32 (any M) with W packed by `pack`."""
     if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
         raise ValueError(f"x must be float32 [M, {weight.in_features}], got {x.dtype} {tuple(x.shape)}")
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)

@@ -1,4 +1,4 @@
-// y = x Wᵀ (+ b) in float32 for a few dozen rows of x on the CPU, on a weight packed into panels.
+// y = x Wᵀ (+ b) in float32 on the CPU, on a weight packed into panels, for any number of rows.
 //
 // Decode steps of 8-32 sequences multiply that many rows by every weight. The skinny kernel
 // (skinny_linear.cpp) reduces along K inside 8-lane registers and reads each block of W once per
@@ -9,8 +9,14 @@
 // into 12 accumulators per two loads of W and six broadcasts, and no reduction across lanes. Each
 // thread takes a contiguous range of panels, so W is one sequential stream per thread; the panel
 // two ahead is requested into L2 a line at a time, spread over all the passes of the current one,
-// so the passes compute from L2 while memory streams. Input rows are packed per call into groups
-// of six, [K][6], so a pass's broadcasts read adjacent values.
+// so the passes compute from L2 while memory streams (`streamed`). Input rows are packed per call
+// into groups of six, [K][6], so a pass's broadcasts read adjacent values.
+//
+// Prefill chunks (hundreds of rows) are bound by the FMAs instead, and take the classic blocked
+// order (`blocked`): 256 steps of one panel (16 KiB, held in L1) against every group of a block of
+// 96 rows (held in L2), the partial sums added up in y, whose lines are requested at the start of
+// each tile so they arrive while the FMAs run (two interleaved runs at 512 rows on an AVX2 EPYC:
+// 1.10x and 1.10x oneDNN's rate with the requests, 1.01x and 1.08x without; docs/kernels.md).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -32,6 +38,9 @@ using namespace chariot_vec8;
 constexpr int64_t kPanel = 16;  // outputs per panel: two 8-lane vectors
 constexpr int kRowsPerPass = 6;  // 12 accumulators + 2 W vectors + 1 broadcast: 15 of AVX2's 16 registers
 constexpr int64_t kAhead = 2;    // how many panels ahead the passes request into L2
+constexpr int64_t kStreamRows = 64;  // up to this many rows `streamed`, more `blocked`
+constexpr int64_t kDepth = 256;  // steps of k per block in `blocked`: a panel's block is 16 KiB, held in L1
+constexpr int64_t kGroupsPerBlock = 16;  // row groups per block in `blocked`: 96 rows x 256 x 4 B = 96 KiB, in L2
 
 // The next panel's cache lines, requested into L2 one per `every` steps of k over all the passes of
 // the panel before it, so the memory stays busy while the passes compute from cache.
@@ -41,72 +50,110 @@ struct Ahead {
   int64_t every = 1;
 };
 
-// Rows [0, MR) of x, packed [K][kRowsPerPass], against one panel:
-// y[m][0..cols) = Σ_k x[k][m] · panel[k][·] (+ bias).
-template <int MR>
-inline void pass(const float* xpack, const float* panel, int64_t K, const float* bias, float* y, int64_t ldy,
-                 int64_t cols, Ahead& ahead) {
+// Rows [0, MR) of one group of x (packed [K][6], from step k0) times depth steps of one panel (from
+// the same step), into y[m][0..cols): the product (+ bias) on the first block of depth, added to y on
+// the later ones. With kStream, the next panels are requested into L2 along the way (`Ahead`).
+template <int MR, bool kStream>
+inline void tile(const float* a, const float* b, int64_t depth, const float* bias, bool first, float* y,
+                 int64_t ldy, int64_t cols, Ahead* ahead) {
   vf lo[MR], hi[MR];
   for (int m = 0; m < MR; ++m) lo[m] = hi[m] = vf{};
-  const char* next = ahead.next;
-  int64_t countdown = ahead.every;
-  for (int64_t k = 0; k < K; ++k) {
-    if (--countdown == 0) {
-      countdown = ahead.every;
-      if (next < ahead.end) prefetch_l2_from_register(next);
+  for (int m = 0; m < MR; ++m) prefetch_from_register(y + m * ldy);  // y's lines arrive while the FMAs run
+  const char* next = kStream ? ahead->next : nullptr;
+  int64_t countdown = kStream ? ahead->every : 0;
+  for (int64_t k = 0; k < depth; ++k) {
+    if (kStream && --countdown == 0) {
+      countdown = ahead->every;
+      if (next < ahead->end) prefetch_l2_from_register(next);
       next += 64;
     }
-    const vf b0 = load(panel + k * kPanel), b1 = load(panel + k * kPanel + 8);
-    const float* a = xpack + k * kRowsPerPass;
+    const vf b0 = load(b + k * kPanel), b1 = load(b + k * kPanel + 8);
+    const float* ak = a + k * kRowsPerPass;
     for (int m = 0; m < MR; ++m) {
-      const vf am = splat(a[m]);
+      const vf am = splat(ak[m]);
       lo[m] += am * b0;
       hi[m] += am * b1;
     }
   }
-  ahead.next = next;
-  const vf bias_lo = bias ? load(bias) : vf{}, bias_hi = bias ? load(bias + 8) : vf{};
+  if (kStream) ahead->next = next;
+  const vf bias_lo = first && bias ? load(bias) : vf{}, bias_hi = first && bias ? load(bias + 8) : vf{};
   for (int m = 0; m < MR; ++m) {
     float* row = y + m * ldy;
     if (cols == kPanel) {
-      store(row, lo[m] + bias_lo);
-      store(row + 8, hi[m] + bias_hi);
+      store(row, lo[m] + (first ? bias_lo : load(row)));
+      store(row + 8, hi[m] + (first ? bias_hi : load(row + 8)));
     } else {  // the last panel of an N that is not a multiple of 16
-      float tmp[kPanel];
-      store(tmp, lo[m] + bias_lo);
-      store(tmp + 8, hi[m] + bias_hi);
-      std::copy(tmp, tmp + cols, row);
+      float part[kPanel];
+      store(part, lo[m] + bias_lo);
+      store(part + 8, hi[m] + bias_hi);
+      for (int64_t j = 0; j < cols; ++j) row[j] = first ? part[j] : row[j] + part[j];
     }
   }
 }
 
-// Every row of x (packed by `pack_rows`) against one panel, in passes of six rows and then the rest.
-inline void all_rows(const float* xpack, int64_t M, int64_t K, const float* panel, const float* bias, float* y,
-                     int64_t N, int64_t cols, Ahead& ahead) {
-  int64_t m = 0;
-  for (; m + kRowsPerPass <= M; m += kRowsPerPass)
-    pass<kRowsPerPass>(xpack + m * K, panel, K, bias, y + m * N, N, cols, ahead);
-  const float* rest = xpack + m * K;
-  float* out = y + m * N;
-  switch (M - m) {
-    case 5: return pass<5>(rest, panel, K, bias, out, N, cols, ahead);
-    case 4: return pass<4>(rest, panel, K, bias, out, N, cols, ahead);
-    case 3: return pass<3>(rest, panel, K, bias, out, N, cols, ahead);
-    case 2: return pass<2>(rest, panel, K, bias, out, N, cols, ahead);
-    case 1: return pass<1>(rest, panel, K, bias, out, N, cols, ahead);
+// One group of `rows` (1-6) rows: `tile` for that many accumulators.
+template <bool kStream>
+inline void group(int64_t rows, const float* a, const float* b, int64_t depth, const float* bias, bool first,
+                  float* y, int64_t ldy, int64_t cols, Ahead* ahead) {
+  switch (rows) {
+    case 6: return tile<6, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
+    case 5: return tile<5, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
+    case 4: return tile<4, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
+    case 3: return tile<3, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
+    case 2: return tile<2, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
+    case 1: return tile<1, kStream>(a, b, depth, bias, first, y, ldy, cols, ahead);
     default: return;
+  }
+}
+
+inline int64_t rows_of(int64_t g, int64_t M) { return std::min<int64_t>(kRowsPerPass, M - g * kRowsPerPass); }
+
+// Up to kStreamRows rows (decode steps), bound by reading W: panel by panel, each panel's whole
+// depth meets every group of rows, so W streams once per call with the next panels requested ahead.
+void streamed(const float* xpack, int64_t M, int64_t K, const float* wp, const float* bias, float* y, int64_t N,
+              int64_t begin, int64_t end) {
+  const int64_t groups = (M + kRowsPerPass - 1) / kRowsPerPass, panel_floats = K * kPanel;
+  Ahead ahead{reinterpret_cast<const char*>(wp + std::min(begin + kAhead, end) * panel_floats),
+              reinterpret_cast<const char*>(wp + end * panel_floats), std::max<int64_t>(1, groups)};
+  for (int64_t p = begin; p < end; ++p)
+    for (int64_t g = 0; g < groups; ++g)
+      group<true>(rows_of(g, M), xpack + g * kRowsPerPass * K, wp + p * panel_floats, K,
+                  bias ? bias + p * kPanel : nullptr, true, y + g * kRowsPerPass * N + p * kPanel, N,
+                  std::min(kPanel, N - p * kPanel), &ahead);
+}
+
+// More rows (prefill chunks), bound by the FMAs: the classic blocked order. Over blocks of depth,
+// then blocks of row groups (held in L2), each panel's depth block (held in L1) meets every group
+// of the row block.
+void blocked(const float* xpack, int64_t M, int64_t K, const float* wp, const float* bias, float* y, int64_t N,
+             int64_t begin, int64_t end) {
+  const int64_t groups = (M + kRowsPerPass - 1) / kRowsPerPass;
+  const int64_t blocks = (K + kDepth - 1) / kDepth, depth_step = (K + blocks - 1) / blocks;
+  for (int64_t k0 = 0; k0 < K; k0 += depth_step) {
+    const int64_t depth = std::min(depth_step, K - k0);
+    for (int64_t g0 = 0; g0 < groups; g0 += kGroupsPerBlock) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* b = wp + (p * K + k0) * kPanel;
+        for (int64_t g = g0; g < std::min(groups, g0 + kGroupsPerBlock); ++g)
+          group<false>(rows_of(g, M), xpack + (g * K + k0) * kRowsPerPass, b, depth, bias ? bias + p * kPanel : nullptr,
+                       k0 == 0, y + g * kRowsPerPass * N + p * kPanel, N, std::min(kPanel, N - p * kPanel), nullptr);
+      }
+    }
   }
 }
 
 // x [M, K] -> groups of six rows, each [K][6] (a group's k-th values adjacent, so one pass's
 // broadcasts read one cache line per 2.7 steps of k instead of six rows 4 KiB apart).
 void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
-  for (int64_t g = 0; g < M; g += kRowsPerPass) {
-    const int64_t rows = std::min<int64_t>(kRowsPerPass, M - g);
-    float* dst = out + g * K;
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t r = 0; r < rows; ++r) dst[k * kRowsPerPass + r] = x[(g + r) * K + k];
-  }
+  const int64_t groups = (M + kRowsPerPass - 1) / kRowsPerPass;
+  at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin * kRowsPerPass; g < end * kRowsPerPass; g += kRowsPerPass) {
+      const int64_t rows = std::min<int64_t>(kRowsPerPass, M - g);
+      float* dst = out + g * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t r = 0; r < rows; ++r) dst[k * kRowsPerPass + r] = x[(g + r) * K + k];
+    }
+  });
 }
 
 // weight [N, K] -> out [ceil(N/16), K, 16] (zeroed by the caller, so the outputs past N stay zero).
@@ -148,15 +195,8 @@ void panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   float* yp = out.data_ptr<float>();
   std::vector<float> xpack(((M + kRowsPerPass - 1) / kRowsPerPass) * kRowsPerPass * K);
   pack_rows(x.data_ptr<float>(), M, K, xpack.data());
-  const int64_t count = panels.size(0), panel_floats = K * kPanel;
-  const int64_t steps = ((M + kRowsPerPass - 1) / kRowsPerPass) * K;  // k steps over all passes of one panel
-  at::parallel_for(0, count, 4, [&](int64_t begin, int64_t end) {
-    const char* first = reinterpret_cast<const char*>(wp + std::min(begin + kAhead, end) * panel_floats);
-    Ahead ahead{first, reinterpret_cast<const char*>(wp + end * panel_floats), std::max<int64_t>(1, steps / K)};
-    for (int64_t p = begin; p < end; ++p)
-      all_rows(xpack.data(), M, K, wp + p * panel_floats, b ? b + p * kPanel : nullptr, yp + p * kPanel, N,
-               std::min(kPanel, N - p * kPanel), ahead);
-  });
+  const auto order = M > kStreamRows ? blocked : streamed;
+  at::parallel_for(0, panels.size(0), 4, [&](int64_t begin, int64_t end) { order(xpack.data(), M, K, wp, b, yp, N, begin, end); });
 }
 
 }  // namespace

@@ -13,7 +13,10 @@ from torch import nn
 
 from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
+from chariot.worker.model import cpu_linear
 from chariot.worker.model.cpu_linear import (
+    ALL_ROWS,
+    MANY_ROWS,
     PACKED_LINEAR_ENV,
     PANEL_LINEAR_ENV,
     ROW_CANDIDATES,
@@ -94,11 +97,13 @@ def test_bf16_skinny_kernel_refuses_mixed_dtypes_and_odd_sizes() -> None:
     assert not skinny.supports(w[:, :48])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 32, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 32, 64, 65, 97, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (5, 12), (16, 64), (130, 264), (1024, 2816)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_kernel_matches_f_linear(rows: int, out_features: int, in_features: int, bias: bool) -> None:
-    """Every pass remainder (passes of six rows), panels of 16 outputs with a partial last one, any K."""
+    """Every pass remainder (passes of six rows), panels of 16 outputs with a partial last one, any K;
+    up to 64 rows W streams once, more take the blocked order (blocks of 256 steps of k, which 264
+    and 2816 split into 2 and 11, and of 96 rows, which 97 and 300 split into 2 and 4)."""
     gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
     x = torch.randn(rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
@@ -199,11 +204,15 @@ def test_float32_input_sizes_the_skinny_kernel_cannot_take_go_to_the_panel_kerne
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_float32_panels_take_the_place_of_the_plain_weight(packed: bool) -> None:
-    """Beside oneDNN's packed weight the panels replace the plain copy (no third copy); without it the
-    plain weight stays for the rows above the limit."""
-    fast = CpuLinear(nn.Linear(64, 48).eval(), packed=packed, plain=True)
-    assert fast.panels is not None and (fast.weight is None) == packed
-    assert "panels<=" in repr(fast)
+    """The panels replace the plain copy (no third copy beside oneDNN's); they take any number of rows,
+    so without oneDNN's copy they serve every call."""
+    linear = nn.Linear(64, 48).eval()
+    fast = CpuLinear(linear, packed=packed, plain=True)
+    assert fast.panels is not None and fast.weight is None and (fast.packed_weight is not None) == packed
+    assert fast.skinny_max_rows == ALL_ROWS and "panels all rows" in repr(fast)
+    x = torch.randn(300, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), linear(x), atol=2e-5, rtol=1e-5)
 
 
 def test_cpu_linears_swaps_nested_layers_and_keeps_the_rest() -> None:
@@ -213,7 +222,7 @@ def test_cpu_linears_swaps_nested_layers_and_keeps_the_rest() -> None:
         before = model(x)
     assert cpu_linears(model, torch.device("cpu"), torch.float32) == 2
     assert isinstance(model[0], CpuLinear) and isinstance(model[2][0], CpuLinear)
-    assert model[0].packed_weight is not None and model[0].skinny
+    assert model[0].skinny and model[0].panels is not None  # float32: oneDNN's copy too, unless the panels won all
     assert isinstance(model[1], nn.ReLU)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), before, atol=1e-5, rtol=1e-5)
@@ -307,7 +316,7 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
         want = model(x)
     assert cpu_linears(model, torch.device("cpu"), torch.float32) == 1
     layer = model[0]
-    assert layer.skinny_max_rows == 3 and "panels<=3 rows" in repr(layer)  # float32: the panel kernel
+    assert layer.skinny_max_rows == 3 and "panels <=3 rows" in repr(layer)  # float32: the panel kernel
     used: list[int] = []
     real = panel.panel_linear
     monkeypatch.setattr(panel, "panel_linear", lambda x, w: (used.append(x.shape[0]), real(x, w))[1])
@@ -321,14 +330,43 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
     with caplog.at_level("INFO", logger="chariot.worker.model.cpu_linear"):
         cpu_linears(measured, torch.device("cpu"), torch.float32)
     limit = measured[0].skinny_max_rows
-    assert limit in (0, *ROW_CANDIDATES)
-    line = next(r.getMessage() for r in caplog.records if "panel kernel for up to" in r.getMessage())
-    assert f"up to {limit} rows" in line and all(f"{m} rows " in line for m in ROW_CANDIDATES)
+    assert limit in (0, *ROW_CANDIDATES, ALL_ROWS)
+    assert (measured[0].packed_weight is None) == (limit == ALL_ROWS)  # oneDNN's copy goes when unused
+    line = next(r.getMessage() for r in caplog.records if "panel kernel for" in r.getMessage())
+    assert all(f"{m} rows " in line for m in ROW_CANDIDATES)
+    assert ("every row count" in line) if limit == ALL_ROWS else (f"up to {limit} rows" in line)
 
 
-def test_a_configured_limit_is_capped_by_each_layers_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The panel kernel takes up to 64 rows, the skinny kernel (here: panels turned off) up to 32."""
-    monkeypatch.setenv(SKINNY_ROWS_ENV, "48")
+@pytest.mark.parametrize(("many_rows_win", "limit"), [(True, ALL_ROWS), (False, 64)])
+def test_the_panel_kernel_takes_every_row_count_when_it_also_wins_at_prefill_size(
+        monkeypatch: pytest.MonkeyPatch, many_rows_win: bool, limit: int) -> None:
+    """Timings faked (the decision, not the machine, is under test): the panel kernel wins every decode
+    row count; then MANY_ROWS decides between every row count (oneDNN's copy released) and 64 rows."""
+    timed: list[tuple[int, ...]] = []
+
+    def fake(layers: object, rows: list[int], **_: object) -> RowsCalibration:
+        timed.append(tuple(rows))
+        kernel = 2.0 if rows == [MANY_ROWS] and not many_rows_win else 1.0
+        return RowsCalibration(tuple(rows), (kernel,) * len(rows), (1.5,) * len(rows))
+
+    monkeypatch.setattr(cpu_linear, "calibrate_skinny_rows", fake)
+    model = nn.Sequential(nn.Linear(16, 8))
+    x = torch.randn(MANY_ROWS, 16)
+    with torch.inference_mode():
+        want = model(x)
+    cpu_linears(model, torch.device("cpu"), torch.float32)
+    assert timed == [ROW_CANDIDATES, (MANY_ROWS,)]
+    assert model[0].skinny_max_rows == limit and (model[0].packed_weight is None) == many_rows_win
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("value", "panel_rows", "packed_kept"), [("48", 48, True), ("all", ALL_ROWS, False)])
+def test_a_configured_limit_is_capped_by_each_layers_kernel(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           panel_rows: int, packed_kept: bool) -> None:
+    """The panel kernel takes any number of rows (with `all`, every call: oneDNN's copy is released),
+    the skinny kernel (here: panels turned off) up to 32."""
+    monkeypatch.setenv(SKINNY_ROWS_ENV, value)
     base = nn.Linear(16, 8).eval()
     x = torch.randn(40, 16)
     with torch.inference_mode():
@@ -337,15 +375,16 @@ def test_a_configured_limit_is_capped_by_each_layers_kernel(monkeypatch: pytest.
     cpu_linears(panels, torch.device("cpu"), torch.float32)
     monkeypatch.setenv(PANEL_LINEAR_ENV, "0")
     cpu_linears(plain, torch.device("cpu"), torch.float32)
-    assert panels[0].panels is not None and panels[0].skinny_max_rows == 48
+    assert panels[0].panels is not None and panels[0].skinny_max_rows == panel_rows
+    assert (panels[0].packed_weight is not None) == packed_kept
     assert plain[0].panels is None and plain[0].weight is not None and plain[0].skinny_max_rows == skinny.MAX_ROWS
     with torch.inference_mode():
         for layer in (panels[0], plain[0]):
             torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("value", ["-1", "65", "many"])
+@pytest.mark.parametrize("value", ["-1", "many", "2.5", "ALL"])
 def test_a_bad_row_limit_names_the_variable_and_range(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv(SKINNY_ROWS_ENV, value)
-    with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be an integer in \[0, 64\]"):
+    with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be a row count \(an integer >= 0\) or 'all'"):
         configured_skinny_rows()

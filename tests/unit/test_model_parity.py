@@ -16,6 +16,7 @@ import torch
 
 from chariot.kernels import AttentionMetadata
 from chariot.worker.config import ModelConfig
+from chariot.worker.model.cpu_linear import ALL_ROWS, SKINNY_ROWS_ENV, CpuLinear
 from chariot.worker.model.llama import LlamaStage, allocate_kv_caches
 from chariot.worker.model.loader import load_stage, split_layers
 
@@ -39,6 +40,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 PROMPT_LEN, DECODE_STEPS, BLOCK_SIZE, NUM_BLOCKS = 45, 4, 8, 24
 CHUNKS = (17, 11, 17)  # prefill chunk sizes; sum == PROMPT_LEN
+LONG_CHUNKS = (100, 50)  # more rows than the panel kernel streams (64): its blocked order
 
 
 def make_meta(block_table: list[int], start: int, num_tokens: int, block_size: int) -> AttentionMetadata:
@@ -60,11 +62,13 @@ def make_meta(block_table: list[int], start: int, num_tokens: int, block_size: i
 class Runner:
     """Feeds one sequence through a chain of stages, chunk by chunk, with a shuffled block table."""
 
-    def __init__(self, stages: list[LlamaStage], seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, stages: list[LlamaStage], seed: int = 0, dtype: torch.dtype = torch.float32,
+                 tokens: int = 60) -> None:
         self.stages = stages
         gen = torch.Generator().manual_seed(seed)
-        self.block_table = torch.randperm(NUM_BLOCKS, generator=gen)[: -(-60 // BLOCK_SIZE)].tolist()
-        self.caches = [allocate_kv_caches(s.config, len(s.layers), NUM_BLOCKS, BLOCK_SIZE, dtype) for s in stages]
+        blocks = max(NUM_BLOCKS, -(-tokens // BLOCK_SIZE))
+        self.block_table = torch.randperm(blocks, generator=gen)[: -(-tokens // BLOCK_SIZE)].tolist()
+        self.caches = [allocate_kv_caches(s.config, len(s.layers), blocks, BLOCK_SIZE, dtype) for s in stages]
         self.done = 0
 
     @torch.no_grad()
@@ -189,18 +193,38 @@ def _two_sequence_meta(table_a: list[int], table_b: list[int]) -> AttentionMetad
 
 def test_unpacked_linears_match_hf(variant: tuple[Path, torch.Tensor, torch.Tensor]) -> None:
     """The plain `nn.Linear` path (other devices, or both CPU fast paths off) against HF too."""
-    from chariot.worker.model.cpu_linear import CpuLinear
-
     model_dir, ids, ref = variant
     stage = full_stage(model_dir, cpu_linears=False)
     assert not any(isinstance(m, CpuLinear) for m in stage.modules())
     packed = full_stage(model_dir)
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    # the default stages (every other test here) take decode rows through the skinny kernel
-    assert all(m.skinny and m.packed_weight is not None for m in packed.modules() if isinstance(m, CpuLinear))
+    # the default stages (every other test here) take decode rows through the panel kernel, and keep
+    # oneDNN's copy unless the panels beat it at prefill size too
+    assert all(m.skinny and (m.packed_weight is not None or m.skinny_max_rows == ALL_ROWS)
+               for m in packed.modules() if isinstance(m, CpuLinear))
     runner = Runner([stage], seed=4)
     pieces, pos = [], 0
     for size in (*CHUNKS, *([1] * DECODE_STEPS)):
         pieces.append(runner.feed(ids[pos : pos + size]))
         pos += size
     assert_logits_close(torch.cat(pieces), ref)
+
+
+@pytest.mark.parametrize("route", ["0", "all"])
+@pytest.mark.parametrize("name", ["small-llama", "small-qwen2-untied"])
+def test_each_cpu_linear_route_matches_hf_on_long_chunks(model_factory: Any, monkeypatch: pytest.MonkeyPatch,
+                                                        route: str, name: str) -> None:
+    """Every linear call forced to oneDNN (`0`) or to the panel kernel (`all`), in chunks long enough
+    for the panel kernel's blocked order (Qwen2: with biases)."""
+    monkeypatch.setenv(SKINNY_ROWS_ENV, route)
+    preset, kwargs = VARIANTS[name]
+    model_dir = model_factory(preset, **kwargs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.randint(0, hf.config.vocab_size, (sum(LONG_CHUNKS),), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0].float()
+    stage = full_stage(model_dir)
+    layers = [m for m in stage.modules() if isinstance(m, CpuLinear)]
+    assert layers and all(m.skinny_max_rows == (0 if route == "0" else ALL_ROWS) for m in layers)
+    runner = Runner([stage], seed=7, tokens=sum(LONG_CHUNKS))
+    assert_logits_close(torch.cat([runner.feed(ids[:LONG_CHUNKS[0]]), runner.feed(ids[LONG_CHUNKS[0]:])]), ref)

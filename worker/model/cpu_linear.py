@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,9 +56,11 @@ SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
 SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
 PANEL_LINEAR_ENV = "CHARIOT_CPU_PANEL_LINEAR"
 ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts the calibration may time, ascending
-FEW_ROWS_LIMIT = max(skinny.MAX_ROWS, panel.MAX_ROWS)  # the most rows a configured limit may name
+ALL_ROWS = sys.maxsize  # a row limit that takes every call
+MANY_ROWS = 512  # a prefill chunk's rows: where the panel kernel beats oneDNN here too, it takes every call
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
+MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -66,9 +69,9 @@ class CpuLinear(nn.Module):
     """`y = x Wᵀ + b` for inputs of any number of rows, with W kept plain, packed for oneDNN, or both.
 
     Up to `skinny_max_rows` rows (at most `few_rows_cap`; set by `cpu_linears`) go to the few-rows
-    route when it is kept (float32: the panel kernel; else the skinny kernel on the plain weight);
-    more rows go to oneDNN when the packed weight is kept, else to `F.linear`. At least one of the two
-    is kept."""
+    route when it is kept (float32: the panel kernel, which takes any number of rows; else the skinny
+    kernel on the plain weight); more rows go to oneDNN when the packed weight is kept, else to
+    `F.linear`. At least one of the two is kept."""
 
     def __init__(self, linear: nn.Linear, packed: bool, plain: bool) -> None:
         super().__init__()
@@ -78,15 +81,14 @@ class CpuLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        # float32 takes the panel kernel for few rows, in place of the plain copy (kept only when
-        # nothing else can serve the rows above the limit)
+        # float32 takes the panel kernel in place of the plain copy (it takes any number of rows)
         panels = plain and os.environ.get(PANEL_LINEAR_ENV, "1") != "0" and panel.supports(weight)
         self.panels = panel.pack(weight, self.bias) if panels else None
-        self.weight = weight.contiguous() if plain and (self.panels is None or not packed) else None
+        self.weight = weight.contiguous() if plain and self.panels is None else None
         self.skinny = plain and (self.panels is not None or skinny.supports(weight))
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
         self.dtype = weight.dtype
-        self.few_rows_cap = panel.MAX_ROWS if self.panels is not None else skinny.MAX_ROWS
+        self.few_rows_cap = ALL_ROWS if self.panels is not None else skinny.MAX_ROWS
         self.skinny_max_rows = self.few_rows_cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,9 @@ class CpuLinear(nn.Module):
 
     def extra_repr(self) -> str:
         few = "panels" if self.panels is not None else "skinny"
+        rows = "all rows" if self.skinny_max_rows == ALL_ROWS else f"<={self.skinny_max_rows} rows"
         kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
-                                      (f"{few}<={self.skinny_max_rows} rows", self.skinny)) if on]
+                                      (f"{few} {rows}", self.skinny)) if on]
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
 
 
@@ -242,12 +245,15 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
 
 
 def configured_skinny_rows() -> int | None:
-    """`CHARIOT_CPU_SKINNY_MAX_ROWS` as an int in [0, FEW_ROWS_LIMIT], or None when unset (measure it)."""
+    """`CHARIOT_CPU_SKINNY_MAX_ROWS`: a row count (an integer >= 0) or `all` (`ALL_ROWS`); None when
+    unset (measure it)."""
     text = os.environ.get(SKINNY_ROWS_ENV, "").strip()
     if not text:
         return None
-    if not text.isdigit() or int(text) > FEW_ROWS_LIMIT:
-        raise ValueError(f"{SKINNY_ROWS_ENV} must be an integer in [0, {FEW_ROWS_LIMIT}], got {text!r}")
+    if text == "all":
+        return ALL_ROWS
+    if not text.isdigit():
+        raise ValueError(f"{SKINNY_ROWS_ENV} must be a row count (an integer >= 0) or 'all', got {text!r}")
     return int(text)
 
 
@@ -263,22 +269,37 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
     return chosen
 
 
+def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
+    """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
+    every row count timed: ROW_CANDIDATES up to the kernels' cap and, for the panel kernel when it won
+    all of those, MANY_ROWS too, which makes it `ALL_ROWS`."""
+    cap = min(m.few_rows_cap for m in layers)
+    few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
+    limit, timings = few.max_rows, few.describe()
+    if cap == ALL_ROWS and limit == few.rows[-1]:
+        many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS])
+        timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
+        limit = ALL_ROWS if many.max_rows == MANY_ROWS else limit
+    kernel = "panel" if layers[0].panels is not None else "skinny"
+    rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
+    log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "
+             "kernel vs oneDNN: %s)", kernel, rows, CALIBRATION_BYTES >> 20, timings)
+    return limit
+
+
 def route_rows(layers: Sequence[CpuLinear]) -> None:
     """Set how many rows the few-rows route takes: from the environment, else measured on `layers`
     when they keep both weights (with only the few-rows route, it takes up to its cap); never more
-    than a layer's `few_rows_cap` (64 for the panel kernel, 32 for the skinny one)."""
+    than a layer's `few_rows_cap` (every row count for the panel kernel, 32 for the skinny one). A
+    layer whose few-rows route takes every row count releases oneDNN's copy of its weight."""
     both = [m for m in layers if m.skinny and m.packed_weight is not None]
     limit = configured_skinny_rows()
     if limit is None and both:
-        cap = min(m.few_rows_cap for m in both)
-        calibration = calibrate_skinny_rows(calibration_layers(both), [r for r in ROW_CANDIDATES if r <= cap])
-        limit = calibration.max_rows
-        kernel = "panel" if both[0].panels is not None else "skinny"
-        log.info("linear layers: %s kernel for up to %d rows, oneDNN above (measured per pass over the first "
-                 "%d MiB of the stage's layers, kernel vs oneDNN: %s)",
-                 kernel, limit, CALIBRATION_BYTES >> 20, calibration.describe())
+        limit = measured_row_limit(both)
     for m in both:
         m.skinny_max_rows = m.few_rows_cap if limit is None else min(limit, m.few_rows_cap)
+        if m.skinny_max_rows == ALL_ROWS:
+            m.packed_weight = None
 
 
 def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
