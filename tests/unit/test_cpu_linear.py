@@ -337,16 +337,18 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
     assert ("every row count" in line) if limit == ALL_ROWS else (f"up to {limit} rows" in line)
 
 
-@pytest.mark.parametrize(("many_rows_win", "limit"), [(True, ALL_ROWS), (False, 64)])
-def test_the_panel_kernel_takes_every_row_count_when_it_also_wins_at_prefill_size(
-        monkeypatch: pytest.MonkeyPatch, many_rows_win: bool, limit: int) -> None:
+@pytest.mark.parametrize(("many_rows_s", "limit"), [(1.0, ALL_ROWS), (1.55, ALL_ROWS), (1.6, 64)])
+def test_the_panel_kernel_takes_every_row_count_when_it_is_level_at_prefill_size(
+        monkeypatch: pytest.MonkeyPatch, many_rows_s: float, limit: int) -> None:
     """Timings faked (the decision, not the machine, is under test): the panel kernel wins every decode
-    row count; then MANY_ROWS decides between every row count (oneDNN's copy released) and 64 rows."""
+    row count; then MANY_ROWS decides between every row count (oneDNN's copy released: a win, or a
+    loss by less than 5 %) and 64 rows (oneDNN 1.5 s against the kernel's 1.6 s)."""
     timed: list[tuple[int, ...]] = []
+    many_rows_win = limit == ALL_ROWS
 
     def fake(layers: object, rows: list[int], **_: object) -> RowsCalibration:
         timed.append(tuple(rows))
-        kernel = 2.0 if rows == [MANY_ROWS] and not many_rows_win else 1.0
+        kernel = many_rows_s if rows == [MANY_ROWS] else 1.0
         return RowsCalibration(tuple(rows), (kernel,) * len(rows), (1.5,) * len(rows))
 
     monkeypatch.setattr(cpu_linear, "calibrate_skinny_rows", fake)

@@ -61,6 +61,10 @@ MANY_ROWS = 512  # a prefill chunk's rows: where the panel kernel beats oneDNN h
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
+MANY_ROWS_TIE = 1.05
+"""At MANY_ROWS the panel kernel takes every row count unless oneDNN is more than 5 % faster: within
+that the two are level on a 2-core machine whose router starts beside the worker, and the panels
+alone keep one copy of the weights instead of two."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -272,14 +276,14 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
 def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
     every row count timed: ROW_CANDIDATES up to the kernels' cap and, for the panel kernel when it won
-    all of those, MANY_ROWS too, which makes it `ALL_ROWS`."""
+    all of those, MANY_ROWS too (within MANY_ROWS_TIE), which makes it `ALL_ROWS`."""
     cap = min(m.few_rows_cap for m in layers)
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
     limit, timings = few.max_rows, few.describe()
     if cap == ALL_ROWS and limit == few.rows[-1]:
         many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS])
         timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
-        limit = ALL_ROWS if many.max_rows == MANY_ROWS else limit
+        limit = ALL_ROWS if many.skinny_s[0] < MANY_ROWS_TIE * many.packed_s[0] else limit
     kernel = "panel" if layers[0].panels is not None else "skinny"
     rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
     log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "
