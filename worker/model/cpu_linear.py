@@ -1,4 +1,5 @@
-"""Linear layers for inference on the CPU: a skinny kernel for decode rows, oneDNN for the rest.
+"""Linear layers for inference on the CPU: own kernels for decode rows (and float32 prefill where they
+win), oneDNN for the rest.
 
 PyTorch's default CPU matmul goes through MKL, which on this project's AVX2 EPYC machines reaches
 only 27 GFLOP/s for a 32-row decode batch; oneDNN with the weight reordered once at load time into
@@ -16,12 +17,17 @@ memory as in a decode step and a large model's start-up stays bounded) for 1, 2,
 and 32 rows (interleaved, median of a few passes; about two seconds on the `100m` preset) and
 routes to the kernel up to the largest row count below which it won every time
 (`calibrate_skinny_rows`); the panel kernel of float32 layers is also timed at 48 and 64 rows.
-`CHARIOT_CPU_SKINNY_MAX_ROWS=N` sets that limit instead of measuring it.
+`CHARIOT_CPU_SKINNY_MAX_ROWS=N` (or `all`) sets that limit instead of measuring it.
 
 For float32 the few-rows route is the panel kernel (`kernels/panel_linear.py`: the weight packed
 once into panels of 16 outputs, up to six rows broadcast against them), which ran 12-64 rows
 1.27-1.60x as fast as the skinny kernel on an AVX2 EPYC and 1-2 rows within 3 % of it; its panels
 take the place of the plain copy (`CHARIOT_CPU_PANEL_LINEAR=0` keeps the skinny kernel instead).
+It takes prefill chunks too, in a blocked order: when it wins every decode row count (a win: oneDNN
+not more than 5 % faster, PANEL_TIE), the stage also times 512 rows (MANY_ROWS) over the first 64
+MiB, and when it wins there too the panels take every call and the layers drop oneDNN's copy (one
+copy of the weights, not two; whole 512-token steps ran 1.08-1.11x as fast as on oneDNN on an AVX2
+EPYC, docs/kernels.md).
 bf16 keeps the skinny kernel.
 
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
@@ -61,10 +67,10 @@ MANY_ROWS = 512  # a prefill chunk's rows: where the panel kernel beats oneDNN h
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
-MANY_ROWS_TIE = 1.05
-"""At MANY_ROWS the panel kernel takes every row count unless oneDNN is more than 5 % faster: within
-that the two are level on a 2-core machine whose router starts beside the worker, and the panels
-alone keep one copy of the weights instead of two."""
+PANEL_TIE = 1.05
+"""The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the two are
+level on a 2-core machine whose router starts beside the worker (64 and 512 rows have gone either
+way there), and the panels alone keep one copy of the weights instead of two."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -208,9 +214,13 @@ class RowsCalibration:
     @property
     def max_rows(self) -> int:
         """The largest row count up to which the skinny route won at every measured count (0: none)."""
+        return self.max_rows_within(1.0)
+
+    def max_rows_within(self, tie: float) -> int:
+        """The same, a count won when the kernel took less than `tie` times oneDNN's time."""
         best = 0
         for rows, fast, slow in zip(self.rows, self.skinny_s, self.packed_s, strict=True):
-            if fast >= slow:
+            if fast >= tie * slow:
                 break
             best = rows
         return best
@@ -275,15 +285,16 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
 
 def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
-    every row count timed: ROW_CANDIDATES up to the kernels' cap and, for the panel kernel when it won
-    all of those, MANY_ROWS too (within MANY_ROWS_TIE), which makes it `ALL_ROWS`."""
+    every row count timed: ROW_CANDIDATES up to the kernels' cap and, for the panel kernel (whose wins
+    count within PANEL_TIE) when it won all of those, MANY_ROWS too, which makes it `ALL_ROWS`."""
     cap = min(m.few_rows_cap for m in layers)
+    tie = PANEL_TIE if cap == ALL_ROWS else 1.0
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
-    limit, timings = few.max_rows, few.describe()
+    limit, timings = few.max_rows_within(tie), few.describe()
     if cap == ALL_ROWS and limit == few.rows[-1]:
         many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS])
         timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
-        limit = ALL_ROWS if many.skinny_s[0] < MANY_ROWS_TIE * many.packed_s[0] else limit
+        limit = ALL_ROWS if many.max_rows_within(tie) == MANY_ROWS else limit
     kernel = "panel" if layers[0].panels is not None else "skinny"
     rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
     log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "

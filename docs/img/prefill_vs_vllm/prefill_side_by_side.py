@@ -32,7 +32,7 @@ DECODE_CASES = ((1, 16), (8, 16), (32, 16), (32, 512))  # (batch, prompt tokens)
 DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
-GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "aten::addmm", "aten::mm"),
+GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "panel_linear", "aten::addmm", "aten::mm"),
           "attention": ("paged_attention", "cpu_attention_with_kv_cache")}
 
 
