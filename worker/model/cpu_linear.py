@@ -68,9 +68,9 @@ CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
 PANEL_TIE = 1.05
-"""The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the two are
-level on a 2-core machine whose router starts beside the worker (64 and 512 rows have gone either
-way there), and the panels alone keep one copy of the weights instead of two."""
+"""The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the start-up
+measurement on a noisy 2-core machine goes either way (it did at 512 rows on an AVX2 EPYC), and the
+panels alone keep one copy of the weights instead of two."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
