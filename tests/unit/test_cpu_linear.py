@@ -296,6 +296,15 @@ def test_calibration_times_both_routes_on_every_layer_and_row_count() -> None:
             assert sorted(c[1] for c in calls if c[0] == route and c[2] == rows) == [32] * 3 + [64] * 3
 
 
+def test_calibration_takes_each_routes_fastest_pass() -> None:
+    """Interference only adds time, so a slow pass of one route (here 9 s) does not decide."""
+    layer = CpuLinear(nn.Linear(64, 32).eval(), packed=True, plain=True)
+    durations = [0, 0, 5, 2, 1, 2, 9, 2]  # untimed plain, packed; then plain, packed three times
+    stamps = iter([t for d in durations for t in (0.0, float(d))])
+    calibration = calibrate_skinny_rows([layer], rows=(1,), passes=3, clock=lambda: next(stamps))
+    assert calibration.skinny_s == (1.0,) and calibration.packed_s == (2.0,) and calibration.max_rows == 1
+
+
 def test_calibration_routes_through_the_real_kernels() -> None:
     layer = CpuLinear(nn.Linear(64, 32).eval(), packed=True, plain=True)
     calibration = calibrate_skinny_rows([layer], rows=(1, 2), passes=1)

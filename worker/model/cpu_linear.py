@@ -14,7 +14,7 @@ Where the two routes cross depends on the machine: on an AVX2 EPYC the kernel wo
 an AVX-512 one oneDNN's kernels win from 4 rows. So when a stage keeps both layouts, `cpu_linears`
 times both routes over the stage's own layers (the first 256 MiB of their weights, so they come from
 memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8, 12, 16, 24
-and 32 rows (interleaved, median of a few passes; about two seconds on the `100m` preset) and
+and 32 rows (interleaved, the fastest of a few passes; about two seconds on the `100m` preset) and
 routes to the kernel up to the largest row count below which it won every time
 (`calibrate_skinny_rows`); the panel kernel of float32 layers is also timed at 48 and 64 rows.
 `CHARIOT_CPU_SKINNY_MAX_ROWS=N` (or `all`) sets that limit instead of measuring it.
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -205,7 +204,7 @@ def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 @dataclass(frozen=True)
 class RowsCalibration:
-    """Median seconds of one pass over a stage's layers per row count, for each route."""
+    """Seconds of one pass over a stage's layers per row count (the fastest of a few), for each route."""
 
     rows: tuple[int, ...]
     skinny_s: tuple[float, ...]
@@ -234,7 +233,9 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
                           passes: int = CALIBRATION_PASSES,
                           clock: Callable[[], float] = time.perf_counter) -> RowsCalibration:
     """Time both routes over all `layers` (each keeping both weights) for every row count, the routes
-    interleaved pass by pass after one untimed pass each (oneDNN builds a primitive per shape)."""
+    interleaved pass by pass after one untimed pass each (oneDNN builds a primitive per shape); each
+    route's time is its fastest pass, since whatever else runs on the machine only adds time (with
+    the median, start-ups on a 2-core EPYC routed 64 and 512 rows either way)."""
     inputs = {(m, layer.in_features): torch.randn(m, layer.in_features, dtype=layer.dtype)
               for m in rows for layer in layers}
 
@@ -253,8 +254,8 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
             for _ in range(passes):
                 for route in ("plain", "packed"):
                     times[route].append(one_pass(m, route))
-            skinny_s.append(statistics.median(times["plain"]))
-            packed_s.append(statistics.median(times["packed"]))
+            skinny_s.append(min(times["plain"]))
+            packed_s.append(min(times["packed"]))
     return RowsCalibration(tuple(rows), tuple(skinny_s), tuple(packed_s))
 
 
