@@ -44,6 +44,17 @@ def route_skinny(engine: Engine, on: bool) -> None:
         m.skinny_max_rows = m.few_rows_cap
 
 
+def alternate(engine: Engine, steps: int) -> dict[str, float]:
+    """Median step time (ms) with the few-rows kernel and with oneDNN, `steps` each, step by step."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(steps):
+        for on in (True, False):
+            route_skinny(engine, on)
+            times[on].append(engine.step().times.total * 1e3)
+    skinny_ms, packed_ms = statistics.median(times[True]), statistics.median(times[False])
+    return {"skinny_ms": skinny_ms, "packed_ms": packed_ms, "speedup": packed_ms / skinny_ms}
+
+
 def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:
     engine = make_engine(Target(model, "cpu", "float32"), "sarathi", 4096, max(4096, context + 2 * steps + 64))
     rng = random.Random(seed)
@@ -51,14 +62,7 @@ def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> 
     for _ in range(batch):
         engine.add_request([rng.randrange(vocab) for _ in range(context)], NEVER_STOP)
     prefill_all(engine)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(steps):
-        for on in (True, False):
-            route_skinny(engine, on)
-            times[on].append(engine.step().times.total * 1e3)
-    skinny_ms, packed_ms = statistics.median(times[True]), statistics.median(times[False])
-    return {"batch": batch, "context": context, "steps": steps, "skinny_ms": skinny_ms, "packed_ms": packed_ms,
-            "speedup": packed_ms / skinny_ms}
+    return {"batch": batch, "context": context, "steps": steps, **alternate(engine, steps)}
 
 
 def measure_prefill(model: str, budget: int, chunks: int, seed: int = 0) -> dict[str, object]:
@@ -69,14 +73,7 @@ def measure_prefill(model: str, budget: int, chunks: int, seed: int = 0) -> dict
     for _ in range(-(-2 * chunks // 4) + 1):
         engine.add_request([rng.randrange(vocab) for _ in range(4 * budget)], NEVER_STOP)
     engine.step()  # oneDNN builds its primitive for the shape
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(chunks):
-        for on in (True, False):
-            route_skinny(engine, on)
-            times[on].append(engine.step().times.total * 1e3)
-    kernel_ms, packed_ms = statistics.median(times[True]), statistics.median(times[False])
-    return {"prefill_tokens": budget, "steps": chunks, "skinny_ms": kernel_ms, "packed_ms": packed_ms,
-            "speedup": packed_ms / kernel_ms}
+    return {"prefill_tokens": budget, "steps": chunks, **alternate(engine, chunks)}
 
 
 def main(argv: list[str] | None = None) -> int:
