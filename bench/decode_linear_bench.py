@@ -2,7 +2,7 @@
 
 `CpuLinear` keeps the oneDNN-packed weight beside the few-rows one (float32: the panel kernel's
 panels, since session 15; bf16: the skinny kernel's plain weight), so one loaded engine can route its
-decode rows either way: steps alternate between the two routes (flipping `CpuLinear.skinny`) over
+decode rows either way: steps alternate between the two routes (setting `CpuLinear.skinny_max_rows`) over
 the same running sequences, so machine drift hits both alike. This is where
 `kernels.skinny_linear.MAX_ROWS` came from (docs/BENCHMARKS.md, "CPU linear layers"); the engine
 measures the crossover below it when a stage loads (`cpu_linear.calibrate_skinny_rows`), and this
@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 
 from chariot.bench.engine_bench import NEVER_STOP, Target, make_engine, prefill_all
 from chariot.bench.linear_bench import cpu_record, save_record
-from chariot.kernels import skinny_linear as skinny
 from chariot.worker.engine import Engine
 from chariot.worker.model.cpu_linear import SKINNY_ROWS_ENV, CpuLinear
 
@@ -36,12 +35,10 @@ def route_skinny(engine: Engine, on: bool) -> None:
     else the skinny kernel on the plain weight), or none of them (oneDNN)."""
     runner = engine.executor.runner  # type: ignore[attr-defined]  # single-process engines only
     layers = [m for m in runner.stage.modules() if isinstance(m, CpuLinear)]
-    few_rows = [m.panels is not None or (m.weight is not None and skinny.supports(m.weight)) for m in layers]
-    if not layers or not all(few and m.packed_weight is not None for few, m in zip(few_rows, layers, strict=True)):
+    if not layers or not all(m.skinny and m.packed_weight is not None for m in layers):
         raise SystemExit("the engine's linear layers do not keep both routes (packing or the few-rows kernel is off)")
     for m in layers:
-        m.skinny = on
-        m.skinny_max_rows = m.few_rows_cap
+        m.skinny_max_rows = m.few_rows_cap if on else 0
 
 
 def alternate(engine: Engine, steps: int) -> dict[str, float]:

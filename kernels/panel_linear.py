@@ -5,10 +5,10 @@ Decode steps of 8-32 sequences are where the linear layers were furthest from th
 AVX2 EPYC: the skinny kernel (`skinny_linear.py`, which reduces along K inside the vector
 registers) ran them at about half the FMA rate and oneDNN slower still (docs/BENCHMARKS.md, session
 15). This kernel puts 16 outputs in the lanes of two vectors and broadcasts up to six rows of x
-against them, so there is no reduction across lanes. Up to `STREAM_ROWS` rows W streams once per
-thread, its next panels requested into L2 while the passes compute; from 1 to 8 rows that is as
-fast as the skinny kernel, so for float32 it replaces it: the panels take the place of the plain
-copy. More rows (prefill chunks) take the classic blocked order, 256 steps of a panel held in L1
+against them, so there is no reduction across lanes. Up to 64 rows (`kStreamRows` in the C++) W
+streams once per thread, its next panels requested into L2 while the passes compute; from 1 to 8
+rows that is as fast as the skinny kernel, so for float32 it replaces it: the panels take the place
+of the plain copy. More rows (prefill chunks) take the classic blocked order, 256 steps of a panel held in L1
 against blocks of 96 rows held in L2; on an AVX2 EPYC whole 512-token prefill steps of the `100m`
 preset ran 1.08-1.11x as fast as on oneDNN (docs/kernels.md, session 16), so where a stage measures
 that at load, its layers drop oneDNN's copy (`worker/model/cpu_linear.py`).
@@ -29,12 +29,10 @@ import torch
 from chariot.kernels import cpu_build
 from chariot.kernels.cpu_build import load_ops
 
-__all__ = ["PANEL", "STREAM_ROWS", "PanelWeight", "build_problem", "pack", "panel_linear", "supports"]
+__all__ = ["PANEL", "PanelWeight", "build_problem", "pack", "panel_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
 PANEL = 16  # outputs per panel
-STREAM_ROWS = 64
-"""Up to this many rows W streams once per call (`kStreamRows` in the C++); more take the blocked order."""
 
 KernelFn = Callable[..., None]
 

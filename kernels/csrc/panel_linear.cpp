@@ -135,8 +135,9 @@ void blocked(const float* xpack, int64_t M, int64_t K, const float* wp, const fl
       for (int64_t p = begin; p < end; ++p) {
         const float* b = wp + (p * K + k0) * kPanel;
         for (int64_t g = g0; g < std::min(groups, g0 + kGroupsPerBlock); ++g)
-          group<false>(rows_of(g, M), xpack + (g * K + k0) * kRowsPerPass, b, depth, bias ? bias + p * kPanel : nullptr,
-                       k0 == 0, y + g * kRowsPerPass * N + p * kPanel, N, std::min(kPanel, N - p * kPanel), nullptr);
+          group<false>(rows_of(g, M), xpack + (g * K + k0) * kRowsPerPass, b, depth,
+                       bias ? bias + p * kPanel : nullptr, k0 == 0, y + g * kRowsPerPass * N + p * kPanel, N,
+                       std::min(kPanel, N - p * kPanel), nullptr);
       }
     }
   }
@@ -196,7 +197,8 @@ void panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   std::vector<float> xpack(((M + kRowsPerPass - 1) / kRowsPerPass) * kRowsPerPass * K);
   pack_rows(x.data_ptr<float>(), M, K, xpack.data());
   const auto order = M > kStreamRows ? blocked : streamed;
-  at::parallel_for(0, panels.size(0), 4, [&](int64_t begin, int64_t end) { order(xpack.data(), M, K, wp, b, yp, N, begin, end); });
+  at::parallel_for(0, panels.size(0), 4,
+                   [&](int64_t begin, int64_t end) { order(xpack.data(), M, K, wp, b, yp, N, begin, end); });
 }
 
 }  // namespace
