@@ -20,6 +20,7 @@ from chariot.worker.model.cpu_linear import (
     PACKED_LINEAR_ENV,
     PANEL_LINEAR_ENV,
     ROW_CANDIDATES,
+    SETTLED_ROWS,
     SKINNY_LINEAR_ENV,
     SKINNY_ROWS_ENV,
     CpuLinear,
@@ -111,6 +112,25 @@ def test_panel_kernel_matches_f_linear(rows: int, out_features: int, in_features
     packed = panel.pack(w, b)
     assert packed.panels.shape == (-(-out_features // 16), in_features, 16)
     torch.testing.assert_close(panel.panel_linear(x, packed), F.linear(x, w, b), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("out_features", [16, 130, 2000])
+def test_panel_kernel_hands_out_every_panel_once_whatever_the_thread_count(threads: int, out_features: int) -> None:
+    """Prefill chunks take units of panels from a shared counter: one panel (130 outputs, 9 panels),
+    up to 8 (2000 outputs, 125 panels; a last unit of 5), more threads than units (16 outputs on 8
+    threads); a panel skipped would leave its outputs unset, two threads on one would race on its partial
+    sums (the later blocks of k add into y)."""
+    gen = torch.Generator().manual_seed(out_features + threads)
+    x, w = torch.randn(100, 64, generator=gen), torch.randn(out_features, 64, generator=gen) / 8
+    b = torch.randn(out_features, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = panel.panel_linear(x, panel.pack(w, b))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=2e-5, rtol=1e-5)
 
 
 def test_panel_kernel_takes_strided_rows_and_no_rows() -> None:
@@ -348,20 +368,23 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
     assert ("every row count" in line) if limit == ALL_ROWS else (f"up to {limit} rows" in line)
 
 
-@pytest.mark.parametrize(("rows_64_s", "many_rows_s", "limit"),
-                         [(1.0, 1.0, ALL_ROWS), (1.55, 1.55, ALL_ROWS), (1.0, 1.6, 64), (1.6, 1.0, 48)])
+@pytest.mark.parametrize(("lost_from", "many_rows_s", "limit"),
+                         [(None, 1.0, ALL_ROWS), (None, 1.55, ALL_ROWS), (None, 1.6, 64), (64, 1.0, ALL_ROWS),
+                          (48, 1.6, 32), (32, 1.0, 24)])
 def test_the_panel_kernel_takes_every_row_count_when_it_is_level_at_prefill_size(
-        monkeypatch: pytest.MonkeyPatch, rows_64_s: float, many_rows_s: float, limit: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, lost_from: int | None, many_rows_s: float, limit: int) -> None:
     """Timings faked (the decision, not the machine, is under test), oneDNN at 1.5 s everywhere: the
-    panel kernel wins a row count unless oneDNN is more than 5 % faster (1.55 s wins, 1.6 s loses);
-    when it wins every decode row count, MANY_ROWS decides between every row count (oneDNN's copy
-    released) and 64 rows; a loss at 64 rows stops at 48 without timing MANY_ROWS."""
+    panel kernel wins a row count unless oneDNN is more than 5 % faster (1.55 s wins, 1.6 s loses; it
+    loses every count from `lost_from` on). When it wins every decode row count up to SETTLED_ROWS,
+    MANY_ROWS decides between every row count (oneDNN's copy released) and the decode limit, even
+    after a loss at 48 or 64 rows; a loss at 32 rows stops there without timing MANY_ROWS."""
     timed: list[tuple[int, ...]] = []
     many_rows_win = limit == ALL_ROWS
 
     def fake(layers: object, rows: list[int], **_: object) -> RowsCalibration:
         timed.append(tuple(rows))
-        kernel = [many_rows_s if r == MANY_ROWS else rows_64_s if r == 64 else 1.0 for r in rows]
+        kernel = [many_rows_s if r == MANY_ROWS else 1.6 if lost_from is not None and r >= lost_from else 1.0
+                  for r in rows]
         return RowsCalibration(tuple(rows), tuple(kernel), (1.5,) * len(rows))
 
     monkeypatch.setattr(cpu_linear, "calibrate_skinny_rows", fake)
@@ -370,7 +393,7 @@ def test_the_panel_kernel_takes_every_row_count_when_it_is_level_at_prefill_size
     with torch.inference_mode():
         want = model(x)
     cpu_linears(model, torch.device("cpu"), torch.float32)
-    assert timed == [ROW_CANDIDATES, (MANY_ROWS,)] if limit != 48 else [ROW_CANDIDATES]
+    assert timed == ([ROW_CANDIDATES] if lost_from == SETTLED_ROWS else [ROW_CANDIDATES, (MANY_ROWS,)])
     assert model[0].skinny_max_rows == limit and (model[0].packed_weight is None) == many_rows_win
     with torch.inference_mode():
         torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)

@@ -23,11 +23,11 @@ For float32 the few-rows route is the panel kernel (`kernels/panel_linear.py`: t
 once into panels of 16 outputs, up to six rows broadcast against them), which ran 12-64 rows
 1.27-1.60x as fast as the skinny kernel on an AVX2 EPYC and 1-2 rows within 3 % of it; its panels
 take the place of the plain copy (`CHARIOT_CPU_PANEL_LINEAR=0` keeps the skinny kernel instead).
-It takes prefill chunks too, in a blocked order: when it wins every decode row count (a win: oneDNN
-not more than 5 % faster, PANEL_TIE), the stage also times 512 rows (MANY_ROWS) over the first 64
-MiB, and when it wins there too the panels take every call and the layers drop oneDNN's copy (one
-copy of the weights, not two; whole 512-token steps ran 1.08-1.11x as fast as on oneDNN on an AVX2
-EPYC, docs/kernels.md).
+It takes prefill chunks too, in a blocked order: when it wins every decode row count up to 32 (a
+win: oneDNN not more than 5 % faster, PANEL_TIE; SETTLED_ROWS), the stage also times 512 rows
+(MANY_ROWS) over the first 64 MiB, and when it wins there too the panels take every call and the
+layers drop oneDNN's copy (one copy of the weights, not two; whole 512-token steps ran 1.08-1.11x
+as fast as on oneDNN on an AVX2 EPYC, docs/kernels.md).
 bf16 keeps the skinny kernel.
 
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
@@ -66,6 +66,12 @@ MANY_ROWS = 512  # a prefill chunk's rows: where the panel kernel beats oneDNN h
 CALIBRATION_PASSES = 3
 CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's last-level cache, bounded start-up
 MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
+MANY_ROWS_PASSES = 5  # a pass over MANY_ROWS_BYTES is short, and this decision routes most of a prefill's time
+SETTLED_ROWS = 32
+"""The panel kernel's decode wins that MANY_ROWS needs before it is timed. Above 32 rows the two
+routes ran within a few percent of each other on an AVX2 EPYC (48 rows 45.5-60.9 against 55.7-70.8 ms,
+64 rows 59.5-84.9 against 72.1-93.6 ms over seven start-ups), and one noisy pass there sent every
+prefill chunk to oneDNN; the chunks carry most of a busy stage's time."""
 PANEL_TIE = 1.05
 """The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the start-up
 measurement on a noisy 2-core machine goes either way (it did at 512 rows on an AVX2 EPYC), and the
@@ -286,14 +292,15 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
 
 def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
-    every row count timed: ROW_CANDIDATES up to the kernels' cap and, for the panel kernel (whose wins
-    count within PANEL_TIE) when it won all of those, MANY_ROWS too, which makes it `ALL_ROWS`."""
+    every row count timed: ROW_CANDIDATES up to the kernels' cap; for the panel kernel (whose wins
+    count within PANEL_TIE), `ALL_ROWS` when it won every count up to SETTLED_ROWS and MANY_ROWS."""
     cap = min(m.few_rows_cap for m in layers)
     tie = PANEL_TIE if cap == ALL_ROWS else 1.0
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
     limit, timings = few.max_rows_within(tie), few.describe()
-    if cap == ALL_ROWS and limit == few.rows[-1]:
-        many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS])
+    if cap == ALL_ROWS and limit >= SETTLED_ROWS:
+        many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS],
+                                     passes=MANY_ROWS_PASSES)
         timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
         limit = ALL_ROWS if many.max_rows_within(tie) == MANY_ROWS else limit
     kernel = "panel" if layers[0].panels is not None else "skinny"
