@@ -25,9 +25,9 @@ once into panels of 16 outputs, up to six rows broadcast against them), which ra
 take the place of the plain copy (`CHARIOT_CPU_PANEL_LINEAR=0` keeps the skinny kernel instead).
 It takes prefill chunks too, in a blocked order: when it wins every decode row count up to 32 (a
 win: oneDNN not more than 5 % faster, PANEL_TIE; SETTLED_ROWS), the stage also times 512 rows
-(MANY_ROWS) over the first 64 MiB, and when it wins there too the panels take every call and the
-layers drop oneDNN's copy (one copy of the weights, not two; whole 512-token steps ran 1.08-1.11x
-as fast as on oneDNN on an AVX2 EPYC, docs/kernels.md).
+(MANY_ROWS) over the first 64 MiB, and when it wins there too (within 10 %, MANY_ROWS_TIE) the
+panels take every call and the layers drop oneDNN's copy (one copy of the weights, not two; whole
+512-token steps ran 1.08-1.11x as fast as on oneDNN on an AVX2 EPYC, docs/kernels.md).
 bf16 keeps the skinny kernel.
 
 `load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
@@ -76,6 +76,13 @@ PANEL_TIE = 1.05
 """The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the start-up
 measurement on a noisy 2-core machine goes either way (it did at 512 rows on an AVX2 EPYC), and the
 panels alone keep one copy of the weights instead of two."""
+MANY_ROWS_TIE = 1.10
+"""The same margin at MANY_ROWS, wider: the start-up timing of 512 rows moved by about 10 % on a
+2-core AVX2 EPYC (panels 89.2-115.5 against oneDNN 98.4-121.3 ms over eight start-ups; two lost,
+by 10.1 and 5.1 %, and the second sent a peer run's prefill to oneDNN), while paired runs had the
+panels ahead of oneDNN's packed route, by 1.06x quiet and 1.16x beside a process busy 1 ms in every
+10 (`docs/img/panel_linear/contention_ab.py`): the panels hand out their work in units, oneDNN splits
+it once per thread. A machine whose oneDNN is well ahead at 512 rows (AVX-512) still keeps it."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
@@ -293,7 +300,8 @@ def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BY
 def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
     every row count timed: ROW_CANDIDATES up to the kernels' cap; for the panel kernel (whose wins
-    count within PANEL_TIE), `ALL_ROWS` when it won every count up to SETTLED_ROWS and MANY_ROWS."""
+    count within PANEL_TIE), `ALL_ROWS` when it won every count up to SETTLED_ROWS and MANY_ROWS
+    (within MANY_ROWS_TIE)."""
     cap = min(m.few_rows_cap for m in layers)
     tie = PANEL_TIE if cap == ALL_ROWS else 1.0
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
@@ -302,7 +310,7 @@ def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
         many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS],
                                      passes=MANY_ROWS_PASSES)
         timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
-        limit = ALL_ROWS if many.max_rows_within(tie) == MANY_ROWS else limit
+        limit = ALL_ROWS if many.max_rows_within(MANY_ROWS_TIE) == MANY_ROWS else limit
     kernel = "panel" if layers[0].panels is not None else "skinny"
     rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
     log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "

@@ -1,6 +1,7 @@
 """The panel kernel's prefill order with panels handed out in units from a shared counter, against one
-range of panels per thread (the kernel as of commit 0bb3c1d) and oneDNN, at the `100m` preset's four
-linear shapes, quiet and beside a process that takes a core in short bursts.
+range of panels per thread (the kernel as of commit 0bb3c1d), oneDNN on its packed weight (the
+engine's other route, `CpuLinear.packed`) and PyTorch's default `F.linear` (MKL), at the `100m`
+preset's four linear shapes, quiet and beside a process that takes a core in short bursts.
 
 On a 2-core machine the engine's two threads share the cores with the server's other processes
 (router, gRPC front, the benchmark's client) and, in a VM, with the hypervisor's other guests. With
@@ -52,6 +53,7 @@ def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) * 0.02 for k, n in SHAPES]
     packed = [pl.pack(w) for w in weights]
+    reordered = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     xs = [torch.randn(rows, k, generator=gen) for k, _ in SHAPES]
     outs = [torch.empty(rows, n) for _, n in SHAPES]
     reps = max(1, 1024 // rows)
@@ -59,8 +61,10 @@ def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
     def run(kind: str) -> float:
         t0 = time.perf_counter()
         for _ in range(reps):
-            for x, w, p, o in zip(xs, weights, packed, outs, strict=True):
+            for x, w, r, p, o in zip(xs, weights, reordered, packed, outs, strict=True):
                 if kind == "onednn":
+                    torch.ops.mkldnn._linear_pointwise(x, r, None, "none", [], "")
+                elif kind == "mkl":
                     torch.nn.functional.linear(x, w)
                 else:
                     kernels[kind](x, p.panels, p.bias, o)
@@ -68,8 +72,8 @@ def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
 
     machine = cpu_record()
     print(f"{machine['cpu']}, flags {' '.join(machine['flags'])}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; linear via torch.nn.functional.linear (MKL/oneDNN) as 'onednn'")
-    kinds = ("static", "units", "onednn")
+          f"torch {torch.__version__}; 'onednn': packed weight (mkldnn._linear_pointwise), 'mkl': F.linear")
+    kinds = ("static", "units", "onednn", "mkl")
     for kind in kinds:
         run(kind)
     for noisy in (False, True):
@@ -85,7 +89,8 @@ def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
             bursts.wait()
         ratio = {k: statistics.median(a / b for a, b in zip(times[k], times["units"], strict=True)) for k in kinds}
         label = f"bursts {busy_ms:g}/{idle_ms:g} ms" if noisy else "quiet"
-        print(f"rows {rows}, {label}: static/units {ratio['static']:.3f}, onednn/units {ratio['onednn']:.3f}; "
+        print(f"rows {rows}, {label}: " + ", ".join(f"{k}/units {ratio[k]:.3f}" for k in kinds if k != "units")
+              + "; "
               "median s " + ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in times.items()), flush=True)
 
 
