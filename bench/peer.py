@@ -20,7 +20,8 @@ Fairness rules (docs/benchmarks-peer.md):
 
 Measured per system and variant: capacity (QPS) by binary search over Poisson loads (a probe passes
 when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT percentiles at a common load,
-offline throughput (every request at t=0) and single-request decode TBT.
+offline throughput (every request at t=0; the median of `--offline-rounds` runs, fresh prompts in
+each, every round's wall time kept) and single-request decode TBT.
 
 Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant, the
 systems' order reversed on every other variant (Chariot, vLLM, vLLM, Chariot: the two phases a ratio
@@ -97,10 +98,12 @@ class Defaults:
     tolerance: float
     max_probes: int
     single_output: int
+    offline_rounds: int
 
 
-FULL = Defaults(qps_low=0.25, qps_high=1.0, tolerance=0.1, max_probes=8, single_output=SINGLE_OUTPUT_TOKENS)
-QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64)
+FULL = Defaults(qps_low=0.25, qps_high=1.0, tolerance=0.1, max_probes=8, single_output=SINGLE_OUTPUT_TOKENS,
+                offline_rounds=3)
+QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64, offline_rounds=1)
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class PeerConfig:
     drain_s: float = DEFAULT_DRAIN_S
     single_output: int = SINGLE_OUTPUT_TOKENS
     ready_timeout_s: float = READY_TIMEOUT_S
+    offline_rounds: int = 1  # offline runs per phase, each with fresh prompts; the median round is reported
 
     @property
     def limits(self) -> Limits:
@@ -173,7 +177,8 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         quick=args.quick, out=Path(args.out), order=args.order, max_len=args.max_len, kv_cache_gib=args.kv_cache_gib,
         seed=args.seed,
         vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
-        drain_s=args.drain_s, single_output=d.single_output)
+        drain_s=args.drain_s, single_output=d.single_output,
+        offline_rounds=_pick(args.offline_rounds, d.offline_rounds))
     validate(cfg)
     return cfg
 
@@ -191,6 +196,7 @@ def validate(cfg: PeerConfig) -> None:
         (cfg.qps_low > 0, "qps_low", f"must be > 0, got {cfg.qps_low}"),
         (cfg.qps_high > cfg.qps_low, "qps_high", f"must be > qps_low ({cfg.qps_low}), got {cfg.qps_high}"),
         (cfg.max_probes >= 1, "max_probes", f"must be >= 1, got {cfg.max_probes}"),
+        (cfg.offline_rounds >= 1, "offline_rounds", f"must be >= 1, got {cfg.offline_rounds}"),
         (cfg.kv_cache_gib >= 1, "kv_cache_gib", f"must be >= 1 (vLLM-CPU takes whole GiB), got {cfg.kv_cache_gib}"),
         (cfg.drain_s > 0, "drain_s", f"must be > 0, got {cfg.drain_s}"),
         (cfg.vllm_reserved_cpus is None or cfg.vllm_reserved_cpus < (os.cpu_count() or 1), "vllm_reserved_cpus",
@@ -734,6 +740,14 @@ class Probe:
     machine: Speed | None = None  # the calibration right before the probe
 
 
+@dataclass(frozen=True)
+class OfflineRound:
+    """One offline run: its latency summary (with wall time and throughput) and its traces."""
+
+    summary: dict[str, Any]
+    traces: tuple[RequestTrace, ...]
+
+
 @dataclass
 class VariantResult:
     system: str
@@ -742,7 +756,8 @@ class VariantResult:
     capacity: Bounds = Bounds(0.0, None)
     offline: dict[str, Any] = field(default_factory=dict)
     single: dict[str, Any] = field(default_factory=dict)
-    offline_traces: tuple[RequestTrace, ...] = ()
+    offline_traces: tuple[RequestTrace, ...] = ()  # the median round's
+    offline_rounds: tuple[OfflineRound, ...] = ()
     single_traces: tuple[RequestTrace, ...] = ()
     speed: PhaseSpeed | None = None  # the machine's calibrations before, during and after this phase
 
@@ -818,13 +833,9 @@ def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
     search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes)
     res = VariantResult(server.system, variant, dict(prober.probes))
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
-    mark()
-    log(f"{server.system}/{variant}: offline run ({cfg.requests} requests at t=0)")
-    _, prompts = prober.prompts()
-    offline = asyncio.run(run_load(server.base_url, SERVED_NAME, planned_requests(prober.trace, None, prompts),
-                                   drain_s=cfg.drain_s * 4))
-    wait_idle(server)
-    res.offline, res.offline_traces = latency_summary(offline.traces, offline.wall_s), offline.traces
+    rounds = [offline_round(cfg, server, prober, i, mark) for i in range(cfg.offline_rounds)]
+    res.offline, res.offline_traces = median_round(rounds)
+    res.offline_rounds = tuple(rounds)
     mark()
     log(f"{server.system}/{variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
         "output tokens)")
@@ -835,6 +846,32 @@ def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
     wait_idle(server)
     res.single, res.single_traces = latency_summary(single.traces, single.wall_s), single.traces
     return res
+
+
+def offline_round(cfg: PeerConfig, server: Server, prober: Prober, index: int,
+                  mark: Callable[[], Speed | None]) -> OfflineRound:
+    """Every request of the trace at t=0, fresh prompt contents; calibrates the machine first."""
+    mark()
+    log(f"{server.system}/{prober.variant}: offline run {index + 1}/{cfg.offline_rounds} "
+        f"({cfg.requests} requests at t=0)")
+    _, prompts = prober.prompts()
+    run = asyncio.run(run_load(server.base_url, SERVED_NAME, planned_requests(prober.trace, None, prompts),
+                               drain_s=cfg.drain_s * 4))
+    wait_idle(server)
+    summary = latency_summary(run.traces, run.wall_s)
+    log(f"{server.system}/{prober.variant}: offline run {index + 1}: {run.wall_s:.1f} s, "
+        f"{summary.get('output_tokens_per_s')} output tokens/s")
+    return OfflineRound(summary, tuple(run.traces))
+
+
+def median_round(rounds: Sequence[OfflineRound]) -> tuple[dict[str, Any], tuple[RequestTrace, ...]]:
+    """The median round by throughput (the slower of the middle two for an even count), its summary
+    carrying every round's wall time and throughput, in run order, under `rounds`."""
+    order = sorted(range(len(rounds)), key=lambda i: rounds[i].summary.get("output_tokens_per_s") or 0.0)
+    pick = order[(len(rounds) - 1) // 2]
+    summary = {**rounds[pick].summary, "round": pick,
+               "rounds": [{k: r.summary.get(k) for k in ("wall_s", "output_tokens_per_s", "failed")} for r in rounds]}
+    return summary, rounds[pick].traces
 
 
 def phase_order(systems: Sequence[str], variants: Sequence[str], order: str) -> list[tuple[str, str]]:
@@ -953,7 +990,8 @@ def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
                     "machine": asdict(p.machine) if p.machine else None,
                     "summary": latency_summary(p.result.traces, p.result.wall_s),
                     "traces": [t.to_json() for t in p.result.traces]} for q, p in sorted(r.probes.items())],
-        "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces]},
+        "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces],
+                    "round_traces": [[t.to_json() for t in o.traces] for o in r.offline_rounds]},
         "single": {**r.single, "traces": [t.to_json() for t in r.single_traces]},
         "machine": r.speed.to_json() if r.speed else None,
     }
@@ -1026,7 +1064,14 @@ def summary_table(comparisons: Sequence[dict[str, Any]]) -> str:
             notes.append(f"{comp['variant']}: capacity Chariot/vLLM {comp['capacity_ratio']}, offline throughput "
                          f"Chariot/vLLM {_num(comp['offline_throughput_ratio'])}×")
             notes.append(machine_note(comp["variant"], comp.get("machine")))
+        notes.extend(rounds_note(comp["variant"], system, s["offline"]) for system, s in comp["systems"].items()
+                     if len(s["offline"].get("rounds", [])) > 1)
     return "\n".join(lines + (["", *notes] if notes else []))
+
+
+def rounds_note(variant: str, system: str, offline: dict[str, Any]) -> str:
+    walls = ", ".join(_num(r.get("wall_s")) for r in offline["rounds"])
+    return f"{variant}: {system}'s offline rounds took {walls} s (the median round is in the table)"
 
 
 def _speed_cell(mean: dict[str, float] | None) -> str:
@@ -1085,6 +1130,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
                         f"{QUICK.qps_high})")
     p.add_argument("--max-probes", type=int, default=None,
                    help=f"probes per capacity search (default {FULL.max_probes}; --quick {QUICK.max_probes})")
+    p.add_argument("--offline-rounds", type=int, default=None,
+                   help=f"offline runs per phase, fresh prompts each; the median round is reported (default "
+                        f"{FULL.offline_rounds}; --quick {QUICK.offline_rounds})")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run, in order (default chariot,vllm)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"prompt variants (default {','.join(VARIANTS)}; shared-prefix prepends one "

@@ -23,6 +23,7 @@ from chariot.bench.peer import (
     SHARED_PREFIX_TOKENS,
     Bounds,
     LoadResult,
+    OfflineRound,
     PeerConfig,
     Planned,
     VariantResult,
@@ -40,6 +41,7 @@ from chariot.bench.peer import (
     fresh_prompts,
     latency_summary,
     measure_phase,
+    median_round,
     parse_cpuinfo,
     phase_order,
     probe_metrics,
@@ -260,6 +262,23 @@ def measured(system: str, speed: PhaseSpeed | None, tokens_per_s: float) -> Vari
                          single={"tbt_p50_ms": 20.0}, speed=speed)
 
 
+def test_the_offline_result_is_the_median_round_and_keeps_every_round() -> None:
+    def round_(wall_s: float) -> OfflineRound:
+        summary = {"wall_s": wall_s, "output_tokens_per_s": 1000 / wall_s, "failed": 0, "output_tokens": 1000}
+        return OfflineRound(summary, (RequestTrace(arrival=wall_s, scheduled=None, token_times=()),))
+
+    rounds = [round_(130.0), round_(104.0), round_(110.0)]
+    summary, traces = median_round(rounds)
+    assert summary["round"] == 2 and summary["wall_s"] == 110.0 and traces == rounds[2].traces
+    assert [r["wall_s"] for r in summary["rounds"]] == [130.0, 104.0, 110.0]  # run order, all kept
+    assert median_round(rounds[:2])[0]["wall_s"] == 130.0  # an even count takes the slower middle round
+    assert median_round(rounds[1:2])[0]["round"] == 0
+    comp = {"variant": "fresh", "common_qps": None,
+            "systems": {"chariot": {"capacity": "-", "at_common_load": None, "offline": summary,
+                                    "single": {}, "machine": None}}}
+    assert "chariot's offline rounds took 130, 104, 110 s" in summary_table([comp])
+
+
 def test_a_comparison_says_how_much_the_machine_drifted_between_its_phases() -> None:
     from chariot.bench.peer import Limits
 
@@ -372,7 +391,7 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
     cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
                      requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
                      max_probes=2, systems=("chariot",), variants=("fresh",), quick=True, out=tmp_path, max_len=512,
-                     kv_cache_gib=1, ready_timeout_s=180, single_output=8)
+                     kv_cache_gib=1, ready_timeout_s=180, single_output=8, offline_rounds=2)
     calibrations: list[Speed] = []
     server_up: list[bool] = []
 
@@ -384,14 +403,16 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
     res = measure_phase(cfg, "chariot", "fresh", PhaseClock(measure=measure))
     assert res.system == "chariot" and res.variant == "fresh" and res.speed is not None
     probes = list(res.probes.values())
-    # before the phase, before every probe after the first, before the offline and single runs, after
-    assert len(calibrations) == 1 + (len(probes) - 1) + 2 + 1
+    # before the phase, before every probe after the first, before each offline round and the single run, after
+    assert len(calibrations) == 1 + (len(probes) - 1) + cfg.offline_rounds + 1 + 1
     assert res.speed.to_json()["counted"] == len(res.speed.samples) <= len(calibrations)
     assert res.speed.before is calibrations[0] and res.speed.after is calibrations[-1]
     assert sum(p.machine is None for p in probes) == 1  # only the first probe: the phase's start measured it
     assert server_up[0] is False and server_up[-1] is False and all(server_up[1:-1])  # no server around the phase
     assert all(s.others_busy is None or 0.0 <= s.others_busy <= 1.0 for s in calibrations)  # None: < 1 tick
     assert res.offline["output_tokens"] > 0 and res.single["output_tokens"] == 8
+    assert len(res.offline_rounds) == len(res.offline["rounds"]) == 2 and res.offline["round"] in (0, 1)
+    assert res.offline_traces == res.offline_rounds[res.offline["round"]].traces
 
 
 def _children_commands() -> list[list[str]]:
