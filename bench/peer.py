@@ -756,10 +756,14 @@ class VariantResult:
     capacity: Bounds = Bounds(0.0, None)
     offline: dict[str, Any] = field(default_factory=dict)
     single: dict[str, Any] = field(default_factory=dict)
-    offline_traces: tuple[RequestTrace, ...] = ()  # the median round's
-    offline_rounds: tuple[OfflineRound, ...] = ()
+    offline_rounds: tuple[OfflineRound, ...] = ()  # in run order; `offline["round"]` is the median's index
     single_traces: tuple[RequestTrace, ...] = ()
     speed: PhaseSpeed | None = None  # the machine's calibrations before, during and after this phase
+
+    @property
+    def offline_traces(self) -> tuple[RequestTrace, ...]:
+        """The median offline round's traces (none before the offline runs)."""
+        return self.offline_rounds[self.offline["round"]].traces if self.offline_rounds else ()
 
 
 def trace_lengths(cfg: PeerConfig, prefix_len: int) -> list[TraceRequest]:
@@ -833,9 +837,8 @@ def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
     search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes)
     res = VariantResult(server.system, variant, dict(prober.probes))
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
-    rounds = [offline_round(cfg, server, prober, i, mark) for i in range(cfg.offline_rounds)]
-    res.offline, res.offline_traces = median_round(rounds)
-    res.offline_rounds = tuple(rounds)
+    res.offline_rounds = tuple(offline_round(cfg, server, prober, i, mark) for i in range(cfg.offline_rounds))
+    res.offline = median_round(res.offline_rounds)
     mark()
     log(f"{server.system}/{variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
         "output tokens)")
@@ -864,14 +867,14 @@ def offline_round(cfg: PeerConfig, server: Server, prober: Prober, index: int,
     return OfflineRound(summary, tuple(run.traces))
 
 
-def median_round(rounds: Sequence[OfflineRound]) -> tuple[dict[str, Any], tuple[RequestTrace, ...]]:
-    """The median round by throughput (the slower of the middle two for an even count), its summary
-    carrying every round's wall time and throughput, in run order, under `rounds`."""
+def median_round(rounds: Sequence[OfflineRound]) -> dict[str, Any]:
+    """The summary of the median round by throughput (the slower of the middle two for an even count),
+    with its index under `round` and every round's wall time and throughput, in run order, under
+    `rounds`."""
     order = sorted(range(len(rounds)), key=lambda i: rounds[i].summary.get("output_tokens_per_s") or 0.0)
     pick = order[(len(rounds) - 1) // 2]
-    summary = {**rounds[pick].summary, "round": pick,
-               "rounds": [{k: r.summary.get(k) for k in ("wall_s", "output_tokens_per_s", "failed")} for r in rounds]}
-    return summary, rounds[pick].traces
+    return {**rounds[pick].summary, "round": pick,
+            "rounds": [{k: r.summary.get(k) for k in ("wall_s", "output_tokens_per_s", "failed")} for r in rounds]}
 
 
 def phase_order(systems: Sequence[str], variants: Sequence[str], order: str) -> list[tuple[str, str]]:

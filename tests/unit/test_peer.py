@@ -268,11 +268,13 @@ def test_the_offline_result_is_the_median_round_and_keeps_every_round() -> None:
         return OfflineRound(summary, (RequestTrace(arrival=wall_s, scheduled=None, token_times=()),))
 
     rounds = [round_(130.0), round_(104.0), round_(110.0)]
-    summary, traces = median_round(rounds)
-    assert summary["round"] == 2 and summary["wall_s"] == 110.0 and traces == rounds[2].traces
+    summary = median_round(rounds)
+    assert summary["round"] == 2 and summary["wall_s"] == 110.0
+    result = VariantResult("chariot", "fresh", offline=summary, offline_rounds=tuple(rounds))
+    assert result.offline_traces == rounds[2].traces and VariantResult("vllm", "fresh").offline_traces == ()
     assert [r["wall_s"] for r in summary["rounds"]] == [130.0, 104.0, 110.0]  # run order, all kept
-    assert median_round(rounds[:2])[0]["wall_s"] == 130.0  # an even count takes the slower middle round
-    assert median_round(rounds[1:2])[0]["round"] == 0
+    assert median_round(rounds[:2])["wall_s"] == 130.0  # an even count takes the slower middle round
+    assert median_round(rounds[1:2])["round"] == 0
     comp = {"variant": "fresh", "common_qps": None,
             "systems": {"chariot": {"capacity": "-", "at_common_load": None, "offline": summary,
                                     "single": {}, "machine": None}}}
