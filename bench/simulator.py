@@ -21,10 +21,9 @@ import argparse
 import dataclasses
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from chariot.bench.capacity import CapacityResult, RequestTrace, RunMetrics, search_capacity
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
@@ -179,13 +178,6 @@ def predict_capacity(
         return simulate(trace, cfg, cost_model).metrics(qps)
 
     return search_capacity(evaluate, tbt_slo_s, low, high, tolerance=tolerance, max_probes=max_probes)
-
-
-def sweep_budgets(trace_spec: TraceSpec, budgets: Iterable[int], cost_model: CostModel, tbt_slo_s: float,
-                  **kwargs: Any) -> dict[int, CapacityResult]:
-    """Predicted sarathi capacity per token budget (the paper's simulator-driven budget choice)."""
-    return {b: predict_capacity(trace_spec, "sarathi", b, cost_model, tbt_slo_s, **kwargs)
-            for b in budgets}
 
 
 def load_cost_model(profile_path: str | Path) -> CostModel:

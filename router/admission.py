@@ -36,7 +36,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
@@ -279,12 +279,6 @@ class AdmissionController:
     def in_flight(self) -> int:
         """Requests this router admitted that have not finished."""
         return len(self._tickets)
-
-    def in_flight_by_replica(self) -> Mapping[str, int]:
-        counts: dict[str, int] = {}
-        for ticket in self._tickets.values():
-            counts[ticket.replica] = counts.get(ticket.replica, 0) + 1
-        return counts
 
     async def replica_of(self, request_id: str) -> str | None:
         """The replica serving `request_id`, admitted by this router or another one (cancellation)."""

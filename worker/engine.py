@@ -173,14 +173,6 @@ class Engine:
         outputs = self.finish_requests([request_id], FinishReason.ABORT)
         return outputs[0] if outputs else None
 
-    def fail(self, request_id: str, error: str) -> EngineOutput | None:
-        """Finish a request with an error (e.g. its pipeline stage died)."""
-        seq = self._by_request.get(request_id)
-        if seq is None:
-            return None
-        seq.error = error
-        return self.finish_requests([request_id], FinishReason.ERROR)[0]
-
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

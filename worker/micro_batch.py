@@ -105,18 +105,6 @@ def pack(
     return MicroBatch(layout, torch.from_numpy(buf))
 
 
-def encode_batch(inp: ModelInput) -> MicroBatch:
-    """The inverse of `decode_batch` (for a `ModelInput` whose `sampling` is set when rows sample)."""
-    a = inp.attn
-    n = len(inp.sample_indices)
-    num_adjust = len(inp.sampling.adjustments) if inp.sampling is not None else 0
-    layout = Layout(inp.num_tokens, a.num_seqs, a.block_tables.shape[1], a.num_decodes, n, num_adjust)
-    sections = [inp.input_ids, inp.positions, a.slot_mapping, a.query_start_loc, a.seq_lens,
-                a.block_tables, inp.sample_indices]
-    host = [t.to("cpu", torch.long).numpy() for t in sections]
-    return pack(layout, host, inp.sampling.columns if inp.sampling is not None else None)
-
-
 def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> ModelInput:
     """Device tensors for one stage: one copy of the payload to `device` (none if it is there
     already), host facts from the host copy; sampling columns only when `with_sampling`."""

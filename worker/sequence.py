@@ -71,10 +71,6 @@ class Sequence:
         """True once the whole context is cached and only the newest token is left to process."""
         return self.num_computed_tokens > 0 and self.num_remaining == 1
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) across prompt and output, copying only that range."""
         plen = self.prompt_len
