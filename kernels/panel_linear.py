@@ -1,17 +1,16 @@
 """`y = x Wᵀ + b` in float32 on the CPU (`csrc/panel_linear.cpp`), on a weight packed once into
 panels of 16 outputs, for any number of rows.
 
-Decode steps of 8-32 sequences are where the linear layers were furthest from the machine on an
-AVX2 EPYC: the skinny kernel (`skinny_linear.py`, which reduces along K inside the vector
-registers) ran them at about half the FMA rate and oneDNN slower still (docs/BENCHMARKS.md, session
-15). This kernel puts 16 outputs in the lanes of two vectors and broadcasts up to six rows of x
-against them, so there is no reduction across lanes. Up to 64 rows (`kStreamRows` in the C++) W
+Decode steps of 8-32 sequences are where the linear layers are furthest from the machine on an
+AVX2 CPU: the skinny kernel (`skinny_linear.py`, which reduces along K inside the vector
+registers) runs them at about half the FMA rate and oneDNN slower still (docs/kernels.md). This
+kernel puts 16 outputs in the lanes of two vectors and broadcasts up to six rows of x against them,
+so there is no reduction across lanes. Up to 64 rows (`kStreamRows` in the C++) W
 streams once per thread, its next panels requested into L2 while the passes compute; from 1 to 8
 rows that is as fast as the skinny kernel, so for float32 it replaces it: the panels take the place
 of the plain copy. More rows (prefill chunks) take the classic blocked order, 256 steps of a panel held in L1
-against blocks of 96 rows held in L2; on an AVX2 EPYC whole 512-token prefill steps of the `100m`
-preset ran 1.08-1.11x as fast as on oneDNN (docs/kernels.md, session 16), so where a stage measures
-that at load, its layers drop oneDNN's copy (`worker/model/cpu_linear.py`).
+against blocks of 96 rows held in L2, which can beat oneDNN on whole prefill steps (docs/kernels.md);
+where a stage measures that at load, its layers drop oneDNN's copy (`worker/model/cpu_linear.py`).
 
 Built on first use and cached like the other CPU kernels (`cpu_build.py`). `worker/model/cpu_linear.py`
 decides when a layer calls it.

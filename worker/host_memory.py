@@ -4,9 +4,9 @@ A forward pass on the CPU allocates its activations afresh in every iteration (a
 of the `100m` preset: about 86 MiB over its 8 layers' projections) and frees them at its end. glibc's
 malloc hands the top of its heap back to the kernel once more than its trim threshold lies free
 there, and that threshold adapts only to the largest block it has served by `mmap` (twice that
-size, a few MiB here). So every iteration's activations came back as fresh pages: on the peer
-benchmark's offline trace, about 1.1 million page faults and 2.8 s of system time a run, zeroing
-pages in the middle of the matmuls and the attention kernel (docs/BENCHMARKS.md, session 13).
+size, a few MiB here). So every iteration's activations come back as fresh pages, and the kernel
+zeroes them in the middle of the matmuls and the attention kernel: on a long offline trace that is
+about a million page faults and seconds of system time (docs/kernels.md).
 
 `keep_freed_memory` fixes both of glibc's thresholds once per process: blocks under 32 MiB (the
 most glibc allows) come from the heap, and the heap keeps up to 1 GiB free before it trims, so the

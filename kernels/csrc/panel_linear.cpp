@@ -3,7 +3,7 @@
 // Decode steps of 8-32 sequences multiply that many rows by every weight. The skinny kernel
 // (skinny_linear.cpp) reduces along K inside 8-lane registers and reads each block of W once per
 // pass of 3 rows; from about 12 rows it runs at half the FMA rate of an AVX2 core and well under
-// the memory's (docs/BENCHMARKS.md, session 15). Here the outputs are in the vector lanes instead:
+// the memory's (docs/kernels.md). Here the outputs are in the vector lanes instead:
 // W is packed once into panels of 16 outputs, [N/16][K][16], so one step of k loads two vectors of
 // W (16 outputs) and multiplies them by up to six rows of x, each broadcast from memory: 12 FMAs
 // into 12 accumulators per two loads of W and six broadcasts, and no reduction across lanes. Each
@@ -15,8 +15,8 @@
 // Prefill chunks (hundreds of rows) are bound by the FMAs instead, and take the classic blocked
 // order (`blocked`): 256 steps of one panel (16 KiB, held in L1) against every group of a block of
 // 96 rows (held in L2), the partial sums added up in y, whose lines are requested at the start of
-// each tile so they arrive while the FMAs run (two interleaved runs at 512 rows on an AVX2 EPYC:
-// 1.10x and 1.10x oneDNN's rate with the requests, 1.01x and 1.08x without; docs/kernels.md).
+// each tile so they arrive while the FMAs run (without those requests the order falls back to
+// about oneDNN's rate; docs/kernels.md has the measurements).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

@@ -1,42 +1,21 @@
 """Linear layers for inference on the CPU: own kernels for decode rows (and float32 prefill where they
 win), oneDNN for the rest.
 
-PyTorch's default CPU matmul goes through MKL, which on this project's AVX2 EPYC machines reaches
-only 27 GFLOP/s for a 32-row decode batch; oneDNN with the weight reordered once at load time into
-its blocked layout runs the same product 2× faster (1.05–1.2× for 512-token prefill chunks).
-vLLM's CPU backend takes the same route. For 1–16 rows (a decode iteration of a few sequences,
-bound by streaming every weight from memory; in bf16 up to 24), neither reaches the memory
-bandwidth; the package's C++ skinny kernel (`kernels/skinny_linear.py`) does, on the weight's
-plain layout: one sequence's decode step on the `100m` preset takes 22 ms instead of 30
-(docs/BENCHMARKS.md, "CPU linear layers").
+Why: PyTorch's default CPU matmul (MKL) is far from the machine on a decode batch. oneDNN with the
+weight reordered once at load into its blocked layout is faster on most row counts (vLLM's CPU
+backend takes the same route), but on a few rows (a decode step bound by streaming every weight from
+memory) neither reaches the memory bandwidth; the package's kernels do: the panel kernel for float32
+(`kernels/panel_linear.py`, which can also take prefill chunks in a blocked order) and the skinny
+kernel for bf16 (`kernels/skinny_linear.py`).
 
-Where the two routes cross depends on the machine: on an AVX2 EPYC the kernel won up to 16 rows, on
-an AVX-512 one oneDNN's kernels win from 4 rows. So when a stage keeps both layouts, `cpu_linears`
-times both routes over the stage's own layers (the first 256 MiB of their weights, so they come from
-memory as in a decode step and a large model's start-up stays bounded) for 1, 2, 4, 8, 12, 16, 24
-and 32 rows (interleaved, the fastest of a few passes; about two seconds on the `100m` preset) and
-routes to the kernel up to the largest row count below which it won every time
-(`calibrate_skinny_rows`); the panel kernel of float32 layers is also timed at 48 and 64 rows.
-`CHARIOT_CPU_SKINNY_MAX_ROWS=N` (or `all`) sets that limit instead of measuring it.
-
-For float32 the few-rows route is the panel kernel (`kernels/panel_linear.py`: the weight packed
-once into panels of 16 outputs, up to six rows broadcast against them), which ran 12-64 rows
-1.27-1.60x as fast as the skinny kernel on an AVX2 EPYC and 1-2 rows within 3 % of it; its panels
-take the place of the plain copy (`CHARIOT_CPU_PANEL_LINEAR=0` keeps the skinny kernel instead).
-It takes prefill chunks too, in a blocked order: when it wins every decode row count up to 32 (a
-win: oneDNN not more than 5 % faster, PANEL_TIE; SETTLED_ROWS), the stage also times 512 rows
-(MANY_ROWS) over the first 64 MiB, and when it wins there too (within 10 %, MANY_ROWS_TIE) the
-panels take every call and the layers drop oneDNN's copy (one copy of the weights, not two; whole
-512-token steps ran 1.08-1.11x as fast as on oneDNN on an AVX2 EPYC, docs/kernels.md).
-bf16 keeps the skinny kernel.
-
-`load_stage` calls `cpu_linears(stage)` once the weights are in: it swaps every `nn.Linear` for a
-`CpuLinear` that routes each call by its number of rows. Keeping both layouts costs a second copy
-of the weights, so by default (`CHARIOT_CPU_SKINNY_LINEAR=auto`) the skinny path is only kept when
-that copy takes at most a quarter of the machine's memory; `1` forces it, `0` turns it off.
-`CHARIOT_CPU_PACKED_LINEAR=0` turns packing off. Neither applies to other devices. bf16 is packed
-where oneDNN can (as with AVX-512) and takes the skinny kernel where its build multiplies bf16 rows
-(AVX512-BF16); other dtypes keep what they had.
+What: `load_stage` calls `cpu_linears(stage)` once the weights are in; it swaps every `nn.Linear`
+for a `CpuLinear` that routes each call by its number of rows. Where the routes cross depends on the
+machine, so a stage that keeps both layouts times them over its own layers at load
+(`calibrate_skinny_rows`) and routes to the kernel up to the largest row count where it won; when
+the panels also win a prefill-sized call, the layers drop oneDNN's copy. Keeping both layouts costs a
+second copy of the weights, kept only when it fits (a quarter of the machine's memory by default).
+The `CHARIOT_CPU_*` environment knobs read here force or turn off each route; docs/kernels.md has
+the measurements behind these choices.
 """
 
 from __future__ import annotations
