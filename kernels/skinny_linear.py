@@ -32,7 +32,7 @@ BF16_STEP = 32  # bf16 values of K per step of the AVX512-BF16 path (one cache l
 MAX_ROWS = 32
 """The most rows it is ever used for. In fp32 oneDNN's packed GEMM was as fast from 16 rows in whole
 decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); in bf16 on
-AVX512-BF16 the kernel won up to 24 rows and tied at 32 (`docs/img/skinny_bf16/kernel_ab.py`). Where
+AVX512-BF16 the kernel won up to 24 rows and tied at 32 (`bench/experiments/skinny_kernel_ab.py`). Where
 it crosses on a given machine and dtype is measured at load time (`worker/model/cpu_linear.py`)."""
 
 KernelFn = Callable[..., None]

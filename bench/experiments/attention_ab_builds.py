@@ -5,7 +5,9 @@ reference leaves behind (evicted caches, freed memory) skewed an A/A run of two 
 up to 15 % (docs/kernels.md). Here the current build runs as A, B, A in turn over the benchmark's
 shapes (`turn_order` varies the order every rep), so "A again / A" shows the noise floor of the run.
 
-    .venv/bin/python docs/img/attention_ab/ab_builds.py OTHER.cpp [bfloat16]   # OTHER.cpp next to its headers
+    .venv/bin/python -m chariot.bench.experiments.attention_ab_builds OTHER.cpp [bfloat16]
+
+OTHER.cpp is the other build's `paged_attention.cpp`, with the headers it includes beside it.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 // ratio: the fp32 FMA rate (VFMADD on ymm, which AVX2 and AVX-512 machines both run), the bf16
 // dot-product rate where the CPU has AVX512-BF16 (VDPBF16PS on zmm), each with 12 independent
 // accumulators per thread so nothing waits on a result, and the rate one pass reads memory at
-// (256 MiB, past every cache, 4 KiB pages and then 2 MiB ones). Ad hoc; needs gcc:
-//   gcc -O2 -march=native -fopenmp docs/img/profile/cpu_peak.c -o /tmp/cpu_peak && /tmp/cpu_peak
-// (bf16_peak.c until session 15: the bf16 and read parts, with the read loop on zmm.)
+// (256 MiB, past every cache, 4 KiB pages and then 2 MiB ones). Not part of the package; build and
+// run it with gcc from the repository root:
+//   mkdir -p build && gcc -O2 -march=native -fopenmp bench/experiments/cpu_peak.c -o build/cpu_peak && build/cpu_peak
 #include <immintrin.h>
 #include <omp.h>
 #include <stdio.h>

@@ -7,12 +7,16 @@ first 20 it reports the median of:
 - inside execute: building the device batch (`ModelRunner.decode`), the stage's forward, the final
   norm + LM head (`compute_logits`) and the sampler;
 - then the stage's forward alone, repeated on the inputs of the last decode step that held all N
-  sequences (session 14 repeated the very last step, which held fewer): as it is, with the linear
+  sequences (the very last step holds fewer): as it is, with the linear
   layers replaced by a lookup of preallocated outputs, and with attention replaced too. What is left
   in the last is the Python around the ops plus the small ops (norms, RoPE, KV writes, SiLU·mul):
   the most a compiled layer could save.
 
-    .venv/bin/python docs/img/profile/decode_step_parts.py [float32|bfloat16] [N ...]   # ~1 min per N
+    .venv/bin/python -m chariot.bench.experiments.decode_step_parts [float32|bfloat16] [N ...] > OUT.txt
+
+About a minute per N.
+
+Run from the repository root (it loads `models/100m`).
 """
 
 from __future__ import annotations
@@ -27,14 +31,14 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+MODEL = Path("models/100m")
 SKIP = 20
 
 
 def load(dtype: str) -> Any:
     from chariot.worker import LLM
 
-    return LLM(str(ROOT / "models" / "100m"), dtype=dtype, token_budget=512, max_model_len=2048,
+    return LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048,
                kv_cache_tokens=65536, prefix_caching=False, progress=False)
 
 
@@ -112,12 +116,13 @@ def forward_without(call: tuple[Any, tuple[Any, ...], dict[str, Any]], reps: int
     print(f"  (the repeated forward's batch: {kwargs['input_ids'].shape[0]} token(s))")
     out = {"forward, repeated": median_ms()}
     try:
-        cpu_linear.CpuLinear.forward = no_linear
+        cpu_linear.CpuLinear.forward = no_linear  # type: ignore[method-assign]
         out["forward without linear layers"] = median_ms()
-        llama.paged_attention = no_attention
+        llama.paged_attention = no_attention  # type: ignore[assignment]
         out["forward without linear layers and attention"] = median_ms()
     finally:
-        cpu_linear.CpuLinear.forward, llama.paged_attention = linear, attention
+        cpu_linear.CpuLinear.forward = linear  # type: ignore[method-assign]
+        llama.paged_attention = attention
     return out
 
 
@@ -137,7 +142,6 @@ def main(dtype: str, counts: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     args = sys.argv[1:]
     dtype = args.pop(0) if args and not args[0].isdigit() else "bfloat16"
     main(dtype, [int(a) for a in args] or [1, 16])

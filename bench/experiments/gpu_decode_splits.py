@@ -1,6 +1,6 @@
 """Split-KV decode on a GPU: eager time and GPU time of each forced split count (the H100 run of 2026-11-24).
 
-    python docs/img/gpu-h100/decode_splits.py OUT_DIR
+    python -m chariot.bench.experiments.gpu_decode_splits OUT_DIR
 
 Eager time is `triton.testing.do_bench` on the call, which on a slow host measures the launches
 (three scratch allocations and two Triton launches for the split path); GPU time replays 20 calls
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
-import triton
 
 from chariot.bench.kernel_bench import SCALE, Case, make_inputs, sdpa_method
 from chariot.kernels import triton_attention as ta
@@ -37,10 +37,14 @@ def graph_ms(fn: Callable[[], object], calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    import triton.testing
+
     return float(triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")) / calls
 
 
 def eager_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
     return float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
 
 
@@ -53,8 +57,8 @@ def main(out: Path) -> None:
         sdpa, _ = sdpa_method(case, inputs)
         methods: dict[str, Callable[[], object]] = {"sdpa": sdpa}
         for splits in (1, 2, 4, 8, 16, 32, 64):
-            methods[f"triton splits={splits}{' (auto)' if splits == auto else ''}"] = (
-                lambda s=splits, i=inputs: ta.paged_attention(i.query, i.k_cache, i.v_cache, i.meta, SCALE, splits=s))
+            methods[f"triton splits={splits}{' (auto)' if splits == auto else ''}"] = partial(
+                ta.paged_attention, inputs.query, inputs.k_cache, inputs.v_cache, inputs.meta, SCALE, splits=splits)
         for name, fn in methods.items():
             rows.append({"b": batch, "ctx": ctx, "method": name, "eager_ms": eager_ms(fn), "graph_ms": graph_ms(fn)})
             print(rows[-1], flush=True)

@@ -1,6 +1,6 @@
 """Iteration times and a torch.profiler table of one model on CUDA (the H100 run of 2026-11-24).
 
-    python docs/img/gpu-h100/device_profile.py MODEL_DIR   # NO_CPROFILE=1 skips the Python profile
+    python -m chariot.bench.experiments.gpu_device_profile MODEL_DIR   # NO_CPROFILE=1 skips the Python profile
 
 Three untimed-then-timed rounds of decode (16 prompts of 16 tokens, 64 greedy tokens) and prefill
 (8 prompts of 512 tokens, one token), then one profiled decode round of 16 iterations.

@@ -1,6 +1,6 @@
 """Which Triton kernel variants a CUDA engine compiles after its warm-up (the H100 run of 2026-11-24).
 
-    python docs/img/gpu-h100/kernel_variants.py MODEL_DIR
+    python -m chariot.bench.experiments.gpu_kernel_variants MODEL_DIR
 
 Builds an `LLM` on CUDA (its warm-up runs), lists the compiled variants of the attention kernels,
 then serves single prompts of growing length and one batch of 24, printing each one's time and the

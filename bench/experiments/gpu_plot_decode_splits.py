@@ -1,25 +1,25 @@
-"""Plot decode_splits_h100_before.json: GPU time of each forced split count per decode shape, with
-SDPA and the automatic choices before and after the retuning marked (decode_splits_h100.png).
+"""Plot DIR/decode_splits_h100_before.json (from `gpu_decode_splits`): GPU time of each forced split
+count per decode shape, with SDPA and the automatic choices before and after the retuning marked
+(DIR/decode_splits_h100_after.json), into DIR/decode_splits_h100.png.
 
-    .venv/bin/python docs/img/gpu-h100/plot_decode_splits.py
+    .venv/bin/python -m chariot.bench.experiments.gpu_plot_decode_splits docs/img/gpu-h100
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+def main(here: Path) -> None:
+    import matplotlib
 
-HERE = Path(__file__).parent
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-
-def main() -> None:
-    before = json.loads((HERE / "decode_splits_h100_before.json").read_text())["rows"]
-    after = json.loads((HERE / "decode_splits_h100_after.json").read_text())["rows"]
+    before = json.loads((here / "decode_splits_h100_before.json").read_text())["rows"]
+    after = json.loads((here / "decode_splits_h100_after.json").read_text())["rows"]
     shapes = sorted({(r["b"], r["ctx"]) for r in before})
     fig, axes = plt.subplots(2, 3, figsize=(11, 6), sharex=True)
     for ax, (batch, ctx) in zip(axes.flat, shapes, strict=True):
@@ -43,8 +43,8 @@ def main() -> None:
         ax.set_xlabel("KV splits")
     fig.suptitle("Split-KV decode on an H100 (Llama-3-8B heads, bf16; CUDA-graph replay)")
     fig.tight_layout()
-    fig.savefig(HERE / "decode_splits_h100.png", dpi=110)
+    fig.savefig(here / "decode_splits_h100.png", dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]))

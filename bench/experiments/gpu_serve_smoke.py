@@ -1,6 +1,6 @@
 """`chariot up` on CUDA, end to end: wait for its ready line, time four completions, stop it.
 
-    python docs/img/gpu-h100/serve_smoke.py MODEL_DIR STAGES [extra chariot up flags]
+    python -m chariot.bench.experiments.gpu_serve_smoke MODEL_DIR STAGES [extra chariot up flags]
 
 Requests 0 and 1 have 401-token prompts, 2 and 3 81-token ones; each asks for 64 greedy tokens.
 """

@@ -3,8 +3,10 @@ against the PyTorch code they replace, toggled with `CHARIOT_CPU_LAYER_OPS` insi
 whole `LLM.generate` calls: 9 interleaved rounds (order alternating, the first dropped). Also
 compares both paths' greedy tokens.
 
-    .venv/bin/python docs/img/layer_ops_ab.py            # writes /tmp/layer_ops_ab.json
-    .venv/bin/python docs/img/layer_ops_ab.py bfloat16   # writes /tmp/layer_ops_ab_bfloat16.json
+    .venv/bin/python -m chariot.bench.experiments.layer_ops_ab [DTYPE] [OUT_DIR]
+
+Writes OUT_DIR/layer_ops_ab.json (`layer_ops_ab_<dtype>.json` for another DTYPE than float32; OUT_DIR
+defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def use(name: str) -> None:
     os.environ[cpu_layer_ops.ENV] = PATHS[name]
 
 
-def main(dtype: str) -> None:
+def main(dtype: str, out_dir: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     llm = LLM("models/100m", dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=32768,
               prefix_caching=False, progress=False)
@@ -61,10 +63,10 @@ def main(dtype: str) -> None:
         rows.append({"case": case, "torch_ms": old * 1e3, "kernels_ms": new * 1e3, "speedup": old / new,
                      "torch_all_s": seconds[("torch", case)], "kernels_all_s": seconds[("kernels", case)]})
         print(f"{case}: torch {old * 1e3:.0f} ms, kernels {new * 1e3:.0f} ms, {old / new:.3f}x")
-    out = Path("/tmp/layer_ops_ab.json" if dtype == "float32" else f"/tmp/layer_ops_ab_{dtype}.json")
+    out = out_dir / ("layer_ops_ab.json" if dtype == "float32" else f"layer_ops_ab_{dtype}.json")
     out.write_text(json.dumps({"machine": cpu_record(), "dtype": dtype, "greedy_identical": same, "rows": rows},
                               indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "float32")
+    main(sys.argv[1] if len(sys.argv) > 1 else "float32", Path(sys.argv[2]) if len(sys.argv) > 2 else Path())

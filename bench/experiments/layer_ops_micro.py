@@ -1,7 +1,7 @@
 """Spot check and microbenchmark of the CPU layer kernels against the PyTorch code they replace, on
 a 512-token chunk of the `100m` shapes (output: layer_ops_micro.txt; medians of 20 calls).
 
-    .venv/bin/python docs/img/layer_ops_micro.py
+    .venv/bin/python -m chariot.bench.experiments.layer_ops_micro
 """
 
 from __future__ import annotations

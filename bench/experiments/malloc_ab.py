@@ -9,7 +9,10 @@ time of the round (`getrusage`). Also a per-step breakdown of one round of the k
 steps by kind (decode-only or mixed, by rows), execute time, and within it attention, the skinny
 kernel, oneDNN and the rest.
 
-    .venv/bin/python docs/img/profile/malloc_ab.py [ROUNDS] [DTYPE]   # ~6 min; malloc_ab_<dtype>.json
+    .venv/bin/python -m chariot.bench.experiments.malloc_ab [ROUNDS] [DTYPE] [OUT_DIR]   # ~6 min
+
+Run from the repository root (it loads `models/100m`); writes OUT_DIR/malloc_ab_<dtype>.json (OUT_DIR
+defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -21,19 +24,18 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+MODEL = Path("models/100m")
 BUCKETS = (8, 24, 64, 128, 256, 512)
 
 
 def load(dtype: str) -> Any:
     from chariot.worker import LLM
 
-    return LLM(str(ROOT / "models" / "100m"), dtype=dtype, token_budget=512, max_model_len=2048,
+    return LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048,
                kv_cache_tokens=65536, prefix_caching=False, progress=False)
 
 
@@ -66,7 +68,7 @@ def step_breakdown(llm: Any, seed: str) -> dict[str, dict[str, float]]:
     import chariot.worker.model.cpu_linear as cpu_linear
     import chariot.worker.model.llama as llama
 
-    spent: Counter[str] = Counter()
+    spent: dict[str, float] = defaultdict(float)
     attention, forward = llama.paged_attention, cpu_linear.CpuLinear.forward
 
     def timed_attention(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +84,7 @@ def step_breakdown(llm: Any, seed: str) -> dict[str, dict[str, float]]:
         spent["skinny" if self.skinny and rows <= self.skinny_max_rows else "onednn"] += time.perf_counter() - t
         return out
 
-    kinds: dict[str, Counter[str]] = defaultdict(Counter)
+    kinds: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     engine, step = llm.engine, llm.engine.step
 
     def timed_step() -> Any:
@@ -101,11 +103,15 @@ def step_breakdown(llm: Any, seed: str) -> dict[str, dict[str, float]]:
             k["context_tokens"] += sum(c.start + c.num_tokens for c in chunks)
         return result
 
-    llama.paged_attention, cpu_linear.CpuLinear.forward, engine.step = timed_attention, timed_linear, timed_step
+    llama.paged_attention = timed_attention
+    cpu_linear.CpuLinear.forward = timed_linear  # type: ignore[method-assign]
+    engine.step = timed_step
     try:
         run(llm, seed)
     finally:
-        llama.paged_attention, cpu_linear.CpuLinear.forward, engine.step = attention, forward, step
+        llama.paged_attention = attention
+        cpu_linear.CpuLinear.forward = forward  # type: ignore[method-assign]
+        engine.step = step
     out = {}
     for kind, k in sorted(kinds.items()):
         row = dict(k)
@@ -115,7 +121,6 @@ def step_breakdown(llm: Any, seed: str) -> dict[str, dict[str, float]]:
 
 
 def serve(dtype: str) -> None:
-    sys.path.insert(0, str(ROOT))
     llm = load(dtype)
     lengths, _ = trace()
     from chariot.bench.peer import fresh_prompts
@@ -129,8 +134,7 @@ def serve(dtype: str) -> None:
         print(json.dumps(answer), flush=True)
 
 
-def drive(rounds: int, dtype: str) -> None:
-    sys.path.insert(0, str(ROOT))
+def drive(rounds: int, dtype: str, out_dir: Path) -> None:
     from chariot.bench.linear_bench import cpu_record
     from chariot.worker.host_memory import ENV
 
@@ -164,7 +168,7 @@ def drive(rounds: int, dtype: str) -> None:
                "median_minor_faults": {k: statistics.median(r["minor_faults"] for r in v) for k, v in results.items()},
                "median_sys_s": {k: statistics.median(r["sys_s"] for r in v) for k, v in results.items()}}
     print(json.dumps(summary, indent=1))
-    (HERE / f"malloc_ab_{dtype}.json").write_text(json.dumps(
+    (out_dir / f"malloc_ab_{dtype}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": results, "summary": summary,
          "step_breakdown_kept": breakdown}, indent=1))
 
@@ -173,4 +177,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
         serve(sys.argv[2])
     else:
-        drive(int(sys.argv[1]) if len(sys.argv) > 1 else 4, sys.argv[2] if len(sys.argv) > 2 else "bfloat16")
+        drive(int(sys.argv[1]) if len(sys.argv) > 1 else 4, sys.argv[2] if len(sys.argv) > 2 else "bfloat16",
+              Path(sys.argv[3]) if len(sys.argv) > 3 else Path())

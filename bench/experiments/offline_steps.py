@@ -8,10 +8,11 @@ compute-bound at 512 rows and bound by streaming the weights (and the decodes' K
 so the groups say where a faster GEMM, a faster attention or a faster weight stream would pay.
 
 One process, Chariot's `LLM` on the `100m` weights (float32 unless given), token budget 512, no
-prefix caching, after a short warm-up. Writes `offline_steps_<dtype>.json` (every step's tokens,
-decodes and seconds, the groups, the machine) beside this file and prints the groups.
+prefix caching, after a short warm-up. Writes OUT (default `offline_steps_<dtype>.json` in the
+current directory: every step's tokens, decodes and seconds, the groups, the machine) and prints the
+groups. Run from the repository root (it loads `models/100m`):
 
-    .venv/bin/python docs/img/profile/offline_steps.py [float32|bfloat16]   # ~2 min on 2 cores
+    .venv/bin/python -m chariot.bench.experiments.offline_steps [float32|bfloat16] [OUT]   # ~2 min on 2 cores
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+MODEL = Path("models/100m")
 GROUPS = ((1, 16), (16, 64), (64, 256), (256, 480), (480, 513))  # [low, high) tokens per step
 
 
-def main(dtype: str) -> None:
+def main(dtype: str, out: Path) -> None:
     from chariot.bench.linear_bench import cpu_record
     from chariot.bench.peer import fresh_prompts
     from chariot.bench.traces import TRACES, make_trace
@@ -35,7 +36,7 @@ def main(dtype: str) -> None:
 
     trace = make_trace(TRACES["chat"], 64, 1.0, seed=0, scale=0.25, max_len=2048)
     lengths, outputs = [r.prompt_len for r in trace], [r.decode_len for r in trace]
-    llm = LLM(str(ROOT / "models" / "100m"), dtype=dtype, token_budget=512, max_model_len=2048,
+    llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048,
               kv_cache_tokens=65536, prefix_caching=False, progress=False)
     steps: list[tuple[int, int, float]] = []
     step = Engine.step
@@ -57,7 +58,7 @@ def main(dtype: str) -> None:
     t0 = time.perf_counter()
     llm.generate(fresh_prompts(lengths, 8192, "offline-steps"), [params(n) for n in outputs])
     wall = time.perf_counter() - t0
-    groups = []
+    groups: list[dict[str, Any]] = []
     for low, high in GROUPS:
         chosen = [s for s in steps if low <= s[0] < high]
         if chosen:
@@ -68,10 +69,11 @@ def main(dtype: str) -> None:
     for g in groups:
         print(f"tokens [{g['tokens'][0]}, {g['tokens'][1]}): {g['steps']:4d} steps {g['seconds']:6.1f} s "
               f"{g['ms_per_step']:6.1f} ms/step, {g['tokens_total']} tokens")
-    (HERE / f"offline_steps_{dtype}.json").write_text(json.dumps(
+    out.write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "wall_s": wall, "groups": groups,
          "steps": [{"tokens": t, "decodes": d, "s": s} for t, d, s in steps]}, indent=1))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "float32")
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
+    main(dtype, Path(sys.argv[2]) if len(sys.argv) > 2 else Path(f"offline_steps_{dtype}.json"))

@@ -9,8 +9,8 @@ one range per thread, a thread taken off its core holds up the whole call at its
 the other thread takes the rest of the work. Pairs interleaved (alternating order); the ratios are
 medians of per-pair ratios.
 
-    .venv/bin/python docs/img/panel_linear/contention_ab.py [ROWS] [PAIRS] [BUSY_MS] [IDLE_MS]
-    # defaults 512 40 1 9; prints one line per condition (~1 min)
+    .venv/bin/python -m chariot.bench.experiments.panel_contention_ab [ROWS] [PAIRS] [BUSY_MS] [IDLE_MS]
+    # defaults 512 40 1 9; prints one line per condition (~1 min); run from a checkout
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (git history and kernels/csrc)
 STATIC_COMMIT = "0bb3c1d"
 SHAPES = ((1024, 1536), (1024, 1024), (1024, 5632), (2816, 1024))  # (K, N): qkv, o, gate_up, down
 BURSTS = ("import time\nwhile True:\n t = time.perf_counter()\n"
@@ -45,7 +45,6 @@ def static_kernel() -> Callable[..., None]:
 
 
 def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
-    sys.path.insert(0, str(ROOT.parent))
     from chariot.bench.linear_bench import cpu_record
     from chariot.kernels import panel_linear as pl
 
@@ -71,7 +70,9 @@ def main(rows: int, pairs: int, busy_ms: float, idle_ms: float) -> None:
         return time.perf_counter() - t0
 
     machine = cpu_record()
-    print(f"{machine['cpu']}, flags {' '.join(machine['flags'])}, {torch.get_num_threads()} threads, "
+    flags = machine["flags"]
+    assert isinstance(flags, list)
+    print(f"{machine['cpu']}, flags {' '.join(flags)}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}; 'onednn': packed weight (mkldnn._linear_pointwise), 'mkl': F.linear")
     kinds = ("static", "units", "onednn", "mkl")
     for kind in kinds:

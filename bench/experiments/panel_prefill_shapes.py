@@ -1,7 +1,7 @@
 """The panel kernel against oneDNN's packed GEMM at prefill sizes, one `100m` projection at a time,
 calls interleaved, medians of 15 (weights in cache: this is the FMA-bound regime; GFLOP/s per route).
 
-    .venv/bin/python docs/img/panel_linear/prefill_shapes.py [ROWS ...] > docs/img/panel_linear/prefill_shapes.txt
+    .venv/bin/python -m chariot.bench.experiments.panel_prefill_shapes [ROWS ...] > OUT.txt
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -28,8 +29,8 @@ def main(rows: list[int]) -> None:
             w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
             panels, onednn = panel.pack(w), torch.ops.mkldnn._reorder_linear_weight(w, None)
             routes: dict[str, Callable[[], object]] = {
-                "panel": lambda x=x, panels=panels: panel.panel_linear(x, panels),
-                "oneDNN": lambda x=x, w=onednn: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                "panel": partial(panel.panel_linear, x, panels),
+                "oneDNN": partial(torch.ops.mkldnn._linear_pointwise, x, onednn, None, "none", [], ""),
             }
             times: dict[str, list[float]] = {r: [] for r in routes}
             for call in routes.values():

@@ -4,7 +4,7 @@ weight. The `100m` preset's four projections over six layers (264 MB of distinct
 come from memory as in a decode step), medians of 7 passes per route and row count; weight bytes
 read per second and GFLOP/s per route.
 
-    .venv/bin/python docs/img/panel_linear/routes.py [ROWS ...] > docs/img/panel_linear/routes.txt   # ~2 min
+    .venv/bin/python -m chariot.bench.experiments.panel_routes [ROWS ...] > docs/img/panel_linear/routes.txt   # ~2 min
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@ same machine state. Then decodes the same way: a batch of B fresh L-token prompt
 table of one 1,536-token prefill and of one decode run of 32 × 512-token prompts in each and
 groups the self CPU time into linear layers, attention and the rest.
 
-    .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py   # writes prefill_side_by_side.json here
-    .venv/bin/python docs/img/prefill_vs_vllm/prefill_side_by_side.py bfloat16   # prefill_side_by_side_bfloat16.json
+    .venv/bin/python -m chariot.bench.experiments.prefill_side_by_side [DTYPE] [OUT_DIR]
+
+From a checkout: it loads the checkout's `models/100m` and vLLM's venv under `build/`, and writes
+OUT_DIR/prefill_side_by_side.json (`prefill_side_by_side_<dtype>.json` for another DTYPE than float32;
+OUT_DIR defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: this file is bench/experiments/<name>.py
 MODEL = ROOT / "models" / "100m"
 LENGTHS = (128, 432, 1024, 1536)
 DECODE_CASES = ((1, 16), (8, 16), (32, 16), (32, 512))  # (batch, prompt tokens)
@@ -39,7 +42,7 @@ GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "panel_l
 # ---- inside one engine's process ------------------------------------------------------------------
 def load(system: str, dtype: str) -> Any:
     """The engine under test (vLLM's `LLM` in its venv, or Chariot's): the `100m` weights, token budget
-    512, chunked prefill, no prefix caching. Also used by `docs/img/profile/trace_side_by_side.py`."""
+    512, chunked prefill, no prefix caching. Also used by `trace_side_by_side`."""
     if system == "vllm":
         from vllm import LLM
 
@@ -69,7 +72,7 @@ def serve(system: str, dtype: str) -> None:
         def decode(batch: list[list[int]]) -> None:
             llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], steps, use_tqdm=False)
     else:
-        from chariot.worker import SamplingParams  # type: ignore[no-redef]
+        from chariot.worker import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         steps = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
@@ -109,7 +112,7 @@ class Engine:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         command = [str(python), str(script.resolve()), "serve", system, dtype]
-        self.proc = subprocess.Popen(command, cwd="/tmp", env=env,
+        self.proc = subprocess.Popen(command, cwd=tempfile.gettempdir(), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.system = system
         self._read_until("ready")
@@ -141,8 +144,7 @@ def grouped(rows: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def drive(dtype: str) -> None:
-    sys.path.insert(0, str(ROOT))
+def drive(dtype: str, out_dir: Path) -> None:
     from chariot.bench.linear_bench import cpu_record
 
     engines = [Engine("chariot", dtype), Engine("vllm", dtype)]
@@ -187,7 +189,7 @@ def drive(dtype: str) -> None:
     for e in engines:
         e.proc.kill()
     name = "prefill_side_by_side.json" if dtype == "float32" else f"prefill_side_by_side_{dtype}.json"
-    (HERE / name).write_text(json.dumps(
+    (out_dir / name).write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "rows": rows, "times_s": times,
          "decode_rows": decode_rows, "decode_steps_s": steps, "profiles": profiles}, indent=1))
 
@@ -196,4 +198,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
     else:
-        drive(sys.argv[1] if len(sys.argv) > 1 else "float32")
+        drive(sys.argv[1] if len(sys.argv) > 1 else "float32", Path(sys.argv[2]) if len(sys.argv) > 2 else Path())

@@ -10,7 +10,10 @@ On a 2-core machine the engine's two compute threads want both cores the whole t
 second another process runs (router, gRPC server, API server, scheduler process, the client) is
 taken from them.
 
-    .venv/bin/python docs/img/profile/serving_cpu.py [ROUNDS] [DTYPE]   # ~5 min; serving_cpu_<dtype>.json
+    .venv/bin/python -m chariot.bench.experiments.serving_cpu [ROUNDS] [DTYPE] [OUT_DIR]   # ~5 min
+
+Run from the repository root (it loads `models/100m` and vLLM's venv under `build/`); writes
+OUT_DIR/serving_cpu_<dtype>.json (OUT_DIR defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+MODEL = Path("models/100m")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -90,14 +92,13 @@ def measured_round(base_url: str, seed: str) -> dict[str, Any]:
             "output_tokens": sum(len(t.token_times) for t in res.traces), "processes": processes}
 
 
-def main(rounds: int, dtype: str) -> None:
-    sys.path.insert(0, str(ROOT))
+def main(rounds: int, dtype: str, out_dir: Path) -> None:
     from chariot.bench import peer
     from chariot.bench.linear_bench import cpu_record
 
     p = argparse.ArgumentParser()
     peer.add_peer_args(p)
-    cfg = peer.resolve_config(p.parse_args(["--model", str(ROOT / "models" / "100m"), "--dtype", dtype,
+    cfg = peer.resolve_config(p.parse_args(["--model", str(MODEL), "--dtype", dtype,
                                             "--out", tempfile.mkdtemp(prefix="serving-cpu-")]))
     servers: dict[str, AbstractContextManager[peer.Server]] = {
         "chariot": peer.chariot_server(cfg), "vllm": peer.vllm_server(cfg)}
@@ -111,9 +112,10 @@ def main(rounds: int, dtype: str) -> None:
             print(system, f"wall {r['wall_s']:.1f} s, client {r['client_cpu_s']:.2f} s CPU;",
                   "; ".join(f"{x['command'][:60]}: {x['cpu_s']:.2f} s" for x in top if x["cpu_s"] > 0.05),
                   file=sys.stderr, flush=True)
-    (HERE / f"serving_cpu_{dtype}.json").write_text(json.dumps(
+    (out_dir / f"serving_cpu_{dtype}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": results}, indent=1))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2] if len(sys.argv) > 2 else "bfloat16")
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2, sys.argv[2] if len(sys.argv) > 2 else "bfloat16",
+         Path(sys.argv[3]) if len(sys.argv) > 3 else Path())

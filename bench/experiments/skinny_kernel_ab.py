@@ -2,18 +2,20 @@
 
 One pass = every linear layer of the `100m` preset (8 layers × qkv, o, gate_up, down: 200 MB of
 weights in bf16, 400 MB in fp32, so they stream from memory) for M rows. `time_interleaved`
-alternates the order of the three callers every rep. Writes `kernel_ab_<dtype>[_<tag>].json` here.
+alternates the order of the three callers every rep. Writes OUT_DIR/kernel_ab_<dtype>[_<tag>].json
+(OUT_DIR defaults to the current directory).
 
-    git show 483c0ca:kernels/csrc/skinny_linear.cpp > /tmp/base/skinny_linear.cpp   # headers beside it
-    git show 483c0ca:kernels/csrc/vec8.h > /tmp/base/vec8.h
-    .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16
-    .venv/bin/python docs/img/skinny_bf16/kernel_ab.py /tmp/base/skinny_linear.cpp bfloat16 six_rows  # session 12
+    mkdir -p build/base
+    git show 483c0ca:kernels/csrc/skinny_linear.cpp > build/base/skinny_linear.cpp   # headers beside it
+    git show 483c0ca:kernels/csrc/vec8.h > build/base/vec8.h
+    .venv/bin/python -m chariot.bench.experiments.skinny_kernel_ab build/base/skinny_linear.cpp --dtype bfloat16 \
+        [--tag six_rows] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -21,14 +23,13 @@ import torch
 from chariot.bench.linear_bench import cpu_record, time_interleaved
 from chariot.kernels import skinny_linear as skinny
 
-HERE = Path(__file__).resolve().parent
 SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # [out, in] of one 100m layer's linears
 LAYERS = 8
-ROWS = (1, 2, 4, 8, 12, 16, 24, 32)  # session 11 timed 1, 2, 4, 8 and 16
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
 REPS = 11
 
 
-def main(other_source: Path, dtype: torch.dtype, tag: str = "") -> None:
+def main(other_source: Path, dtype: torch.dtype, tag: str = "", out_dir: Path = Path()) -> None:
     current, other = skinny.load_kernel(), skinny.load_kernel(other_source)
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
@@ -52,10 +53,15 @@ def main(other_source: Path, dtype: torch.dtype, tag: str = "") -> None:
             print(f"{m:2d} rows: current {a * 1e3:6.2f} ms  other {b * 1e3:6.2f} ms  oneDNN {d * 1e3:6.2f} ms  "
                   f"other/current {b / a:.3f}  oneDNN/current {d / a:.3f}", flush=True)
     name = str(dtype).removeprefix("torch.")
-    (HERE / f"kernel_ab_{name}{'_' + tag if tag else ''}.json").write_text(json.dumps(
+    (out_dir / f"kernel_ab_{name}{'_' + tag if tag else ''}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": name, "other": str(other_source), "reps": REPS, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32,
-         sys.argv[3] if len(sys.argv) > 3 else "")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("other_source", type=Path, help="the other build's skinny_linear.cpp, its headers beside it")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tag", default="", help="suffix of the output file's name")
+    parser.add_argument("--out-dir", type=Path, default=Path())
+    args = parser.parse_args()
+    main(args.other_source, getattr(torch, args.dtype), args.tag, args.out_dir)

@@ -13,9 +13,12 @@ on the `100m` layer shapes at 512 rows, the rate the linear layers of a full pre
 What it reports, per engine: wall time (median of the rounds), the profile's groups, and the
 linear layers' FLOP rate over the trace. The bound: vLLM's wall time over Chariot's linear time is
 the most Chariot could be faster if everything else it does took no time at all, since both run
-the same oneDNN kernels for the linear layers' large products (`linear_vs_vllm.py`).
+the same oneDNN kernels for the linear layers' large products.
 
-    .venv/bin/python docs/img/profile/trace_side_by_side.py [bfloat16]   # ~6 min; trace_side_by_side_<dtype>.json
+    .venv/bin/python -m chariot.bench.experiments.trace_side_by_side [DTYPE] [OUT_DIR]   # ~6 min
+
+From a checkout (see `prefill_side_by_side`); writes OUT_DIR/trace_side_by_side_<dtype>.json (OUT_DIR
+defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
-sys.path.insert(0, str(HERE.parent / "prefill_vs_vllm"))
-import prefill_side_by_side as sbs  # noqa: E402  (the engines' loading, process and op grouping)
+try:  # the engines' loading, process and op grouping
+    from chariot.bench.experiments import prefill_side_by_side as sbs
+except ImportError:  # run as a file in vLLM's venv, where chariot is not installed: the file beside this one
+    import prefill_side_by_side as sbs  # type: ignore[no-redef]
 
 ROUNDS = 3
 SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # (out, in): qkv, o, gate_up, down
@@ -49,7 +52,7 @@ def serve(system: str, dtype: str) -> None:
             params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs]
             llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
     else:
-        from chariot.worker import SamplingParams  # type: ignore[no-redef]
+        from chariot.worker import SamplingParams
 
         def run(prompts: list[list[int]], outputs: list[int]) -> None:
             llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in outputs])
@@ -114,8 +117,7 @@ def trace_flops(prompts: list[int], outputs: list[int]) -> dict[str, float]:
     return {"tokens": tokens, "linear_gflop": (tokens * per_token + head_rows * 2 * VOCAB * HIDDEN) / 1e9}
 
 
-def drive(dtype: str) -> None:
-    sys.path.insert(0, str(ROOT))
+def drive(dtype: str, out_dir: Path) -> None:
     from chariot.bench.linear_bench import cpu_record
     from chariot.bench.peer import fresh_prompts
     from chariot.bench.traces import TRACES, make_trace
@@ -154,7 +156,7 @@ def drive(dtype: str) -> None:
     summary = {"chariot_wall_s": chariot_wall, "vllm_wall_s": vllm_wall, "vllm_over_chariot": vllm_wall / chariot_wall,
                "bound_if_only_linear_left": bound, "gemm_gflop_per_s_512_rows": rates}
     print(json.dumps(summary, indent=1))
-    (HERE / f"trace_side_by_side_{dtype}.json").write_text(json.dumps(
+    (out_dir / f"trace_side_by_side_{dtype}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "trace": {"prompt_tokens": sum(lengths),
          "output_tokens": sum(outputs), **flops}, "walls_s": walls, "summary": summary, "profiles": profiles},
         indent=1))
@@ -164,4 +166,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
         serve(sys.argv[2], sys.argv[3])
     else:
-        drive(sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
+        drive(sys.argv[1] if len(sys.argv) > 1 else "bfloat16", Path(sys.argv[2]) if len(sys.argv) > 2 else Path())

@@ -60,7 +60,7 @@ MANY_ROWS_TIE = 1.10
 2-core AVX2 EPYC (panels 89.2-115.5 against oneDNN 98.4-121.3 ms over eight start-ups; two lost,
 by 10.1 and 5.1 %, and the second sent a peer run's prefill to oneDNN), while paired runs had the
 panels ahead of oneDNN's packed route, by 1.06x quiet and 1.16x beside a process busy 1 ms in every
-10 (`docs/img/panel_linear/contention_ab.py`): the panels hand out their work in units, oneDNN splits
+10 (`bench/experiments/panel_contention_ab.py`): the panels hand out their work in units, oneDNN splits
 it once per thread. A machine whose oneDNN is well ahead at 512 rows (AVX-512) still keeps it."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
