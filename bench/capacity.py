@@ -1,4 +1,4 @@
-"""Capacity under SLO (Sarathi-Serve §5.1, DESIGN.md §9): latency metrics of one load level and the
+"""Capacity under SLO (Sarathi-Serve §5.1, docs/architecture.md §9): latency metrics of one load level and the
 binary search for the highest request rate that meets the SLO.
 
 `RunMetrics` is what any load generator (the real router driver or the simulator) reports for one

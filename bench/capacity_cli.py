@@ -1,5 +1,5 @@
 """`chariot bench capacity`: serving capacity under a P99 TBT SLO, per scheduling policy, measured
-through the real router (Sarathi-Serve §5.1, DESIGN.md §9).
+through the real router (Sarathi-Serve §5.1, docs/architecture.md §9).
 
 For each policy config (`sarathi:128`, `vllm`, …) it starts a fresh stack — stage workers and a
 router as local processes, with the same helpers as `chariot up` — and binary-searches the highest

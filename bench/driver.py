@@ -1,6 +1,6 @@
 """Open-loop load generator: replays a Poisson trace against a running router's gRPC front.
 
-Why through the router: capacity is what clients feel (DESIGN.md §9), so every request takes the
+Why through the router: capacity is what clients feel (docs/architecture.md §9), so every request takes the
 public path (router admission, forwarding, streaming) and every time is taken on the client.
 Open loop (one task per request, launched at its arrival time whatever the server is doing) is what
 makes queueing visible: a closed loop would slow down with the server and hide overload.

@@ -79,7 +79,7 @@ class UnknownModelError(InvalidRequestError):
         return type(self), (self.model, self.served)
 
 
-# The one error → status mapping (DESIGN.md §4), used by every gRPC and HTTP front.
+# The one error → status mapping (docs/architecture.md §4), used by every gRPC and HTTP front.
 # Order matters: the first matching class wins.
 _STATUS_TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
     (UnknownModelError, "NOT_FOUND", 404),  # as OpenAI answers an unknown model

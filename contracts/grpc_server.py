@@ -1,6 +1,6 @@
 """Server plumbing shared by the worker and the router: assembling a `chariot.v1.Generation` gRPC
 server with health and reflection, binding, health updates, ending a call with the status
-`error_status()` gives an exception (the one error mapping, DESIGN.md §4), and stopping on signals."""
+`error_status()` gives an exception (the one error mapping, docs/architecture.md §4), and stopping on signals."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The scheduling policies, in one torch-free table that the engine config, the scheduler registry,
-the tuner, the CLI and the operator's CRD all read (DESIGN.md §3 lists what each policy does).
+the tuner, the CLI and the operator's CRD all read (docs/architecture.md §3 lists what each policy does).
 
 Whether a policy chunks prefills decides two rules everywhere: a non-chunking policy must fit a
 whole prompt in one iteration (its budget is at least `max_model_len`), and only a chunking policy

@@ -2,7 +2,7 @@
 
 Why one module: dashboards, alerts and the autoscaler query these series by name, so the names, units,
 attributes and histogram buckets must not drift between the router and the workers. Everything goes
-through the OpenTelemetry SDK (design §7): one `MeterProvider` per `Telemetry`, read by a Prometheus
+through the OpenTelemetry SDK (docs/architecture.md §7): one `MeterProvider` per `Telemetry`, read by a Prometheus
 reader (pull, for `/metrics`) and, when an endpoint is given, pushed over OTLP. Providers are *not*
 installed as the OpenTelemetry globals, and each Prometheus reader writes to its own
 `prometheus_client.CollectorRegistry`, so several `Telemetry` objects (a router and two workers in one
@@ -46,7 +46,7 @@ counters and the bubble gauge; `stage` and `shard` on the tensor-parallel collec
 
 Buckets are set with Views. Latency histograms use `LATENCY_BUCKETS_S`: 10 ms steps from 10 ms to
 500 ms, so `histogram_quantile` interpolates within a 10 ms bucket and the P99 TBT is resolved to
-10 ms (the §7 requirement), then coarser steps up to 60 s. Token counts use powers of two
+10 ms (docs/architecture.md §7), then coarser steps up to 60 s. Token counts use powers of two
 (`TOKEN_BUCKETS`), with a 0 bucket because `record_batch` records every kind on every iteration
 (so `_count` is the iteration count for each kind and batch composition is `sum by (kind)` of `_sum`).
 

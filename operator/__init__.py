@@ -1,4 +1,4 @@
-"""Chariot's Kubernetes operator: the `ModelDeployment` CRD and its reconciliation (DESIGN.md §6).
+"""Chariot's Kubernetes operator: the `ModelDeployment` CRD and its reconciliation (docs/architecture.md §6).
 
 Layers, each testable on its own:
 - `crd`        — the CRD (schema, printer columns, subresources): the single source of the chart's YAML;

@@ -4,7 +4,7 @@ Why separate from the API calls: the gang, backoff and rolling rules are the sub
 operator, and as a function of (spec, observed pods, previous status, now) they are unit-testable for
 every case without a cluster; the controller only executes the returned `Plan`.
 
-Rules (DESIGN.md §6):
+Rules (docs/architecture.md §6):
 - a group is `P` pods sharing one configuration hash; once the group has *started* (all its stage
   pods seen Running at once, recorded in its status), a pod that failed or vanished takes the whole group down: it
   is deleted and recreated after a backoff (`base * 2^(restarts-1)`, capped), as LeaderWorkerSet's

@@ -1,4 +1,4 @@
-"""Pure functions from a ModelDeployment to the Kubernetes objects that serve it (DESIGN.md §6).
+"""Pure functions from a ModelDeployment to the Kubernetes objects that serve it (docs/architecture.md §6).
 
 Why pure: every manifest the operator writes is decided here, from the owner's identity and a
 validated `Spec`, with no API calls, clocks or randomness — so unit tests check the objects for any

@@ -1,4 +1,4 @@
-"""SLO-driven admission control and load balancing (DESIGN.md §5), free of any transport.
+"""SLO-driven admission control and load balancing (docs/architecture.md §5), free of any transport.
 
 For each request the controller predicts its time to first token (TTFT) on every ready replica and
 sends it to the lowest prediction, or sheds it (`AdmissionRejected`, 429) when that cannot meet the

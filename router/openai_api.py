@@ -1,7 +1,7 @@
 """OpenAI-compatible request parsing and response rendering, free of any web framework.
 
 Why one hand-written parser instead of a schema library: every malformed body must become a 400
-whose message names the offending field (DESIGN.md §4), through the same `InvalidRequestError` the
+whose message names the offending field (docs/architecture.md §4), through the same `InvalidRequestError` the
 gRPC front and `SamplingParams` raise — never a framework's own 422 or a 500. Keeping parsing and
 rendering pure (bytes in, dataclasses and dicts out) lets the unit tests cover every field without a
 server, and keeps the HTTP front a thin adapter.

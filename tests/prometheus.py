@@ -1,4 +1,4 @@
-"""A real Prometheus server on loopback for tests (design §8: Debian's `prometheus`, started by hand).
+"""A real Prometheus server on loopback for tests (docs/architecture.md §8: Debian's `prometheus`, started by hand).
 
 Why a real one: dashboards and alerts are PromQL over what Chariot exposes, and only Prometheus itself
 proves that the exposition parses, that names/labels are what the queries expect, and that

@@ -1,4 +1,4 @@
-"""Token budget from the TBT SLO (DESIGN.md §3, Sarathi-Serve §4.3).
+"""Token budget from the TBT SLO (docs/architecture.md §3, Sarathi-Serve §4.3).
 
 The paper sets the token budget once, from profiling: the largest number of tokens an iteration
 may hold without its time exceeding the TBT SLO. `chariot tune` (`chariot.bench.tune`) profiles

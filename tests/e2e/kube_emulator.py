@@ -1,6 +1,6 @@
 """A Kubernetes API server good enough for the real `kubectl` and the operator: kmock's emulator, fixed.
 
-Why: no kube-apiserver (nor kind/k3s/Docker) can be installed here (DESIGN.md §8), but the operator
+Why: no kube-apiserver (nor kind/k3s/Docker) can be installed here (docs/architecture.md §8), but the operator
 must be exercised through a real API — `kubectl apply` of the real CRD and example, kopf's watches,
 finalizers, status and scale subresources. kmock 0.8's `KubernetesEmulator` supplies the server
 harness, API discovery (with its bundled built-in resource list) and error rendering; this subclass

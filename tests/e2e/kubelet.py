@@ -1,6 +1,6 @@
 """A test kubelet (plus the Deployment controller's job) for the API emulator.
 
-Why: the emulator stores pods but nothing runs them (DESIGN.md §8). This plays the node and the
+Why: the emulator stores pods but nothing runs them (docs/architecture.md §8). This plays the node and the
 controllers the operator relies on, through the API only, like the real ones:
 
 - **Deployment controller**: for each Deployment, keeps `spec.replicas` pods of its template (named

@@ -1,7 +1,7 @@
 """The operator end to end: real kubectl, the operator process, an emulated API server, a test kubelet.
 
 Each test applies its own ModelDeployment (a renamed copy of examples/modeldeployment.yaml) and
-watches the operator drive it through the API alone — what DESIGN.md §6 promises: objects owned by
+watches the operator drive it through the API alone — what docs/architecture.md §6 promises: objects owned by
 the deployment, Ready status, gang restarts, scaling by group, rollouts (with and without a surge group), pod
 templates merged onto the stage and router pods, invalid specs reported by field with nothing applied,
 cleanup through the finalizer, node drains released one group at a time.

@@ -60,7 +60,7 @@ STATS_INTERVAL_S = 0.1
 RELAXED = RouterConfig(ttft_slo_ms=60_000)  # no shedding unless a test asks for it
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 REPLICA = "x-chariot-replica"
-RELAXED_TBT_SLO_S = 1.0  # DESIGN.md §9's relaxed TBT SLO: a generous bound for a shared CI machine
+RELAXED_TBT_SLO_S = 1.0  # docs/architecture.md §9's relaxed TBT SLO: a generous bound for a shared CI machine
 
 
 class PacedEngine(Engine):

@@ -2,8 +2,8 @@
 
 The Prometheus test is the one that matters for dashboards: it scrapes a running `Telemetry` and checks,
 through PromQL, the documented names and labels, that `histogram_quantile` over the TBT buckets lands
-within 10 ms of the true P99 of what was recorded (the §7 resolution requirement), and that counters and
-gauges read back exactly.
+within 10 ms of the true P99 of what was recorded (the resolution docs/architecture.md §7 asks for),
+and that counters and gauges read back exactly.
 """
 
 from __future__ import annotations

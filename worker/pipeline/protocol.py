@@ -1,4 +1,4 @@
-"""Wire format of the stage-to-stage pipeline (DESIGN.md §3 "Pipeline transport").
+"""Wire format of the stage-to-stage pipeline (docs/architecture.md §3 "Pipeline transport").
 
 Every micro-batch is three tensors sent in order to the next stage:
 1. a header: int64[HEADER_LEN] — kind, micro-batch id, the micro-batch's `Layout` (sizes), and

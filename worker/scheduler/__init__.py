@@ -1,4 +1,4 @@
-"""Iteration-level schedulers (DESIGN.md §3): policy objects returning plain batch dataclasses."""
+"""Iteration-level schedulers (docs/architecture.md §3): policy objects returning plain batch dataclasses."""
 
 from chariot.worker.scheduler.base import Scheduler, SchedulerConfig
 from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
