@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.processes import Child, free_port, shutdown
 from chariot.operator.reconcile import Backoff
 from chariot.worker.config import EngineConfig
@@ -49,7 +50,7 @@ class LocalGroup:
 class GroupSupervisor:
     """Starts R local groups and keeps them up; `check()` is called from the supervising loop."""
 
-    def __init__(self, config: EngineConfig, served: str, engine_core: str = "process",
+    def __init__(self, config: EngineConfig, served: str, engine_core: str = ENGINE_CORE.default,
                  backoff: Backoff | None = None, clock: Clock = time.monotonic) -> None:
         self.config, self.served, self.engine_core = config, served, engine_core
         self.backoff = backoff or Backoff()

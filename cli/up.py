@@ -19,12 +19,13 @@ import threading
 from pathlib import Path
 
 from chariot.cli.groups import GroupSupervisor
+from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
 from chariot.operator.reconcile import Backoff
 from chariot.router.launch import ROUTER_READY_PREFIX, router_command
 from chariot.worker.config import EngineConfig
-from chariot.worker.flags import add_engine_flags, config_from_args
+from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
 
 READY_TIMEOUT_S = 600.0
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "chariot" / "models" / "tiny"
@@ -46,9 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue-per-replica", type=int, default=None,
                    help="router admission: queued requests per replica before shedding (router default if unset)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
-                   help="where each stage 0 runs its engine loop: a child process (default) or a thread of "
-                        "its gRPC server")
+    add_setting_flag(p, ENGINE_CORE)
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
                    help="delay before a group whose stage died is recreated, doubled per restart (as the operator)")
     p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")

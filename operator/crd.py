@@ -4,7 +4,9 @@ Why in Python: the operator needs the schema at run time (to apply the same defa
 same values as the API server, also where the server did not — an old cluster, a test emulator), and
 the Helm chart needs it as YAML. Keeping the dict here and *generating* the chart's copy
 (`python -m chariot.operator.crd > charts/chariot/files/crds/modeldeployments.chariot.dev.yaml`; a unit
-test fails when the file is stale) leaves exactly one hand-maintained definition.
+test fails when the file is stale) leaves exactly one hand-maintained definition. The fields that are
+engine settings (dtype, policy, token budget, batch and block size, parallelism, rendezvous timeout)
+take their type, bounds, default and description from `chariot.contracts.engine_settings`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from chariot.contracts.policies import DEFAULT_POLICY, POLICIES
+from chariot.contracts import engine_settings as settings
+from chariot.contracts.engine_settings import Setting
 
 GROUP = "chariot.dev"
 VERSION = "v1alpha1"
@@ -26,7 +29,7 @@ SHORT_NAMES = ["mdep"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CHART_CRD_PATH = "charts/chariot/files/crds/modeldeployments.chariot.dev.yaml"
 
-DTYPES = ["auto", "float32", "float16", "bfloat16"]
+DTYPES = list(settings.DTYPE.choices)
 MODEL_URI_PATTERN = (r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
                      r"|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names
@@ -61,6 +64,29 @@ def _obj(description: str, properties: dict[str, Schema], required: list[str] | 
     return s
 
 
+JSON_TYPES: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
+
+
+def engine_field(setting: Setting[Any]) -> Schema:
+    """The schema of an engine setting's CRD field, from its declaration (`contracts/engine_settings.py`):
+    type, enum, bounds and default, then the cluster's declared overrides."""
+    assert setting.crd is not None, f"{setting.name} has no CRD field"
+    declared = {"type": JSON_TYPES[setting.kind], "minimum": setting.minimum, "maximum": setting.maximum,
+                "default": setting.default, **setting.crd.overrides}
+    s: Schema = {"type": declared["type"], "description": setting.crd.description}
+    if setting.choices:
+        s["enum"] = list(setting.choices)
+    for key in ("minimum", "maximum", "default"):
+        if declared[key] is not None:  # bounds of an integer field are written as integers
+            s[key] = int(declared[key]) if s["type"] == "integer" and key != "default" else declared[key]
+    return s
+
+
+def _engine(*engine_settings: Setting[Any]) -> dict[str, Schema]:
+    """`{field name: schema}` of engine settings exposed in one object of the spec."""
+    return {s.crd.path.rsplit(".", 1)[-1]: engine_field(s) for s in engine_settings if s.crd is not None}
+
+
 QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 
@@ -88,25 +114,17 @@ def _model() -> Schema:
                            "several nodes).", pattern=DNS_SUBDOMAIN_PATTERN),
         "name": _str("Model name clients use (OpenAI `model`); default: the ModelDeployment's name.",
                      maxLength=253),
-        "dtype": _str("Weights and activations dtype; `auto` takes the checkpoint's.", enum=DTYPES,
-                      default="auto"),
-        "maxModelLen": _int("Longest prompt + output in tokens; default: the model's max_position_embeddings.",
-                            minimum=1),
+        **_engine(settings.DTYPE, settings.MAX_MODEL_LEN),
     }, required=["uri"])
 
 
 def _scheduler() -> Schema:
     return _obj("Batching policy and its knobs (every stage of a group gets the same).", {
-        "policy": _str("Scheduling policy; `sarathi` = chunked prefills + stall-free batching.", enum=list(POLICIES),
-                       default=DEFAULT_POLICY),
-        "tokenBudget": _int("Tokens per iteration. Unset: derived from `slo.tbtMs` and `tuneProfile` when both "
-                            "are set (sarathi), else the policy's default (512 for sarathi, maxModelLen for the "
-                            "others, which must fit a whole prompt).", minimum=1),
+        **_engine(settings.POLICY, settings.TOKEN_BUDGET),
         "tuneProfile": _str("Path, inside the stage pods (e.g. in the model volume), of a `chariot tune` profile "
                             "made on the stage's hardware; with `slo.tbtMs` and no tokenBudget the workers derive "
                             "the token budget from it (sarathi only).", maxLength=4096),
-        "maxBatchSize": _int("Most sequences in one iteration.", minimum=1, default=128),
-        "blockSize": _int("KV-cache block size in tokens.", minimum=1, maximum=1024, default=16),
+        **_engine(settings.MAX_BATCH_SIZE, settings.BLOCK_SIZE),
     }, default={})
 
 
@@ -208,14 +226,7 @@ def spec_schema() -> Schema:
         "replicas": _int("Pipeline groups (replicas) serving the model; each is `parallelism.pipeline` pods.",
                          minimum=0, default=1),
         "parallelism": _obj("How one replica is split over processes.", {
-            "pipeline": _int("Pipeline stages per replica (pods per group).", minimum=1, maximum=64, default=1),
-            "tensor": _int("Tensor-parallel ranks per stage: they share the stage pod, one process and "
-                           "`resources.gpusPerStage` GPUs each; must divide the model's attention heads.",
-                           minimum=1, maximum=16, default=1),
-            "rendezvousTimeoutSeconds": _int(
-                "How long the stages of a group wait for each other to join before the group fails and is "
-                "recreated; long enough by default for a cold GPU node to scale up and pull the image.",
-                minimum=10, maximum=86400, default=1200),
+            **_engine(settings.PIPELINE_STAGES, settings.TENSOR_PARALLEL_SIZE, settings.RENDEZVOUS_TIMEOUT_S),
         }, default={}),
         "rollout": _obj("How a configuration change replaces the groups.", {
             "maxSurge": _int("Extra groups that may run during a rollout: with 1 (the default) an up-to-date "

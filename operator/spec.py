@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from chariot.contracts import engine_settings as settings
 from chariot.contracts.parallelism import tensor_split_problem
 from chariot.contracts.policies import get_policy
 from chariot.operator import crd
@@ -62,18 +63,18 @@ class InvalidSpec(ValueError):
 class ModelSpec:
     uri: str
     name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
+    dtype: str = settings.DTYPE.crd_default()
+    max_model_len: int | None = settings.MAX_MODEL_LEN.crd_default()
     token_secret: tuple[str, str] | None = None  # (Secret name, key) holding HF_TOKEN for hf:// models
     cache_claim: str | None = None  # PersistentVolumeClaim the hf:// download goes to (else an emptyDir)
 
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    policy: str = "sarathi"
-    token_budget: int | None = None
-    max_batch_size: int = 128
-    block_size: int = 16
+    policy: str = settings.POLICY.crd_default()
+    token_budget: int | None = settings.TOKEN_BUDGET.crd_default()
+    max_batch_size: int = settings.MAX_BATCH_SIZE.crd_default()
+    block_size: int = settings.BLOCK_SIZE.crd_default()
     tune_profile: str | None = None
 
 
@@ -93,13 +94,14 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class Spec:
-    """A defaulted, validated `.spec` (field names follow the CRD, in snake_case)."""
+    """A defaulted, validated `.spec` (field names follow the CRD, in snake_case); the engine settings'
+    defaults come from `chariot.contracts.engine_settings`, as the CRD's do."""
 
     model: ModelSpec
     replicas: int = 1
-    pipeline: int = 1
-    tensor: int = 1
-    rendezvous_timeout_s: int = 1200
+    pipeline: int = settings.PIPELINE_STAGES.crd_default()
+    tensor: int = settings.TENSOR_PARALLEL_SIZE.crd_default()
+    rendezvous_timeout_s: int = settings.RENDEZVOUS_TIMEOUT_S.crd_default()
     max_surge: int = 1
     scheduler: SchedulerSpec = SchedulerSpec()
     ttft_slo_ms: float | None = None

@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.errors import ConfigError
-from chariot.worker.flags import add_engine_flags, config_from_args
+from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
 
 # `chariot make-model --preset` choices, spelled out so `chariot --help` need not import torch
 # (tests/unit/test_make_model.py checks them against make_model.PRESETS).
@@ -77,9 +78,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = free one)")
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: dir name)")
     g.add_argument("--otlp-endpoint", default=None, help="OTLP collector for metrics and traces")
-    g.add_argument("--engine-core", choices=("process", "thread"), default="process",
-                   help="stage 0 runs the engine loop in a child process (default: it never competes with "
-                        "the gRPC front for the GIL) or on a thread of the server process")
+    add_setting_flag(g, ENGINE_CORE)
     p.set_defaults(handler=_run_worker)
 
 

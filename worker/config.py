@@ -12,6 +12,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chariot.contracts import engine_settings as settings
+from chariot.contracts.engine_settings import DTYPES, ENGINE_SETTINGS
 from chariot.contracts.errors import ConfigError, ModelLoadError
 from chariot.contracts.policies import get_policy
 from chariot.worker.cpu_features import auto_cpu_dtype, cpu_flags
@@ -21,8 +23,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Names only: torch is imported where a dtype object is needed, so the CLI starts without it.
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,8 @@ def _rope_scaling(value: Any) -> RopeScaling | None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Knobs of one engine (one pipeline group).
+    """Knobs of one engine (one pipeline group); each field's default, bounds and help text are declared
+    once in `chariot.contracts.engine_settings`.
 
     `token_budget=None` picks the policy's default: 512 for `sarathi`; `max_model_len` for the
     non-chunking policies, which must fit a whole prompt in one iteration.
@@ -190,47 +191,31 @@ class EngineConfig:
     """
 
     model: str
-    policy: str = "sarathi"
-    token_budget: int | None = None
-    max_batch_size: int = 128
-    pipeline_stages: int = 1
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_tokens: int | None = None
-    kv_cache_memory_fraction: float = 0.3
-    max_model_len: int | None = None
-    watermark: float = 0.01
-    device: str = "cpu"
-    seed: int = 0
-    layer_split: tuple[int, ...] | None = None
-    stage_timeout_s: float = 15.0
-    rendezvous_timeout_s: float = 180.0
-    attention_aware_chunks: bool = True
-    prefix_caching: bool = True
+    policy: str = settings.POLICY.default
+    token_budget: int | None = settings.TOKEN_BUDGET.default
+    max_batch_size: int = settings.MAX_BATCH_SIZE.default
+    pipeline_stages: int = settings.PIPELINE_STAGES.default
+    tensor_parallel_size: int = settings.TENSOR_PARALLEL_SIZE.default
+    dtype: str = settings.DTYPE.default
+    block_size: int = settings.BLOCK_SIZE.default
+    kv_cache_tokens: int | None = settings.KV_CACHE_TOKENS.default
+    kv_cache_memory_fraction: float = settings.KV_CACHE_MEMORY_FRACTION.default
+    max_model_len: int | None = settings.MAX_MODEL_LEN.default
+    watermark: float = settings.WATERMARK.default
+    device: str = settings.DEVICE.default
+    seed: int = settings.SEED.default
+    layer_split: tuple[int, ...] | None = settings.LAYER_SPLIT.default
+    stage_timeout_s: float = settings.STAGE_TIMEOUT_S.default
+    rendezvous_timeout_s: float = settings.RENDEZVOUS_TIMEOUT_S.default
+    attention_aware_chunks: bool = settings.ATTENTION_AWARE_CHUNKS.default
+    prefix_caching: bool = settings.PREFIX_CACHING.default
 
     def __post_init__(self) -> None:
-        get_policy(self.policy)
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError("dtype", f"must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _positive("max_batch_size", self.max_batch_size)
-        _positive("pipeline_stages", self.pipeline_stages)
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
-        _positive("block_size", self.block_size)
-        if self.token_budget is not None:
-            _positive("token_budget", self.token_budget)
-        if self.kv_cache_tokens is not None:
-            _positive("kv_cache_tokens", self.kv_cache_tokens)
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ConfigError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if not 0.0 < self.stage_timeout_s <= 3600:
-            raise ConfigError("stage_timeout_s", f"must be in (0, 3600], got {self.stage_timeout_s}")
-        if not 0.0 < self.rendezvous_timeout_s <= 86400:
-            raise ConfigError("rendezvous_timeout_s", f"must be in (0, 86400], got {self.rendezvous_timeout_s}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ConfigError("watermark", f"must be in [0, 1), got {self.watermark}")
+        """Every field against its declaration (`chariot.contracts.engine_settings`): type, bounds, choices."""
+        for setting in ENGINE_SETTINGS:
+            problem = setting.problem(getattr(self, setting.name))
+            if problem is not None:
+                raise ConfigError(setting.name, problem)
 
     @property
     def world_size(self) -> int:
@@ -317,11 +302,6 @@ class ResolvedConfig:
 @cache
 def _log_once(message: str) -> None:
     log.info("%s", message)
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
 def to_torch_dtype(name: str) -> torch.dtype:

@@ -12,6 +12,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from chariot.contracts import engine_settings as settings
 from chariot.contracts.errors import PipelineError
 from chariot.contracts.outputs import CompletionOutput, RequestOutput
 from chariot.contracts.sampling_params import SamplingParams
@@ -22,19 +23,23 @@ from chariot.worker.pipeline.launcher import LocalPipeline
 
 
 class LLM:
-    """Generate completions for a batch of prompts with one in-process engine."""
+    """Generate completions for a batch of prompts with one in-process engine.
+
+    The keyword arguments are `EngineConfig`'s fields (the common ones named, the rest through
+    `engine_kwargs`); their defaults come from `chariot.contracts.engine_settings`.
+    """
 
     def __init__(
         self,
         model: str,
-        policy: str = "sarathi",
-        token_budget: int | None = None,
-        max_batch_size: int = 128,
-        pipeline_stages: int = 1,
-        tensor_parallel_size: int = 1,
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_tokens: int | None = None,
+        policy: str = settings.POLICY.default,
+        token_budget: int | None = settings.TOKEN_BUDGET.default,
+        max_batch_size: int = settings.MAX_BATCH_SIZE.default,
+        pipeline_stages: int = settings.PIPELINE_STAGES.default,
+        tensor_parallel_size: int = settings.TENSOR_PARALLEL_SIZE.default,
+        dtype: str = settings.DTYPE.default,
+        block_size: int = settings.BLOCK_SIZE.default,
+        kv_cache_tokens: int | None = settings.KV_CACHE_TOKENS.default,
         progress: bool = True,
         **engine_kwargs: Any,
     ) -> None:

@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, Topology, die_with_parent, free_port, spawn, stage_env
 from chariot.worker.config import EngineConfig
@@ -24,7 +25,7 @@ def worker_command(config: EngineConfig) -> list[str]:
     return [sys.executable, "-m", "chariot.worker", "worker", *config_to_argv(config)]
 
 
-def start_group(index: int, config: EngineConfig, served: str, engine_core: str = "process", port: int = 0,
+def start_group(index: int, config: EngineConfig, served: str, engine_core: str = ENGINE_CORE.default, port: int = 0,
                 ) -> tuple[list[Child], Child]:
     """Every stage of pipeline group `index` as supervised local processes (stage 0's gRPC on `port`,
     0 = a free one; metrics on free ports; rendezvous on loopback); returns (all its children, its
