@@ -3,8 +3,8 @@
 A decode iteration multiplies one row per running sequence by every weight matrix, so it streams
 the whole model from memory for a handful of rows. oneDNN reaches the memory bandwidth for one row,
 but for 2–32 rows it runs at a fraction of it; this kernel streams each weight row once and computes
-it against every input row while it is in cache (numbers in docs/BENCHMARKS.md, "CPU linear
-layers"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied. bf16 weights
+it against every input row while it is in cache (numbers in docs/kernels.md, "CPU linear
+kernel"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied. bf16 weights
 take the same route on CPUs with AVX512-BF16 (`bf16_rows`), on bf16 dot products with fp32 sums.
 
 For float32 layers the serving path now takes the panel kernel instead (`panel_linear.py`, faster
@@ -31,7 +31,7 @@ LANES = 8
 BF16_STEP = 32  # bf16 values of K per step of the AVX512-BF16 path (one cache line of a weight row)
 MAX_ROWS = 32
 """The most rows it is ever used for. In fp32 oneDNN's packed GEMM was as fast from 16 rows in whole
-decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, BENCHMARKS.md); in bf16 on
+decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, docs/kernels.md); in bf16 on
 AVX512-BF16 the kernel won up to 24 rows and tied at 32 (`bench/experiments/skinny_kernel_ab.py`). Where
 it crosses on a given machine and dtype is measured at load time (`worker/model/cpu_linear.py`)."""
 

@@ -3,8 +3,8 @@
 // In eager PyTorch these are several passes each: SiLU reads the gate and writes a temporary that
 // the multiply reads again; RMSNorm writes its normalised rows and then scales them by the weight;
 // and `write_kv`'s `index_put_` by (block, slot) runs single-threaded through the generic indexing
-// machinery. Under the profiler they cost more on a 1,536-token prefill of the `100m` preset than
-// vLLM-CPU's compiled graph (69 ms); these kernels made the prefill 1.014x faster (docs/BENCHMARKS.md).
+// machinery. On a CPU prefill they cost more than a compiled graph spends on the same work
+// (docs/kernels.md has the profile and the gain).
 //
 //   silu_and_mul(gate_up, out):   out[t][i] = silu(gate_up[t][i]) · gate_up[t][I + i]
 //   rms_norm(x, weight, eps, out): out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight   (sum in fp32)

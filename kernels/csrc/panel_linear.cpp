@@ -150,10 +150,9 @@ void blocked(const float* xpack, int64_t M, int64_t K, const float* wp, const fl
 // rather than split in one range per thread: when the OS or the hypervisor takes a thread off its core
 // (the server's other processes, a neighbour's vCPU), the other threads take the rest of the work
 // instead of waiting for it at the end of the call. A unit is at most kUnitPanels panels and there are
-// at least kUnitsPerThread per thread. For prefill chunks (`blocked`) only: at 512 rows, paired runs
-// on a 2-core AVX2 EPYC gave 1.01-1.07x the rate of one range per thread quiet, 1.03-1.08x beside a
-// process busy 1 ms in every 10; at 1-8 rows (`streamed`, bound by reading W) units ran 0.93-0.95x,
-// as each unit restarts the stream of requests ahead (docs/kernels.md).
+// at least kUnitsPerThread per thread. For prefill chunks (`blocked`) only: in the streamed order
+// (few rows, bound by reading W) each unit would restart the stream of requests ahead, which costs
+// more than the balance gains (docs/kernels.md has the paired measurements).
 template <class F>
 void for_each_unit(int64_t panels, F&& f) {
   const int64_t threads = at::get_num_threads();

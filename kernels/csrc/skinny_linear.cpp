@@ -2,7 +2,7 @@
 //
 // Decode iterations multiply a handful of rows (one per running sequence) by every weight matrix,
 // so they are bound by streaming the weights from memory, not by FLOPs. oneDNN reaches the memory
-// bandwidth for one row but not for 2–16 (docs/BENCHMARKS.md, "CPU linear layers"). This kernel is
+// bandwidth for one row but not for 2–16 (docs/kernels.md, "CPU linear kernel"). This kernel is
 // written for that range: each thread streams its own output rows of W exactly once, four at a time,
 // and computes them against every row of x while they are in L1/L2 (x itself stays in L2). The
 // stream is requested ahead into L2, not L1 (`prefetch_l2_from_register`).
