@@ -221,3 +221,30 @@ def engine_setting(name: str) -> Setting[Any]:
         if setting.name == name:
             return setting
     raise KeyError(f"no engine setting {name!r}; known: {', '.join(s.name for s in ENGINE_SETTINGS)}")
+
+
+def _range_text(setting: Setting[Any]) -> str:
+    if setting.choices:
+        return " \\| ".join(f"`{c}`" for c in setting.choices)
+    if setting.minimum is None and setting.maximum is None:
+        return ""
+    return setting.bounds_text()
+
+
+def _crd_text(setting: Setting[Any]) -> str:
+    if setting.crd is None:
+        return ""
+    default = setting.crd_default()
+    shown = "" if default is None or default == setting.default else f" (default `{default}`: {setting.crd.why})"
+    return f"`spec.{setting.crd.path}`{shown}"
+
+
+def markdown_table() -> str:
+    """The engine settings as the Markdown table `docs/configuration.md` carries."""
+    rows = ["| setting (`EngineConfig`, `LLM`) | flag | default | allowed | CRD field | help (the flag's) |",
+            "|---|---|---|---|---|---|"]
+    for s in ENGINE_SETTINGS:
+        flag = "" if s.flag is None else f"`{s.flag}`"
+        default = "unset" if s.default is None else f"`{s.default}`"
+        rows.append(f"| `{s.name}` | {flag} | {default} | {_range_text(s)} | {_crd_text(s)} | {s.help} |")
+    return "\n".join(rows) + "\n"

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from chariot.environment import ATTENTION_BACKEND, read
 from chariot.kernels.attention import AttentionBackend, AttentionMetadata, empty_kv_cache
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "write_kv",
 ]
 
-BACKEND_ENV = "CHARIOT_ATTENTION_BACKEND"
+BACKEND_ENV = ATTENTION_BACKEND.name
 BACKENDS: dict[str, str] = {
     "reference": "chariot.kernels.reference",
     "triton": "chariot.kernels.triton_attention",
@@ -108,7 +109,7 @@ def select_backend(name: str | None = None) -> str:
     """
     global _active
     if name is None:
-        name = os.environ.get(BACKEND_ENV)
+        name = read(ATTENTION_BACKEND)
     chosen = _resolve(name.strip().lower() if name is not None else None)
     backend: AttentionBackend = importlib.import_module(BACKENDS[chosen]).BACKEND
     _active = backend

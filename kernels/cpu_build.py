@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from chariot.environment import KERNEL_CACHE, read_path
+
 __all__ = ["CACHE_ENV", "FLAGS", "build_dir", "build_problem", "load_ops"]
 
 log = logging.getLogger(__name__)
-CACHE_ENV = "CHARIOT_KERNEL_CACHE"
+CACHE_ENV = KERNEL_CACHE.name
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
 COMPILE_SECONDS = 25  # measured on a 2-core AVX2 EPYC; shown when compiling
 
@@ -52,7 +54,7 @@ def digest(source: Path, stem: str) -> str:
 
 def build_dir(source: Path, stem: str) -> Path:
     """Where a build lives: `$CHARIOT_KERNEL_CACHE` (default ~/.cache/chariot/kernels)/<stem>-<hash>."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "chariot" / "kernels")
+    root = read_path(KERNEL_CACHE)
     return root / f"{stem}-{digest(source, stem)}"
 
 

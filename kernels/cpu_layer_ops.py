@@ -14,7 +14,6 @@ the attention kernel (`cpu_build.py`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from chariot.environment import CPU_LAYER_OPS, is_on
 from chariot.kernels import cpu_build, reference
 from chariot.kernels.cpu_build import load_ops
 
@@ -29,7 +29,7 @@ __all__ = ["ENV", "build_problem", "enabled", "load_kernel", "rms_norm", "rope_"
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
 STEM = "cpu_layer_ops"
-ENV = "CHARIOT_CPU_LAYER_OPS"
+ENV = CPU_LAYER_OPS.name
 
 KernelFn = Callable[..., None]
 
@@ -48,7 +48,7 @@ def build_problem() -> str | None:
 
 def enabled() -> bool:
     """Whether the kernels run: not turned off by `CHARIOT_CPU_LAYER_OPS=0`, and built."""
-    return os.environ.get(ENV, "1") != "0" and build_problem() is None
+    return is_on(CPU_LAYER_OPS) and build_problem() is None
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
+import chariot.environment as env
 from chariot.operator.controller import DEFAULT_IMAGE, Controller, Settings
 from chariot.operator.reconcile import Backoff
 
-IMAGE_ENV = "CHARIOT_IMAGE"
-REDIS_ENV = "CHARIOT_REDIS_URL"
+IMAGE_ENV = env.IMAGE.name
+REDIS_ENV = env.REDIS_URL.name
 
 
 def add_operator_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -60,9 +60,9 @@ def _handle_drain(args: argparse.Namespace) -> int:
 def add_operator_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", "-n", action="append", default=None,
                    help="watch only this namespace (repeatable); default: all namespaces")
-    p.add_argument("--image", default=os.environ.get(IMAGE_ENV, DEFAULT_IMAGE),
+    p.add_argument("--image", default=env.read(env.IMAGE) or DEFAULT_IMAGE,
                    help=f"image for workers and routers when a spec sets none (env {IMAGE_ENV})")
-    p.add_argument("--redis-url", default=os.environ.get(REDIS_ENV) or None,
+    p.add_argument("--redis-url", default=env.read(env.REDIS_URL),
                    help=f"Redis for routers of deployments that set no spec.router.redis.url (env {REDIS_ENV})")
     p.add_argument("--resync-seconds", type=float, default=30.0, help="periodic full reconcile interval")
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,

@@ -30,12 +30,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+import chariot.environment as env
+
 START_TIMEOUT_S = 10.0
 
 
 def find_redis_server() -> str | None:
     """The redis-server binary to use, or None."""
-    explicit = os.environ.get("CHARIOT_REDIS_SERVER")
+    explicit = env.read(env.REDIS_SERVER)
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server", "/usr/sbin/redis-server"):

@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
 from functools import cache
 
+from chariot.environment import CPU_KEEP_FREED_MEMORY, is_on
+
 log = logging.getLogger(__name__)
 
-ENV = "CHARIOT_CPU_KEEP_FREED_MEMORY"
+ENV = CPU_KEEP_FREED_MEMORY.name
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's <malloc.h>
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
@@ -38,7 +39,7 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 def keep_freed_memory() -> str | None:
     """Set glibc malloc's mmap and trim thresholds for this process (once); returns why it did not
     (turned off, not glibc, or glibc refused), else None."""
-    if os.environ.get(ENV, "1") == "0":
+    if not is_on(CPU_KEEP_FREED_MEMORY):
         return f"{ENV}=0"
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return "malloc is not glibc's"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from chariot.contracts.errors import ConfigError, PipelineError
+from chariot.environment import STAGE_CPUS, read
 from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner
@@ -29,7 +30,7 @@ from chariot.worker.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
-STAGE_CPUS_ENV = "CHARIOT_STAGE_CPUS"
+STAGE_CPUS_ENV = STAGE_CPUS.name
 LOCAL_RANK_ENV = "LOCAL_RANK"
 
 
@@ -141,7 +142,7 @@ def _rank_device(resolved: ResolvedConfig, place: RankPlace) -> ResolvedConfig:
 def pin_stage_cpus(rank: int) -> None:
     """Optional CPU pinning for benchmarks on one machine: `CHARIOT_STAGE_CPUS="0,1"` gives stage r
     the r-th core set (`a+b` joins cores) and as many torch threads as cores."""
-    spec = os.environ.get(STAGE_CPUS_ENV)
+    spec = read(STAGE_CPUS)
     if not spec:
         return
     sets = spec.split(",")

@@ -16,7 +16,6 @@ and every panel query of the Grafana dashboard must return data.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import time
 import urllib.error
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 
+import chariot.environment as env
 from chariot.operator import crd
 from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot
@@ -46,7 +46,7 @@ MANIFEST: dict[str, Any] = {
 
 
 def chariot_command() -> list[str]:
-    override = os.environ.get("CHARIOT_E2E_COMMAND")
+    override = env.read(env.E2E_COMMAND)
     return shlex.split(override) if override else which_chariot()
 
 

@@ -31,14 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import chariot.environment as env
 from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 
 log = logging.getLogger(__name__)
-PACKED_LINEAR_ENV = "CHARIOT_CPU_PACKED_LINEAR"
-SKINNY_LINEAR_ENV = "CHARIOT_CPU_SKINNY_LINEAR"
-SKINNY_ROWS_ENV = "CHARIOT_CPU_SKINNY_MAX_ROWS"
-PANEL_LINEAR_ENV = "CHARIOT_CPU_PANEL_LINEAR"
+PACKED_LINEAR_ENV = env.CPU_PACKED_LINEAR.name
+SKINNY_LINEAR_ENV = env.CPU_SKINNY_LINEAR.name
+SKINNY_ROWS_ENV = env.CPU_SKINNY_MAX_ROWS.name
+PANEL_LINEAR_ENV = env.CPU_PANEL_LINEAR.name
 ROW_CANDIDATES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # row counts the calibration may time, ascending
 ALL_ROWS = sys.maxsize  # a row limit that takes every call
 MANY_ROWS = 512  # a prefill chunk's rows: where the panel kernel beats oneDNN here too, it takes every call
@@ -83,7 +84,7 @@ class CpuLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # float32 takes the panel kernel in place of the plain copy (it takes any number of rows)
-        panels = plain and os.environ.get(PANEL_LINEAR_ENV, "1") != "0" and panel.supports(weight)
+        panels = plain and env.is_on(env.CPU_PANEL_LINEAR) and panel.supports(weight)
         self.panels = panel.pack(weight, self.bias) if panels else None
         self.weight = weight.contiguous() if plain and self.panels is None else None
         self.skinny = plain and (self.panels is not None or skinny.supports(weight))
@@ -143,7 +144,7 @@ class LinearPlan:
 
 def packing_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why linear layers will not be packed here, or None when they will."""
-    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+    if not env.is_on(env.CPU_PACKED_LINEAR):
         return f"{PACKED_LINEAR_ENV}=0"
     if device.type != "cpu":
         return f"device {device.type} is not the CPU"
@@ -168,9 +169,7 @@ def skinny_problem(device: torch.device, dtype: torch.dtype, weight_bytes: int, 
 
     `weight_bytes`: the linear weights' size; when they are also packed, the plain copy is extra
     memory, allowed under `auto` up to `SKINNY_MEMORY_FRACTION` of `memory_bytes` (physical)."""
-    mode = os.environ.get(SKINNY_LINEAR_ENV, "auto")
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{SKINNY_LINEAR_ENV} must be auto, 0 or 1, got {mode!r}")
+    mode = env.read(env.CPU_SKINNY_LINEAR)  # auto, 0 or 1 (anything else raises)
     if mode == "0":
         return f"{SKINNY_LINEAR_ENV}=0"
     if device.type != "cpu":
@@ -254,7 +253,7 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
 def configured_skinny_rows() -> int | None:
     """`CHARIOT_CPU_SKINNY_MAX_ROWS`: a row count (an integer >= 0) or `all` (`ALL_ROWS`); None when
     unset (measure it)."""
-    text = os.environ.get(SKINNY_ROWS_ENV, "").strip()
+    text = (env.read(env.CPU_SKINNY_MAX_ROWS) or "").strip()
     if not text:
         return None
     if text == "all":

@@ -1,0 +1,104 @@
+"""The `CHARIOT_*` environment knobs: every one the source names is declared in `chariot.environment`,
+read through its readers (never `os.environ` directly), and read where the registry says; the registry
+itself stays at the bottom of the stack (standard library only) and its readers behave as declared."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from chariot import environment as env
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("cli", "bench", "worker", "router", "operator", "contracts", "kernels", "proto", "tests")
+REGISTRY = ROOT / "environment" / "__init__.py"
+# Names that look like knobs but are C preprocessor macros of the kernels' builds, not environment variables.
+MACROS = {"CHARIOT_OPS_NAMESPACE", "CHARIOT_VECTOR_256"}
+NAME = re.compile(r"\bCHARIOT_[A-Z0-9_]*[A-Z0-9]\b")  # a `CHARIOT_CPU_*` family is not a name
+
+
+def python_files() -> list[Path]:
+    """The repository's Python files, except generated code and this test (it names made-up knobs)."""
+    return sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
+                  if "_pb2" not in p.name and p != Path(__file__).resolve())
+
+
+def test_every_chariot_name_in_the_source_is_declared() -> None:
+    declared = {k.name for k in env.KNOBS}
+    undeclared = sorted({f"{path.relative_to(ROOT)}: {name}" for path in python_files()
+                         for name in NAME.findall(path.read_text()) if name not in declared | MACROS})
+    assert undeclared == []
+
+
+def knob_constant(node: ast.AST | None) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("CHARIOT_")
+
+
+def reads_a_knob(node: ast.AST) -> bool:
+    """`os.environ.get("CHARIOT_X")` / `os.getenv(...)`, `os.environ["CHARIOT_X"]` read, `"CHARIOT_X" in ...`."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
+        return node.func.attr in ("get", "getenv") and knob_constant(node.args[0])
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.ctx, ast.Load) and knob_constant(node.slice)
+    return isinstance(node, ast.Compare) and knob_constant(node.left)
+
+
+def environment_reads(tree: ast.AST) -> list[ast.AST]:
+    """Reads that name a knob by its string instead of going through the registry."""
+    return [node for node in ast.walk(tree) if reads_a_knob(node)]
+
+
+def test_nothing_reads_a_knob_around_the_registry() -> None:
+    """Code reads a knob with `chariot.environment.read` / `is_on` / `read_path` (writes, which set a
+    knob for a child process or a test, may name it)."""
+    bypassing = [f"{path.relative_to(ROOT)}:{node.lineno}"  # type: ignore[attr-defined]
+                 for path in python_files() for node in environment_reads(ast.parse(path.read_text()))]
+    assert bypassing == []
+
+
+def test_a_direct_read_is_caught() -> None:
+    tree = ast.parse('import os\nos.environ.get("CHARIOT_X")\nos.environ["CHARIOT_Y"]\n"CHARIOT_Z" in os.environ\n'
+                     'os.environ["CHARIOT_W"] = "1"\n')
+    assert [n.lineno for n in environment_reads(tree)] == [2, 3, 4]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("knob", env.KNOBS, ids=lambda k: k.name)
+def test_each_declared_reader_uses_the_knob(knob: env.Knob) -> None:
+    attribute = next(name for name, value in vars(env).items() if value is knob)
+    for reader in knob.readers:
+        text = (ROOT / reader).read_text()
+        assert re.search(rf"\b{attribute}\b", text), f"{reader} is declared to read {knob.name} but does not"
+
+
+def test_the_registry_imports_only_the_standard_library() -> None:
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(REGISTRY.read_text()))
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(REGISTRY.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported - {"__future__"} <= set(sys.stdlib_module_names)
+
+
+def test_knob_names_are_unique_and_documented() -> None:
+    names = [k.name for k in env.KNOBS]
+    assert len(names) == len(set(names))
+    assert all(k.help and k.values and k.readers for k in env.KNOBS)
+
+
+def test_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(env.CPU_LAYER_OPS.name, raising=False)
+    assert env.is_on(env.CPU_LAYER_OPS)  # default on
+    monkeypatch.setenv(env.CPU_LAYER_OPS.name, "0")
+    assert not env.is_on(env.CPU_LAYER_OPS)
+    monkeypatch.setenv(env.STAGE_CPUS.name, "")
+    assert env.read(env.STAGE_CPUS) is None  # empty counts as unset
+    monkeypatch.setenv(env.KERNEL_CACHE.name, "~/k")
+    assert env.read_path(env.KERNEL_CACHE) == Path.home() / "k"
+    monkeypatch.setenv(env.CPU_SKINNY_LINEAR.name, "yes")
+    with pytest.raises(ValueError, match="CHARIOT_CPU_SKINNY_LINEAR must be auto, 0 or 1, got 'yes'"):
+        env.read(env.CPU_SKINNY_LINEAR)
+    with pytest.raises(KeyError, match="not a declared environment knob"):
+        env.knob("CHARIOT_NOPE")
