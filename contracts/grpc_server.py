@@ -99,6 +99,11 @@ def _guard_unary(method: str, call: Callable[[Any, Any], Any]) -> Callable[[Any,
     return handler
 
 
+def _serialize_response(response: Any) -> bytes:
+    """A `GenerateResponse`, or one already serialized (a router relaying a worker's bytes unchanged)."""
+    return response if isinstance(response, bytes) else bytes(response.SerializeToString())
+
+
 def add_generation_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     """Register `servicer` as chariot.v1.Generation (as the generated helper does), decoding requests
     so that undecodable bytes get INVALID_ARGUMENT and one rate-limited log line."""
@@ -106,7 +111,7 @@ def add_generation_servicer(servicer: Any, server: grpc.aio.Server) -> None:
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             _guard_stream("Generate", servicer.Generate), request_deserializer=tolerant_decoder(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            response_serializer=_serialize_response),
         "Stats": grpc.unary_unary_rpc_method_handler(
             _guard_unary("Stats", servicer.Stats), request_deserializer=tolerant_decoder(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString),

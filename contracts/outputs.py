@@ -19,29 +19,42 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestOutput:
-    """One request's delta after one engine step: what a streaming front sends, O(1) per token.
+    """One request's delta after one engine step: the one streaming type, from the engine to the fronts.
 
-    `new_token_ids`/`new_text` are only what this step added; nothing carries the whole output (a
-    consumer that needs it adds the deltas up: `CompletionOutput.from_deltas`). The concatenated
-    `new_text`s never contain a stop string or the text of an EOS / stop token; while a stop string
-    might still be forming, its prefix is held back and comes in a later delta (or never, if the
-    stop string completes). `num_output_tokens` counts every token generated so far.
-    `prompt_token_ids` and `times` are shared with the engine, not copied: read only.
+    The same value is what the output processor makes of an engine step, what crosses the pipe from an
+    engine-core process, what `GenerateResponse` carries on the wire (`proto_codec` maps it field for
+    field, both ways) and what the router's data plane hands its HTTP and gRPC fronts. Everything in it
+    is O(1) per token:
+    - `new_token_ids` / `new_text` / `new_logprobs` are only what this step added (one logprob entry
+      per new token when the request asked for them). The concatenated `new_text`s never contain a
+      stop string or the text of an EOS / stop token; while a stop string might still be forming, its
+      prefix is held back and comes in a later delta (or never, if the stop string completes).
+    - `times.token_times` holds the times of this delta's new tokens only; the request's other
+      timestamps (arrival, first scheduled, first token, finished) are as known at this step.
+    - `num_prompt_tokens` and `num_output_tokens` are running totals (every token generated so far).
+    - `finish_reason` is set on the request's last delta and only there.
+    - `replica` and `wire` are filled in by the router: the replica that produced the delta and the
+      serialized `GenerateResponse` it arrived as, which the router's gRPC front relays unchanged.
     """
 
     request_id: str
-    prompt_token_ids: list[int]
     new_token_ids: list[int]
     new_text: str
+    num_prompt_tokens: int
     num_output_tokens: int
-    finished: bool
     finish_reason: FinishReason | None
     times: RequestTimes
     num_preemptions: int = 0
     error: str | None = None
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per new token when asked
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    replica: str = field(default="", compare=False)
+    wire: bytes = field(default=b"", repr=False, compare=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -49,7 +62,7 @@ class CompletionOutput:
     """A request's whole result: its deltas added up (what `LLM.generate` returns).
 
     `token_ids` are the generated tokens (EOS / stop token ids included); `text` is their detokenized
-    text without any stop string.
+    text without any stop string; `times.token_times` has one entry per generated token.
     """
 
     request_id: str
@@ -64,19 +77,22 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
-    def from_deltas(cls, deltas: Sequence[RequestOutput]) -> CompletionOutput:
+    def from_deltas(cls, deltas: Sequence[RequestOutput], prompt_token_ids: Sequence[int]) -> CompletionOutput:
         """Concatenate one request's deltas, given in order; the last one supplies the status."""
         if not deltas:
             raise ValueError("from_deltas needs at least one RequestOutput")
         last = deltas[-1]
+        t = last.times
+        times = RequestTimes(t.arrival, t.first_scheduled, t.first_token,
+                             [x for d in deltas for x in d.times.token_times], t.finished)
         return cls(
             request_id=last.request_id,
-            prompt_token_ids=last.prompt_token_ids,
+            prompt_token_ids=list(prompt_token_ids),
             token_ids=[t for d in deltas for t in d.new_token_ids],
             text="".join(d.new_text for d in deltas),
             finished=last.finished,
             finish_reason=last.finish_reason,
-            times=last.times,
+            times=times,
             num_preemptions=last.num_preemptions,
             error=last.error,
             logprobs=[lp for d in deltas for lp in d.new_logprobs],
@@ -104,7 +120,7 @@ class IterationTimes:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """Load report used by the router (DESIGN.md §4 `Stats`)."""
+    """Load report used by the router (docs/architecture.md §4 `Stats`)."""
 
     num_waiting: int
     num_running: int

@@ -133,18 +133,36 @@ def request_to_proto(
 
 # ---- responses --------------------------------------------------------------------------------
 def response_from_output(out: RequestOutput) -> Any:
-    """One streamed `GenerateResponse`: this step's new token ids and text delta (never the whole
-    output: streaming stays O(1) per token), plus token counts and timing."""
+    """One streamed `GenerateResponse`: the delta's new token ids, text, logprobs and token times
+    (never the whole output: streaming stays O(1) per token), plus running totals and timing."""
     return pb.GenerateResponse(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
         text=out.new_text,
         finish_reason=finish_reason_to_proto(out.finish_reason),
         timing=timing_to_proto(out.times),
-        prompt_tokens=len(out.prompt_token_ids),
+        prompt_tokens=out.num_prompt_tokens,
         completion_tokens=out.num_output_tokens,
         error=out.error or "",
         logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+    )
+
+
+def output_from_response(msg: Any, wire: bytes = b"", replica: str = "") -> RequestOutput:
+    """The `RequestOutput` a `GenerateResponse` carries (the inverse of `response_from_output`);
+    `wire` is the message's serialized form when it arrived as bytes, kept for relaying."""
+    return RequestOutput(
+        request_id=msg.request_id,
+        new_token_ids=[int(t) for t in msg.token_ids],
+        new_text=msg.text,
+        num_prompt_tokens=int(msg.prompt_tokens),
+        num_output_tokens=int(msg.completion_tokens),
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        times=timing_from_proto(msg.timing),
+        error=msg.error or None,
+        new_logprobs=[logprobs_from_proto(m) for m in msg.logprobs],
+        replica=replica,
+        wire=wire,
     )
 
 
@@ -165,7 +183,16 @@ def timing_to_proto(times: RequestTimes) -> Any:
         first_scheduled=times.first_scheduled or 0.0,
         first_token=times.first_token or 0.0,
         last_token=times.token_times[-1] if times.token_times else 0.0,
+        token_times=times.token_times,
+        finished=times.finished or 0.0,
     )
+
+
+def timing_from_proto(msg: Any) -> RequestTimes:
+    """The inverse of `timing_to_proto` (0 becomes None)."""
+    return RequestTimes(arrival=msg.arrival, first_scheduled=msg.first_scheduled or None,
+                        first_token=msg.first_token or None, token_times=list(msg.token_times),
+                        finished=msg.finished or None)
 
 
 def finish_reason_from_proto(value: int) -> FinishReason | None:

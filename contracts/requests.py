@@ -40,6 +40,11 @@ class RequestTimes:
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrival
 
+    def latest(self, num_tokens: int) -> RequestTimes:
+        """A copy with only the times of the last `num_tokens` tokens (what one delta carries)."""
+        recent = self.token_times[len(self.token_times) - num_tokens:] if num_tokens > 0 else []
+        return RequestTimes(self.arrival, self.first_scheduled, self.first_token, recent, self.finished)
+
     @property
     def tbt(self) -> list[float]:
         """Gaps between consecutive output tokens (time between tokens)."""

@@ -6,17 +6,20 @@ to a request — the model check, prompt-length counting, admission control, the
 replica, first-token and finish accounting, router-side TTFT/TBT metrics, traces and cancellation —
 lives here once, so both fronts behave identically and are tested through the same code.
 
-`DataPlane.generate(GenerateInput)` is an async generator of `Chunk`s:
+`DataPlane.generate(GenerateInput)` is an async generator of the worker's `RequestOutput` deltas:
 
-1. checks the model name (`UnknownModelError`) and counts prompt tokens — exactly with the tokenizer
-   (`--model`), or, for text without one, estimated as one token per `BYTES_PER_TOKEN_ESTIMATE`
-   UTF-8 bytes and capped so that the estimate alone never fails the length check (the worker, which
-   has the tokenizer, enforces the exact limit and its INVALID_ARGUMENT comes back here);
+1. checks the model name (`UnknownModelError`) and counts prompt tokens. With the tokenizer
+   (`--model`) a text prompt is tokenised here, once, and its token ids are what the worker gets (it
+   does not tokenise again). Without one, a text prompt goes to the worker as text, its length
+   estimated as one token per `BYTES_PER_TOKEN_ESTIMATE` UTF-8 bytes and capped so that the estimate
+   alone never fails the length check (the worker enforces the exact limit and its INVALID_ARGUMENT
+   comes back here);
 2. asks `AdmissionController.decide` (which raises `AdmissionRejected`, `NoReplicaAvailable` or
    `InvalidRequestError`), recording every outcome with `Telemetry.record_admission`;
-3. streams `Generate` from the chosen replica's stage-0 worker over that replica's shared channel,
-   relaying each response as a `Chunk` and timing it as the client feels it (TTFT, one TBT point per
-   token) with `Telemetry.request_timer`;
+3. streams `Generate` from the chosen replica's stage-0 worker over that replica's shared channel as
+   raw bytes, decodes each response into a `RequestOutput` that keeps those bytes (`wire`, so the
+   gRPC front relays the worker's message unchanged) and the replica's name, and times it as the
+   client feels it (TTFT, one TBT point per token) with `Telemetry.request_timer`;
 4. always — finished, failed, or abandoned by the caller — cancels the worker call if it is still
    running (so the worker aborts the request and frees its KV blocks), and calls
    `on_first_token` / `on_finish` on the admission controller exactly once each.
@@ -34,18 +37,19 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
-from chariot.contracts.outputs import TokenLogprobs
-from chariot.contracts.proto_codec import finish_reason_from_proto, logprobs_from_proto, request_to_proto
+from chariot.contracts.outputs import RequestOutput
+from chariot.contracts.proto_codec import output_from_response, request_to_proto
 from chariot.contracts.requests import FinishReason, Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.telemetry import RequestSpans, RequestTimer, Telemetry
 from chariot.contracts.tokenizer import Tokenizer
+from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
 from chariot.router.config import RouterConfig
 from chariot.router.registry import ReplicaRegistry, ReplicaView
@@ -61,14 +65,12 @@ from chariot.router.upstream import (
 
 __all__ = [
     "BYTES_PER_TOKEN_ESTIMATE",
-    "Chunk",
     "DataPlane",
     "GenerateInput",
     "Health",
     "ModelInfo",
     "ReplicaUnavailable",
     "StatsPoller",
-    "WorkerTiming",
     "admission_outcome",
 ]
 
@@ -96,36 +98,6 @@ class GenerateInput:
     tenant: str = ""  # empty: the default tenant
     model: str = ""  # empty: the served model
     trace_parent: Mapping[str, str] | None = None  # W3C trace context of the caller, if any
-
-
-@dataclass(frozen=True)
-class WorkerTiming:
-    """Wall-clock timestamps measured by the worker (0 where the event has not happened)."""
-
-    arrival: float = 0.0
-    first_scheduled: float = 0.0
-    first_token: float = 0.0
-    last_token: float = 0.0
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One streamed piece of a completion: new tokens and their text, plus running totals."""
-
-    request_id: str
-    replica: str
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    error: str = ""  # set with FinishReason.ERROR: the replica failed the request
-    timing: WorkerTiming = field(default_factory=WorkerTiming)
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token id when the request asked for them
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)
@@ -170,6 +142,7 @@ class _Flight:
     decision: Decision
     timer: RequestTimer
     trace: RequestSpans
+    prompt: Prompt  # what the worker gets: token ids when the router has the tokenizer
     prompt_tokens: int
     completion_tokens: int = 0
     first_token: asyncio.Task[None] | None = None
@@ -240,19 +213,23 @@ class DataPlane:
         if outcome is not None:
             self.telemetry.record_admission(outcome)
 
-    async def count_prompt_tokens(self, prompt: Prompt, max_tokens: int) -> int:
-        """Prompt length in tokens: exact for token ids and with a tokenizer, else an estimate."""
+    async def tokenized(self, req: GenerateInput) -> GenerateInput:
+        """`req` with a text prompt replaced by its token ids, when the router has the tokenizer."""
+        if not isinstance(req.prompt, str) or self.tokenizer is None:
+            return req
+        if len(req.prompt) <= INLINE_TOKENIZE_CHARS:
+            return replace(req, prompt=self.tokenizer.encode(req.prompt))
+        return replace(req, prompt=await asyncio.to_thread(self.tokenizer.encode, req.prompt))
+
+    def count_prompt_tokens(self, prompt: Prompt, max_tokens: int) -> int:
+        """Prompt length in tokens: exact for token ids, else (text without a tokenizer) an estimate."""
         if not isinstance(prompt, str):
             return len(prompt)
-        if self.tokenizer is not None:
-            if len(prompt) <= INLINE_TOKENIZE_CHARS:
-                return len(self.tokenizer.encode(prompt))
-            return len(await asyncio.to_thread(self.tokenizer.encode, prompt))
         estimate = max(1, math.ceil(len(prompt.encode("utf-8", "replace")) / BYTES_PER_TOKEN_ESTIMATE))
         limit = _max_model_len(self.registry.ready())
         return max(1, min(estimate, limit - max_tokens)) if limit > 0 else estimate
 
-    async def generate(self, req: GenerateInput) -> AsyncGenerator[Chunk, None]:
+    async def generate(self, req: GenerateInput) -> AsyncGenerator[RequestOutput, None]:
         """Admit `req`, stream its chunks from a replica; see the module docstring for the guarantees.
 
         A replica that fails the request before its first token (unreachable, its stage died) is
@@ -303,7 +280,8 @@ class DataPlane:
         try:
             if req.model and req.model != self.served_model:
                 raise UnknownModelError(req.model, self.served_model)
-            prompt_tokens = await self.count_prompt_tokens(req.prompt, req.params.max_tokens)
+            prompt = (await self.tokenized(req)).prompt
+            prompt_tokens = self.count_prompt_tokens(prompt, req.params.max_tokens)
             decision = await self.admission.decide(
                 prompt_tokens,
                 req.tenant or DEFAULT_TENANT,
@@ -323,23 +301,23 @@ class DataPlane:
             timestamp_ns=started_ns,
         )
         trace.stage("queue")  # until the first token: queued and prefilled on the replica
-        return _Flight(decision, timer, trace, prompt_tokens)
+        return _Flight(decision, timer, trace, prompt, prompt_tokens)
 
-    async def _relay(self, req: GenerateInput, flight: _Flight) -> AsyncGenerator[Chunk, None]:
+    async def _relay(self, req: GenerateInput, flight: _Flight) -> AsyncGenerator[RequestOutput, None]:
         decision = flight.decision
-        stub = self.channels.stub(decision.replica_name)
-        wire = request_to_proto(req.prompt, req.params, request_id=decision.request_id, tenant=req.tenant)
-        call = stub.Generate(wire, metadata=tuple(flight.trace.carrier().items()))
+        generate = self.channels.generate_call(decision.replica_name)
+        wire = request_to_proto(flight.prompt, req.params, request_id=decision.request_id, tenant=req.tenant)
+        call = generate(wire, metadata=tuple(flight.trace.carrier().items()))
         finished = False
         try:
-            async for resp in call:
-                chunk = _chunk(resp, decision)
-                if chunk.finish_reason == FinishReason.ERROR and flight.first_token is None and not chunk.token_ids:
+            async for raw in call:
+                out = output_from_response(pb.GenerateResponse.FromString(raw), raw, decision.replica_name)
+                if out.finish_reason == FinishReason.ERROR and flight.first_token is None and not out.new_token_ids:
                     # failed before any token (e.g. a stage of its group died): another replica may serve it
-                    raise ReplicaUnavailable(f"replica {decision.replica_name} failed the request: {chunk.error}")
-                self._on_chunk(flight, chunk)
-                finished = chunk.finished
-                yield chunk
+                    raise ReplicaUnavailable(f"replica {decision.replica_name} failed the request: {out.error}")
+                self._on_output(flight, out)
+                finished = out.finished
+                yield out
         except grpc.aio.AioRpcError as err:
             raise upstream_error(decision.replica_name, err, self.config.queue_retry_after_s) from err
         finally:
@@ -347,17 +325,17 @@ class DataPlane:
         if not finished:  # e.g. the worker shut down mid-request and closed the stream cleanly
             raise ReplicaUnavailable(f"replica {decision.replica_name} ended the stream before the request finished")
 
-    def _on_chunk(self, flight: _Flight, chunk: Chunk) -> None:
-        n = len(chunk.token_ids)
+    def _on_output(self, flight: _Flight, out: RequestOutput) -> None:
+        n = len(out.new_token_ids)
         if n and flight.first_token is None:
             flight.first_token = asyncio.get_running_loop().create_task(self.admission.on_first_token(flight.decision))
             flight.trace.stage("decode")
             flight.trace.event("first_token")
         flight.timer.tokens(n)
-        flight.prompt_tokens = chunk.prompt_tokens or flight.prompt_tokens
-        flight.completion_tokens = chunk.completion_tokens
-        if chunk.error:
-            flight.error = chunk.error
+        flight.prompt_tokens = out.num_prompt_tokens or flight.prompt_tokens
+        flight.completion_tokens = out.num_output_tokens
+        if out.error:
+            flight.error = out.error
 
     async def _finish(self, flight: _Flight) -> None:
         """Metrics, trace and admission release of one admitted request; runs exactly once."""
@@ -398,22 +376,6 @@ class DataPlane:
             return {}
         return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage,
                 "kv_blocks_used": stats.num_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_blocks}
-
-
-def _chunk(resp: Any, decision: Decision) -> Chunk:
-    t = resp.timing
-    return Chunk(
-        request_id=decision.request_id,
-        replica=decision.replica_name,
-        token_ids=tuple(int(x) for x in resp.token_ids),
-        text=resp.text,
-        finish_reason=finish_reason_from_proto(resp.finish_reason),
-        prompt_tokens=int(resp.prompt_tokens),
-        completion_tokens=int(resp.completion_tokens),
-        error=resp.error,
-        timing=WorkerTiming(t.arrival, t.first_scheduled, t.first_token, t.last_token),
-        logprobs=tuple(logprobs_from_proto(m) for m in resp.logprobs),
-    )
 
 
 def _error_type(error: BaseException | str | None) -> str | None:

@@ -1,8 +1,9 @@
 """The router's gRPC front: `chariot.v1.Generation` (the workers' own API), gRPC health and reflection.
 
 Why the router speaks the workers' API: a client can talk to one worker or to a whole deployment
-with the same stub, and the router relays responses unchanged (token ids, text deltas, finish reason,
-the worker's timing). Parsing reuses `wire.request_from_proto`, so a bad request is rejected with the
+with the same stub, and the router relays each response unchanged: the bytes the worker sent are
+the bytes the client gets (token ids, text delta, finish reason, the worker's timing). Parsing
+reuses `proto_codec.request_from_proto`, so a bad request is rejected with the
 very same field-naming INVALID_ARGUMENT as a worker would give; generation goes through the shared
 `DataPlane`; every error becomes a status through `error_status()` and nothing else. A shed request
 (RESOURCE_EXHAUSTED) carries its retry hint as trailing metadata: `retry-after` (whole seconds,
@@ -25,35 +26,16 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health
-from chariot.contracts.proto_codec import finish_reason_to_proto, logprobs_to_proto, request_from_proto
+from chariot.contracts.proto_codec import request_from_proto
 from chariot.contracts.requests import new_request_id
-from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
-from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
+from chariot.router.dataplane import DataPlane, GenerateInput
 
 log = logging.getLogger(__name__)
 
 TRACE_KEYS = ("traceparent", "tracestate")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def chunk_to_proto(chunk: Chunk) -> Any:
-    """The `GenerateResponse` relaying one chunk as the worker sent it."""
-    t = chunk.timing
-    return pb.GenerateResponse(
-        request_id=chunk.request_id,
-        token_ids=list(chunk.token_ids),
-        text=chunk.text,
-        finish_reason=finish_reason_to_proto(chunk.finish_reason),
-        timing=pb.Timing(
-            arrival=t.arrival, first_scheduled=t.first_scheduled, first_token=t.first_token, last_token=t.last_token
-        ),
-        prompt_tokens=chunk.prompt_tokens,
-        completion_tokens=chunk.completion_tokens,
-        error=chunk.error,
-        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs],
-    )
 
 
 def trace_parent(metadata: Any) -> Mapping[str, str] | None:
@@ -81,8 +63,8 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
         )
         try:
             async with contextlib.aclosing(self._dp.generate(req)) as stream:
-                async for chunk in stream:
-                    yield chunk_to_proto(chunk)
+                async for out in stream:
+                    yield out.wire  # the worker's GenerateResponse, as it sent it
         except Exception as exc:
             await abort_with(context, exc, request_id)
 

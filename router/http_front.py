@@ -47,10 +47,11 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.outputs import RequestOutput
 from chariot.contracts.proto_codec import MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, new_request_id
 from chariot.contracts.tokenizer import Tokenizer
-from chariot.router.dataplane import Chunk, DataPlane, GenerateInput
+from chariot.router.dataplane import DataPlane, GenerateInput
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
     OpenAIRequest,
@@ -68,7 +69,7 @@ from chariot.router.openai_api import (
 from chariot.router.upstream import ReplicaUnavailable
 
 T = TypeVar("T")
-ChoiceChunk = tuple[int, Chunk]  # (choice index, one of its chunks) when `n` > 1
+ChoiceChunk = tuple[int, RequestOutput]  # (choice index, one of its chunks) when `n` > 1
 MAX_SEED = (1 << 63) - 1  # SamplingParams' seed range: choice i's `seed + i` must stay inside it
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by the client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -98,7 +99,7 @@ def log_if_internal(exc: BaseException, request_id: str) -> None:
         log.error("request %s: internal error", request_id or "-", exc_info=exc)
 
 
-def response_headers(chunk: Chunk) -> dict[str, str]:
+def response_headers(chunk: RequestOutput) -> dict[str, str]:
     """The request id (echoing `X-Request-Id`) and the replica that served it (for debugging)."""
     return {"X-Request-Id": chunk.request_id, "X-Chariot-Replica": chunk.replica}
 
@@ -170,7 +171,7 @@ async def _next_chunk(stream: AsyncGenerator[T, None]) -> T:
     return await stream.__anext__()
 
 
-async def _collect(stream: AsyncGenerator[Chunk, None]) -> list[Chunk]:
+async def _collect(stream: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
     return [chunk async for chunk in stream]
 
 
@@ -209,7 +210,7 @@ class OpenAIFront:
             return await self._stream(request, parsed, stream, request_id, echo)
         return await self._complete(request, parsed, stream, request_id, echo)
 
-    async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
+    async def _complete(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[RequestOutput, None],
                         request_id: str, echo: str) -> Response:
         try:
             chunks = await until_disconnect(request, _collect(stream))
@@ -223,10 +224,10 @@ class OpenAIFront:
                                   request_id)
         body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
         body["choices"] = [_whole_choice(parsed, chunks, echo, tokenizer=self._dp.tokenizer)]
-        body["usage"] = usage(last.prompt_tokens, last.completion_tokens)
+        body["usage"] = usage(last.num_prompt_tokens, last.num_output_tokens)
         return JSONResponse(body, headers=response_headers(last))
 
-    async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[Chunk, None],
+    async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[RequestOutput, None],
                       request_id: str, echo: str) -> Response:
         """Wait for the first chunk (so admission errors get their own status), then stream SSE."""
         try:
@@ -235,11 +236,11 @@ class OpenAIFront:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:  # (never StopAsyncIteration: the data plane ends with a finished chunk or raises)
             return error_response(exc, request_id)
-        events = self._events(parsed, replace(first, text=echo + first.text) if echo else first, stream)
+        events = self._events(parsed, replace(first, new_text=echo + first.new_text) if echo else first, stream)
         return EventStreamResponse(events, response_headers(first))
 
     async def _events(
-        self, parsed: OpenAIRequest, first: Chunk, stream: AsyncGenerator[Chunk, None]
+        self, parsed: OpenAIRequest, first: RequestOutput, stream: AsyncGenerator[RequestOutput, None]
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = envelope(parsed, first.request_id, created, self._dp.served_model, chunk=True)
@@ -260,7 +261,7 @@ class OpenAIFront:
         if last.finish_reason == FinishReason.ERROR:
             yield sse(error_payload(ReplicaUnavailable(f"replica {last.replica} failed: {last.error}"))[1])
         elif parsed.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(last.prompt_tokens, last.completion_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens)})
         yield DONE_EVENT
 
     # n > 1 choices: one sub-request per choice (see the module docstring) -------------------------
@@ -268,7 +269,7 @@ class OpenAIFront:
     async def _generate_choices(self, request: Request, parsed: OpenAIRequest, req: GenerateInput,
                                 echo: str) -> Response:
         try:
-            inputs = choice_inputs(req, parsed.n)
+            inputs = choice_inputs(await self._dp.tokenized(req), parsed.n)  # n choices, one tokenisation
         except InvalidRequestError as exc:
             self._dp.reject(exc)
             return error_response(exc)
@@ -309,7 +310,7 @@ class OpenAIFront:
         """Each choice's chunks as they come (its first one with the echo and, on chat, the role);
         a failing choice ends the stream with an error event and closes the others."""
         head = envelope(parsed, request_id, int(time.time()), self._dp.served_model, chunk=True)
-        lasts: dict[int, Chunk] = {}
+        lasts: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # each choice's logprobs text_offset so far
         async with contextlib.aclosing(chunks):
             try:
@@ -319,7 +320,7 @@ class OpenAIFront:
                     fresh = index not in lasts
                     lasts[index] = chunk
                     if fresh and echo:
-                        chunk = replace(chunk, text=echo + chunk.text)
+                        chunk = replace(chunk, new_text=echo + chunk.new_text)
                     event = _chunk_event(parsed, head, chunk, offsets, first=fresh, index=index,
                                          tokenizer=self._dp.tokenizer)
                     if event is not None:
@@ -376,31 +377,31 @@ class OpenAIFront:
         return Response(body, headers={"Content-Type": content_type})
 
 
-def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: Chunk, offsets: dict[int, int], *,
+def _chunk_event(parsed: OpenAIRequest, head: dict[str, Any], chunk: RequestOutput, offsets: dict[int, int], *,
                  first: bool = False, index: int = 0, tokenizer: Tokenizer | None = None) -> bytes | None:
     """One SSE chunk event (of choice `index`; `offsets[index]`, the logprobs `text_offset` the choice
     has reached, moves on past this chunk's tokens). A chunk that ends the request with an error
     carries no OpenAI finish reason: its text (if any) goes out unfinished and the stream ends with
     an error event."""
     failed = chunk.finish_reason == FinishReason.ERROR
-    if failed and not chunk.text and not chunk.token_ids:
+    if failed and not chunk.new_text and not chunk.new_token_ids:
         return None
     reason = None if failed else chunk.finish_reason
     offset = offsets.get(index, 0)
-    logprobs = logprobs_payload(parsed, chunk.logprobs, tokenizer, offset)
+    logprobs = logprobs_payload(parsed, chunk.new_logprobs, tokenizer, offset)
     if logprobs is not None and "tokens" in logprobs:  # completions: text_offset runs across chunks
         offsets[index] = offset + sum(len(t) for t in logprobs["tokens"])
-    part = choice(parsed, chunk.text, reason, chunk.token_ids, delta=True, first=first, index=index,
+    part = choice(parsed, chunk.new_text, reason, chunk.new_token_ids, delta=True, first=first, index=index,
                   logprobs=logprobs)
     return sse({**head, "choices": [part]})
 
 
-def _whole_choice(parsed: OpenAIRequest, chunks: list[Chunk], echo: str, index: int = 0,
+def _whole_choice(parsed: OpenAIRequest, chunks: list[RequestOutput], echo: str, index: int = 0,
                   tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """A non-streamed choice: all of one generation's chunks joined."""
-    text = echo + "".join(c.text for c in chunks)
-    token_ids = [t for c in chunks for t in c.token_ids]
-    logprobs = logprobs_payload(parsed, [lp for c in chunks for lp in c.logprobs], tokenizer, len(echo))
+    text = echo + "".join(c.new_text for c in chunks)
+    token_ids = [t for c in chunks for t in c.new_token_ids]
+    logprobs = logprobs_payload(parsed, [lp for c in chunks for lp in c.new_logprobs], tokenizer, len(echo))
     return choice(parsed, text, chunks[-1].finish_reason, token_ids, index=index, logprobs=logprobs)
 
 
@@ -462,9 +463,9 @@ async def fan_out(dp: DataPlane, inputs: list[GenerateInput]) -> AsyncGenerator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect_choices(chunks: AsyncGenerator[ChoiceChunk, None], n: int) -> list[list[Chunk]]:
+async def _collect_choices(chunks: AsyncGenerator[ChoiceChunk, None], n: int) -> list[list[RequestOutput]]:
     """Every choice's chunks, by index; a choice its replica failed fails them all at once."""
-    out: list[list[Chunk]] = [[] for _ in range(n)]
+    out: list[list[RequestOutput]] = [[] for _ in range(n)]
     async with contextlib.aclosing(chunks):
         async for index, chunk in chunks:
             if chunk.finish_reason == FinishReason.ERROR:
@@ -475,17 +476,17 @@ async def _collect_choices(chunks: AsyncGenerator[ChoiceChunk, None], n: int) ->
     return out
 
 
-def replica_failed(chunk: Chunk) -> ReplicaUnavailable:
+def replica_failed(chunk: RequestOutput) -> ReplicaUnavailable:
     """The error for a chunk whose replica failed its request (FinishReason.ERROR)."""
     return ReplicaUnavailable(f"replica {chunk.replica} failed the request: {chunk.error}")
 
 
-def total_usage(lasts: list[Chunk]) -> dict[str, int]:
+def total_usage(lasts: list[RequestOutput]) -> dict[str, int]:
     """`usage` of an `n` > 1 response: the prompt once, the completion tokens of every choice."""
-    return usage(max(c.prompt_tokens for c in lasts), sum(c.completion_tokens for c in lasts))
+    return usage(max(c.num_prompt_tokens for c in lasts), sum(c.num_output_tokens for c in lasts))
 
 
-def choices_headers(request_id: str, chunks: list[Chunk]) -> dict[str, str]:
+def choices_headers(request_id: str, chunks: list[RequestOutput]) -> dict[str, str]:
     """`response_headers` for `n` > 1: the request's own id and every replica seen, in choice order."""
     return {"X-Request-Id": request_id, "X-Chariot-Replica": ",".join(dict.fromkeys(c.replica for c in chunks))}
 

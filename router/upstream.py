@@ -25,6 +25,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -37,6 +38,7 @@ from chariot.router.registry import RegistryChange, ReplicaLoad, ReplicaRegistry
 log = logging.getLogger(__name__)
 
 DEFAULT_STATS_INTERVAL_S = 0.25
+GENERATE_METHOD = "/chariot.v1.Generation/Generate"
 CHANNEL_CLOSE_GRACE_S = 60.0
 # Reconnect quickly after a worker restarts (gRPC's default back-off grows to two minutes).
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -66,35 +68,59 @@ def upstream_error(replica: str, err: grpc.aio.AioRpcError, retry_after_s: float
     return ReplicaUnavailable(f"replica {replica} failed the request ({code.name}: {details})")
 
 
+@dataclass(frozen=True)
+class _Channel:
+    """One replica's channel and the calls made on it."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any
+    raw_generate: Any
+
+    @classmethod
+    def open(cls, address: str) -> _Channel:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        raw = channel.unary_stream(GENERATE_METHOD, request_serializer=pb.GenerateRequest.SerializeToString,
+                                   response_deserializer=None)
+        return cls(address, channel, pb_grpc.GenerationStub(channel), raw)
+
+
 class ReplicaChannels:
     """One `grpc.aio` channel per replica name, following the registry's replica set."""
 
     def __init__(self, registry: ReplicaRegistry, close_grace_s: float = CHANNEL_CLOSE_GRACE_S) -> None:
         self._registry = registry
         self._grace_s = close_grace_s
-        self._channels: dict[str, tuple[str, grpc.aio.Channel, Any]] = {}  # name → (address, channel, stub)
+        self._channels: dict[str, _Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
         registry.subscribe(self._on_change)
 
     def stub(self, name: str) -> Any:
         """A `GenerationStub` on the replica's channel (created on first use)."""
+        return self._entry(name).stub
+
+    def generate_call(self, name: str) -> Any:
+        """The replica's `Generate` returning each response as the bytes the worker sent, so the router
+        can relay them unchanged (and decode them once, for its own accounting)."""
+        return self._entry(name).raw_generate
+
+    def _entry(self, name: str) -> _Channel:
         address = self._registry.address(name)
         if address is None:
             raise ReplicaUnavailable(f"replica {name!r} is no longer known")
         entry = self._channels.get(name)
-        if entry is None or entry[0] != address:
+        if entry is None or entry.address != address:
             if entry is not None:
-                self._retire(entry[1])
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            entry = (address, channel, pb_grpc.GenerationStub(channel))
+                self._retire(entry.channel)
+            entry = _Channel.open(address)
             self._channels[name] = entry
-        return entry[2]
+        return entry
 
     def _on_change(self, change: RegistryChange) -> None:
         for name in (*change.removed, *change.changed):
             entry = self._channels.pop(name, None)
             if entry is not None:
-                self._retire(entry[1])
+                self._retire(entry.channel)
 
     def _retire(self, channel: grpc.aio.Channel) -> None:
         """Close in the background, letting calls still streaming on it finish within the grace period."""
@@ -103,7 +129,7 @@ class ReplicaChannels:
         task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
-        channels = [entry[1] for entry in self._channels.values()]
+        channels = [entry.channel for entry in self._channels.values()]
         self._channels.clear()
         await asyncio.gather(*(c.close(None) for c in channels), return_exceptions=True)
         for task in list(self._closing):

@@ -296,7 +296,7 @@ class Engine:
             num_output_tokens=len(seq.output_token_ids),
             finish_reason=seq.finish_reason,
             prompt_token_ids=seq.prompt_token_ids,
-            times=seq.times,
+            times=seq.times.latest(len(new_tokens)),
             stop_token_id=stop_token_id,
             num_preemptions=seq.num_preemptions,
             error=seq.error,

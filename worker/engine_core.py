@@ -1,24 +1,34 @@
-"""The engine loop in a process of its own, so it never competes with the gRPC front for the GIL.
+"""The engine loop's body, and the engine loop in a process of its own.
 
-Why a module of its own: in one process, the engine thread (scheduling, batch packing, the Python
-side of every torch op, output processing) and the server's event loop (protobuf, HTTP/2, one
-coroutine per stream) take turns on one GIL; under many streams the engine waits for the front on
-every op dispatch and iterations stretch. `EngineCoreClient` has the `AsyncEngine` API the server
-uses (`start`, `wait_ready`, `generate`, `abort`, `stats`, `wait_failed`, `shutdown`) but runs the
-`AsyncEngine` — engine, output processor, step observer hook — in a child process (vLLM v1's
-engine-core split). The front keeps one reader thread that turns the child's messages into the
-requests' asyncio queues.
+Why a module of its own: whoever drives an engine for a server must do the same few things on every
+turn — apply the requests that arrived, run one step, turn the step into `RequestOutput` deltas and
+hand them over — and must do them on one thread. `EngineCore` is that body (engine, output
+processor, prefill-rate meter); it is shared by the two `EngineClient`s:
 
-The wire between them is a `multiprocessing` pipe carrying the typed messages below (plain frozen
-dataclasses, no method names). What crosses per step is O(1) per token: each request's token and
-text delta; its prompt token ids cross once (first output), and of its `RequestTimes` only the token times that
-are new (the front keeps a copy and appends them). The step observer runs in the front (so metrics
-stay in the process that exports them) on the step's `StepResult` without its `outputs`.
+- `AsyncEngine` (`async_engine.py`) runs it on a thread of the serving process;
+- `EngineCoreClient` (here) runs it in a child process with a plain loop, `core_main`: receive the
+  front's messages, step, send the step's deltas. In one process the engine and the gRPC front take
+  turns on one GIL, so under many streams the engine waits for the front on every op dispatch; in
+  its own process it never does (vLLM v1's engine-core split).
 
-Failure: the child exiting, a load error or an engine failure all make `failed` set and
-`wait_failed()` resolve, exactly as for the threaded `AsyncEngine`; streams in flight end with
-`EngineDeadError`. The child ignores SIGINT (the parent shuts it down) and exits when the pipe closes,
-so it never outlives its front.
+The pipe between front and core carries the typed messages below (plain frozen dataclasses, no
+method names). What crosses per step is the step's `RequestOutput` deltas, O(1) per token, and the
+step's `StepResult` without its outputs, so the step observer (metrics) runs in the front, the
+process that exports them.
+
+Detokenisation and stop strings run in the core, beside the engine: a stop string is then applied
+before the next step is scheduled, so the engine never computes tokens past it. docs/architecture.md
+("Where detokenisation runs") has the measurement behind this placement.
+
+Prefill throughput (the Stats RPC's `prefill_tokens_per_s`, the router's TTFT prediction) is
+measured, not modelled: over the last `PREFILL_WINDOW` steps that took on prompt tokens,
+rate = their prompt tokens / their wall time, i.e. how fast this replica works through queued
+prompts while it has some (decodes sharing those batches included). It is 0.0 until the first
+prompt has been processed; an idle replica keeps its last measured rate.
+
+Failure: the child exiting, a load error or an engine failure all set `failed` and resolve
+`wait_failed()`; streams in flight end with `EngineDeadError`. The child ignores SIGINT and SIGTERM
+(the front decides) and exits when told to or when the pipe closes, so it never outlives its front.
 """
 
 from __future__ import annotations
@@ -32,25 +42,170 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeAlias
 
 from chariot.contracts.errors import EngineDeadError, InvalidRequestError
-from chariot.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
-from chariot.contracts.requests import FinishReason, Prompt, RequestTimes
+from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.proto_codec import PREFILL_TOKENS_PER_S
+from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
-from chariot.worker.async_engine import AsyncEngine, Channel, Sink, StepObserver
 from chariot.worker.engine import Engine
 from chariot.worker.engine_output import StepResult
+from chariot.worker.output_processor import OutputProcessor, run_step
 
 log = logging.getLogger(__name__)
 
-ENGINE_CORES = ("process", "thread")
-START_TIMEOUT_S = 60.0  # the child must say hello (not load the model) within this
+PREFILL_WINDOW = 64  # steps that took on prompt tokens, averaged for prefill_tokens_per_s
+HEALTH_POLL_S = 0.5  # while idle, how often the engine is asked to check its pipeline (`check_health`)
 JOIN_TIMEOUT_S = 30.0
+
+StepObserver: TypeAlias = Callable[[StepResult, Sequence[RequestOutput]], None]
+"""Called after each step with its result and the deltas it produced (metrics, logging). It runs on
+the thread that delivers the deltas and must not touch the engine."""
+
+
+# ---- the loop's body ---------------------------------------------------------------------------
+class PrefillMeter:
+    """Prompt tokens per second over the last `window` steps that took on prompt tokens."""
+
+    def __init__(self, window: int = PREFILL_WINDOW) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def record(self, prefill_tokens: int, seconds: float) -> None:
+        if prefill_tokens > 0 and seconds > 0:
+            self._samples.append((prefill_tokens, seconds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        seconds = sum(s for _, s in self._samples)
+        return sum(n for n, _ in self._samples) / seconds if seconds > 0 else 0.0
+
+
+class EngineCore:
+    """One engine plus what turns its steps into deltas. Not thread-safe: one loop owns it.
+
+    Every method returns the deltas it produced; the caller hands them to the requests' streams.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.processor = OutputProcessor(engine.tokenizer)
+        self._meter = PrefillMeter()
+        self._live: set[str] = set()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine failed (a pipeline stage died), or None."""
+        return getattr(self.engine, "failed", None)
+
+    @property
+    def live_requests(self) -> frozenset[str]:
+        return frozenset(self._live)
+
+    def add(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:
+        """Queue a request; raises the validation error (nothing is queued then)."""
+        self.engine.add_request(prompt, params, request_id=request_id, arrival_time=time.time())
+        self.processor.add_request(request_id, params)
+        self._live.add(request_id)
+
+    def step(self) -> tuple[StepResult, tuple[RequestOutput, ...]]:
+        """schedule → execute → postprocess, then text and stop strings."""
+        result, outputs = run_step(self.engine, self.processor)
+        if result.batch is not None:
+            self._meter.record(result.batch.num_prefill_tokens, result.times.total)
+        return result, self._track(outputs)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a live request; its final delta, or None if it is not live."""
+        out = self.engine.abort(request_id)
+        outputs = self._process([] if out is None else [out])
+        return outputs[0] if outputs else None
+
+    def abort_all(self) -> tuple[RequestOutput, ...]:
+        outputs = []
+        for request_id in sorted(self._live):
+            try:
+                out = self.abort(request_id)
+            except Exception as exc:  # the engine is going away anyway; the caller ends the stream regardless
+                log.warning("abort of %s failed: %r", request_id, exc)
+                continue
+            if out is not None:
+                outputs.append(out)
+        return tuple(outputs)
+
+    def check_health(self) -> tuple[RequestOutput, ...]:
+        """Let the engine notice a pipeline failure while idle (it fails live requests, sets `failed`)."""
+        return self._process(self.engine.check_health())
+
+    def stats(self) -> EngineStats:
+        """The engine's load report with the measured prefill rate in `extra`."""
+        stats = self.engine.stats()
+        return dataclasses.replace(stats, extra={**stats.extra, PREFILL_TOKENS_PER_S: self._meter.tokens_per_s})
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            log.exception("engine shutdown failed")
+
+    def _process(self, outputs: Sequence[Any]) -> tuple[RequestOutput, ...]:
+        """Outputs without new tokens (aborts, errors): no stop string can match in them."""
+        return self._track(self.processor.process(outputs).outputs)
+
+    def _track(self, outputs: tuple[RequestOutput, ...]) -> tuple[RequestOutput, ...]:
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return outputs
+
+
+# ---- delivery to asyncio consumers -------------------------------------------------------------
+Item: TypeAlias = RequestOutput | BaseException  # what a request's stream carries
+
+
+@dataclass(eq=False)
+class Stream:
+    """Where one request's deltas go: a queue on its consumer's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Item] = dataclasses.field(default_factory=asyncio.Queue)
+
+
+def deliver_threadsafe(deliveries: Sequence[tuple[Stream, Item]]) -> None:
+    """Put each item on its stream's queue with one wake-up of each event loop, not one per item:
+    a step's tokens for every request reach the server's loop in one hand-over."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Item]]] = {}
+    for stream, item in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the consumers' loop is closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: Sequence[tuple[Stream, Item]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+async def stream_items(stream: Stream) -> AsyncGenerator[RequestOutput, None]:
+    """A stream's deltas until its last one; an exception put on it is raised."""
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
 
 
 # ---- front → core ------------------------------------------------------------------------------
@@ -64,7 +219,7 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """`call_id` None: the consumer left early; abort only the request this front registered."""
+    """`call_id` None: the consumer left early, nobody waits for the answer."""
 
     call_id: int | None
     request_id: str
@@ -91,30 +246,10 @@ class CoreFailed:
 
 
 @dataclass(frozen=True)
-class Delta:
-    """One `RequestOutput` minus what the front already has.
-
-    `prompt_token_ids` only on a request's first delta; `times` is its `RequestTimes` with only the
-    token times that are new since the previous delta (the front appends them to its copy).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    num_output_tokens: int
-    finish_reason: FinishReason | None
-    times: RequestTimes
-    num_preemptions: int = 0
-    error: str | None = None
-    prompt_token_ids: list[int] | None = None
-    new_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
-
-
-@dataclass(frozen=True)
 class StepMessage:
-    """Everything one hand-over of the core carries: deltas, stream failures, the step (if one ran)."""
+    """One turn of the core loop: its deltas, streams that failed, the step (if one ran), the load."""
 
-    deltas: tuple[Delta, ...]
+    outputs: tuple[RequestOutput, ...]
     failures: tuple[tuple[str, BaseException], ...] = ()
     step: StepResult | None = None  # without its outputs
     stats: EngineStats | None = None
@@ -128,131 +263,131 @@ class Reply:
 
 
 # ---- the child ---------------------------------------------------------------------------------
-class _PipeChannel(Channel):
-    """The core's side of the pipe: one `StepMessage` per hand-over, sent under a lock."""
+class _CoreLoop:
+    """receive → step → send, on the child's only thread."""
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self.engine: AsyncEngine | None = None  # whose Stats snapshot goes with every step
-        self._lock = threading.Lock()
-        self._times_sent: dict[str, int] = {}  # engine thread only: token times already sent per request
-        self._step: StepResult | None = None  # engine thread only: set by the observer hook
-        self.sinks: dict[str, Sink] = {}  # live requests; set by the pipe reader, dropped when they end
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core, self.conn = core, conn
+        self.failed: str | None = None
+        self._outputs: list[RequestOutput] = []  # produced this turn, sent with the turn's StepMessage
 
-    def observe(self, result: StepResult, outputs: Sequence[RequestOutput]) -> None:
-        self._step = dataclasses.replace(result, outputs=())
+    def run(self) -> None:
+        last_health = time.monotonic()
+        while True:
+            messages = self._receive(0.0 if self.core.has_unfinished else HEALTH_POLL_S)
+            if any(isinstance(m, ShutdownCore) for m in messages):
+                return
+            for message in messages:
+                self._apply(message)
+            step: StepResult | None = None
+            if self.core.has_unfinished:
+                try:
+                    step, outputs = self.core.step()
+                except Exception as exc:
+                    self._crash(exc)
+                    return
+                self._outputs.extend(outputs)
+            elif not messages or time.monotonic() - last_health >= HEALTH_POLL_S:
+                last_health = time.monotonic()
+                self._outputs.extend(self.core.check_health())
+            if messages or step is not None or self._outputs:
+                self._send_turn(step)
+            self._notice_failure()
 
-    def send(self, batch: list[tuple[Sink, RequestOutput | BaseException]]) -> None:
-        deltas, failures = [], []
-        for sink, item in batch:
-            if isinstance(item, BaseException):
-                failures.append((sink.request_id, item))
-                self._times_sent.pop(sink.request_id, None)
-            else:
-                deltas.append(self._delta(item))
-            if isinstance(item, BaseException) or item.finished:
-                self._forget(sink)
-        step, self._step = self._step, None
-        stats = None if self.engine is None else self.engine.snapshot
-        self.put(StepMessage(tuple(deltas), tuple(failures), step, stats))
+    def _receive(self, timeout: float) -> list[object]:
+        """Every message waiting (after up to `timeout` s for the first); EOFError once the pipe closed."""
+        messages: list[object] = []
+        while self.conn.poll(timeout if not messages else 0.0):
+            messages.append(self.conn.recv())
+        return messages
 
-    def snapshot_changed(self, stats: EngineStats) -> None:
-        """After commands ran (adds, aborts) with no step to carry the new load report."""
-        self.put(StepMessage((), stats=stats))
+    def _apply(self, message: object) -> None:
+        if isinstance(message, AddRequest):
+            self._reply(message.call_id, lambda: self._add(message))
+        elif isinstance(message, AbortRequest):
+            out = self.core.abort(message.request_id)
+            if out is not None:
+                self._outputs.append(out)
+            if message.call_id is not None:
+                self.send(Reply(message.call_id, out))
+        else:
+            log.error("engine core: unknown message %r ignored", type(message).__name__)
 
-    def _delta(self, out: RequestOutput) -> Delta:
-        sent = self._times_sent.pop(out.request_id, None)
-        t = out.times
-        if not out.finished:
-            self._times_sent[out.request_id] = len(t.token_times)
-        times = RequestTimes(t.arrival, t.first_scheduled, t.first_token, t.token_times[sent or 0:], t.finished)
-        return Delta(out.request_id, out.new_token_ids, out.new_text, out.num_output_tokens, out.finish_reason,
-                     times, out.num_preemptions, out.error, out.prompt_token_ids if sent is None else None,
-                     out.new_logprobs)
+    def _add(self, message: AddRequest) -> None:
+        if self.failed is not None:
+            raise EngineDeadError(self.failed)
+        self.core.add(message.prompt, message.params, message.request_id)
 
-    def _forget(self, sink: Sink) -> None:
-        if self.sinks.get(sink.request_id) is sink:  # dict ops are atomic; a reused id keeps its new sink
-            self.sinks.pop(sink.request_id, None)
+    def _reply(self, call_id: int, fn: Callable[[], Any]) -> None:
+        try:
+            value = fn()
+        except Exception as exc:
+            self.send(Reply(call_id, None, exc))
+        else:
+            self.send(Reply(call_id, value))
 
-    def put(self, message: object) -> None:
-        with self._lock, contextlib.suppress(OSError, EOFError):  # the front is gone: nobody listens
-            self._conn.send(message)
+    def _send_turn(self, step: StepResult | None) -> None:
+        outputs, self._outputs = tuple(self._outputs), []
+        compact = None if step is None else dataclasses.replace(step, outputs=())
+        self.send(StepMessage(outputs, step=compact, stats=self.core.stats()))
+
+    def _notice_failure(self) -> None:
+        reason = self.core.failed
+        if reason is not None and self.failed is None:
+            self.failed = str(reason)
+            log.error("engine failed: %s", reason)
+            self.send(CoreFailed(self.failed))
+
+    def _crash(self, exc: Exception) -> None:
+        """An unexpected exception escaped the engine: its state is unknown, so it is dead."""
+        log.exception("engine loop crashed")
+        self.failed = f"engine loop crashed: {exc!r}"
+        self.send(CoreFailed(self.failed))  # first: whoever sees a stream end finds the engine already failed
+        dead = EngineDeadError(self.failed)
+        self.send(StepMessage((), tuple((rid, dead) for rid in sorted(self.core.live_requests))))
+
+    def close(self) -> None:
+        """Live requests end with ABORT, any the abort missed with EngineDeadError."""
+        outputs = self.core.abort_all()
+        dead = EngineDeadError(self.failed or "engine is shut down")
+        ended = {out.request_id for out in outputs}
+        failures = tuple((rid, dead) for rid in sorted(self.core.live_requests - ended))
+        self.send(StepMessage(outputs, failures))
+
+    def send(self, message: object) -> None:
+        with contextlib.suppress(OSError, EOFError):  # the front is gone: nobody listens
+            self.conn.send(message)
 
 
 def core_main(factory: Callable[[], Engine], conn: Connection, log_level: int) -> None:
-    """The child process: run an `AsyncEngine` and serve the front's messages until told to stop."""
+    """The child process: build the engine, then run the core loop until told to stop."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole process group: the front decides,
         signal.signal(sig, signal.SIG_IGN)       # and the core exits on ShutdownCore or when the pipe closes
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
-    channel = _PipeChannel(conn)
-    engine = AsyncEngine(factory, name="chariot-engine-core", observer=channel.observe,
-                         on_snapshot=channel.snapshot_changed)
-    channel.engine = engine
-    engine.start()
-    threading.Thread(target=_announce, args=(engine, channel), daemon=True).start()
     try:
-        while True:
-            message = conn.recv()
-            if isinstance(message, ShutdownCore):
-                break
-            _handle(message, engine, channel)
+        core = EngineCore(factory())
+    except BaseException as exc:
+        with contextlib.suppress(OSError, EOFError):
+            conn.send(CoreFailed(f"engine failed to load: {exc}", exc))
+        return
+    loop = _CoreLoop(core, conn)
+    loop.send(CoreReady(core.engine.max_model_len, core.stats()))
+    try:
+        loop.run()
     except (EOFError, OSError):
         log.warning("front closed the pipe; engine core exits")
     finally:
-        asyncio.run(engine.shutdown())
-
-
-def _announce(engine: AsyncEngine, channel: _PipeChannel) -> None:
-    try:
-        engine.ready_future.result()
-    except BaseException as exc:
-        channel.put(CoreFailed(f"engine failed to load: {exc}", exc))
-        return
-    channel.put(CoreReady(engine.max_model_len, engine.snapshot or engine.engine.stats()))
-    channel.put(CoreFailed(engine.dead_future.result()))  # blocks until (if ever) the engine dies
-
-
-def _handle(message: object, engine: AsyncEngine, channel: _PipeChannel) -> None:
-    if isinstance(message, AddRequest):
-        sink = Sink(channel, None, message.request_id)
-        channel.sinks[message.request_id] = sink
-        future = engine.submit_add(message.prompt, message.params, sink)
-        _reply_when_done(future, message.call_id, channel)
-    elif isinstance(message, AbortRequest):
-        if message.call_id is None:
-            live = channel.sinks.pop(message.request_id, None)
-            if live is not None:
-                engine.submit_abort(message.request_id, live)
-        else:
-            _reply_when_done(engine.submit_abort(message.request_id), message.call_id, channel)
-    else:
-        log.error("engine core: unknown message %r ignored", type(message).__name__)
-
-
-def _reply_when_done(future: concurrent.futures.Future[Any], call_id: int, channel: _PipeChannel) -> None:
-    def done(f: concurrent.futures.Future[Any]) -> None:
-        error = f.exception()
-        channel.put(Reply(call_id, None if error is not None else f.result(), error))
-
-    future.add_done_callback(done)
+        loop.close()
+        core.shutdown()
 
 
 # ---- the front ---------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Stream:
-    """The front's state of one live request."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    times: RequestTimes | None = None
-
-
 class EngineCoreClient:
-    """`AsyncEngine`'s API over an engine running in a child process (see the module docstring).
+    """The `EngineClient` whose engine loop runs in a child process (see the module docstring).
 
     `factory` must be picklable (e.g. `functools.partial(Engine, config, topology=topo)`): the child
-    builds the engine itself.
+    builds the engine itself. One reader thread turns the child's messages into the requests'
+    asyncio queues.
     """
 
     def __init__(self, factory: Callable[[], Engine], observer: StepObserver | None = None,
@@ -265,7 +400,7 @@ class EngineCoreClient:
         self._reader: threading.Thread | None = None
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._snapshot: EngineStats | None = None
@@ -332,9 +467,9 @@ class EngineCoreClient:
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """As `AsyncEngine.generate`: validation errors before the first item; leaving early aborts."""
+        """As `EngineClient.generate`: validation errors before the first item; leaving early aborts."""
         rid = request_id or uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = Stream(asyncio.get_running_loop())
         finished = False
         with self._state_lock:
             if rid in self._streams:  # as the engine would say, before anything crosses the pipe
@@ -342,12 +477,9 @@ class EngineCoreClient:
             self._streams[rid] = stream
         try:
             await self._call(lambda call_id: AddRequest(call_id, rid, prompt, params))
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
+            async for out in stream_items(stream):
+                finished = out.finished
+                yield out
         finally:
             with self._state_lock:
                 if self._streams.get(rid) is stream:
@@ -428,45 +560,22 @@ class EngineCoreClient:
         if reply.error is not None:
             future.set_exception(reply.error)
         else:
-            future.set_result(reply.value)  # an abort's answer crosses as a whole RequestOutput
+            future.set_result(reply.value)
 
     def _on_step(self, message: StepMessage) -> None:
         if message.stats is not None:
             self._snapshot = message.stats
         with self._state_lock:
-            streams = [self._streams.get(delta.request_id) for delta in message.deltas]
-        deliveries = [(stream, self._output(stream, delta))
-                      for stream, delta in zip(streams, message.deltas, strict=True) if stream is not None]
-        _deliver_threadsafe(deliveries)
+            deliveries: list[tuple[Stream, Item]] = [
+                (stream, out) for out in message.outputs if (stream := self._streams.get(out.request_id)) is not None]
+            deliveries += [(stream, exc) for rid, exc in message.failures
+                           if (stream := self._streams.get(rid)) is not None]
+        deliver_threadsafe(deliveries)
         if self._observer is not None and message.step is not None:
             try:
-                self._observer(message.step, [out for _, out in deliveries])
+                self._observer(message.step, message.outputs)
             except Exception:
                 log.exception("step observer failed")
-        for request_id, exc in message.failures:
-            self._put(request_id, exc)
-
-    @staticmethod
-    def _output(stream: _Stream, delta: Delta) -> RequestOutput:
-        """The request's `RequestOutput` for `delta`, with the front's copies of its prompt and times
-        brought up to date."""
-        if delta.prompt_token_ids is not None:
-            stream.prompt_token_ids = delta.prompt_token_ids
-        t, new = stream.times, delta.times
-        if t is None:
-            stream.times = t = dataclasses.replace(new, token_times=list(new.token_times))
-        else:
-            t.first_scheduled, t.first_token, t.finished = new.first_scheduled, new.first_token, new.finished
-            t.token_times.extend(new.token_times)
-        return RequestOutput(delta.request_id, stream.prompt_token_ids, delta.new_token_ids, delta.new_text,
-                             delta.num_output_tokens, delta.finish_reason is not None, delta.finish_reason, t,
-                             delta.num_preemptions, delta.error, delta.new_logprobs)
-
-    def _put(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._state_lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            _put_threadsafe(stream, item)
 
     def _die(self, reason: str) -> None:
         if self._failed is None:
@@ -481,28 +590,7 @@ class EngineCoreClient:
         with self._state_lock:
             streams, self._streams = list(self._streams.values()), {}
             calls, self._calls = list(self._calls.values()), {}
-        for stream in streams:
-            _put_threadsafe(stream, exc)
+        deliver_threadsafe([(stream, exc) for stream in streams])
         for future in calls:
             if not future.done():
                 future.set_exception(exc)
-
-
-def _put_threadsafe(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    _deliver_threadsafe([(stream, item)])
-
-
-def _deliver_threadsafe(deliveries: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-    """Put each item on its stream's queue with one wake-up of each event loop, not one per item:
-    a step's tokens for every request reach the server's loop in one hand-over."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
-    for stream, out in deliveries:
-        by_loop.setdefault(stream.loop, []).append((stream, out))
-    for loop, items in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # the consumers' loop is closed: nobody is listening
-            loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: Sequence[tuple[_Stream, RequestOutput | BaseException]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)

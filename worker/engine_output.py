@@ -32,7 +32,8 @@ class EngineOutput:
     - The engine finishes with STOP only on a token: then `stop_token_id` is that EOS / stop token id,
       the last of `new_token_ids`; it belongs to `token_ids` but never to the text.
     - The engine never looks at text: stop strings are the output processor's business.
-    - `prompt_token_ids` and `times` are the engine's own objects, shared, never copied: read only.
+    - `prompt_token_ids` is the engine's own list, shared, never copied: read only.
+    - `times` is the request's timestamps as of this output, with the times of `new_token_ids` only.
     - `new_logprobs` is empty unless the request asked for logprobs; then it has one entry per new
       token.
     """

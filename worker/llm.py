@@ -108,10 +108,11 @@ class LLM:
         token_ids = [self.engine.validate_prompt(prompt, p) for prompt, p in zip(batch, params, strict=True)]
         processor = OutputProcessor(self.engine.tokenizer)
         deltas: dict[str, list[RequestOutput]] = {}
+        prompt_ids: dict[str, list[int]] = {}
         for ids, p in zip(token_ids, params, strict=True):
             rid = self.engine.add_request(ids, p)
             processor.add_request(rid, p)
-            deltas[rid] = []
+            deltas[rid], prompt_ids[rid] = [], ids
         with tqdm(total=len(deltas), disable=not use_tqdm, desc="generate") as bar:
             while len(processor):
                 for out in run_step(self.engine, processor)[1]:
@@ -119,7 +120,7 @@ class LLM:
                     bar.update(int(out.finished))
                 if self.engine.failed is not None:
                     raise PipelineError(self.engine.failed)
-        return [CompletionOutput.from_deltas(d) for d in deltas.values()]
+        return [CompletionOutput.from_deltas(d, prompt_ids[rid]) for rid, d in deltas.items()]
 
 
 def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

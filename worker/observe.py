@@ -1,10 +1,10 @@
-"""Worker-side metrics: turns engine steps into the telemetry of DESIGN.md §7.
+"""Worker-side metrics: turns engine steps into the telemetry of docs/architecture.md §7.
 
 An `EngineMetrics` instance is the AsyncEngine's step observer (it runs on the engine thread) and
 reads only what a step hands it — the `StepResult` and the outputs sent to the fronts, never the
 engine: per iteration it records batch composition, load gauges, prefix-cache lookups, stage-0
-busy/idle time and tensor-parallel collective time; per finished request its worker-measured TTFT,
-TBT gaps, queue delay, duration and token usage.
+busy/idle time and tensor-parallel collective time; per token its worker-measured TBT gap; per
+finished request its TTFT, queue delay, duration and token usage.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class EngineMetrics:
         self.telemetry = telemetry
         self._prefix_seen = (0, 0)  # the engine's cumulative prefix-cache (queries, hits) last recorded
         self._collective_seen = 0.0  # stage 0 leader's cumulative collective seconds last recorded
+        self._last_token_time: dict[str, float] = {}  # live requests: when their latest token came
 
     def __call__(self, result: StepResult, outputs: Sequence[RequestOutput]) -> None:
         tel = self.telemetry
@@ -41,6 +42,7 @@ class EngineMetrics:
         if stage is not None and (stage.busy_s > 0 or stage.idle_s > 0):
             tel.add_stage_time(stage.stage, stage.busy_s, stage.idle_s)
         for out in outputs:
+            self._record_token_gaps(out)
             if out.finished:
                 self._record_request(out)
 
@@ -50,15 +52,24 @@ class EngineMetrics:
             self.telemetry.record_prefix_cache(queries - seen_queries, hits - seen_hits)
             self._prefix_seen = (queries, hits)
 
+    def _record_token_gaps(self, out: RequestOutput) -> None:
+        """TBT points as tokens arrive: a delta carries only its own tokens' times."""
+        times = out.times.token_times
+        previous = self._last_token_time.pop(out.request_id, None)
+        for t in times:
+            if previous is not None:
+                self.telemetry.record_tbt(t - previous)
+            previous = t
+        if previous is not None and not out.finished:
+            self._last_token_time[out.request_id] = previous
+
     def _record_request(self, out: RequestOutput) -> None:
         tel, t = self.telemetry, out.times
         if t.first_scheduled is not None:
             tel.record_queue_delay(t.first_scheduled - t.arrival)
         if t.ttft is not None:
             tel.record_ttft(t.ttft)
-        for gap in t.tbt:
-            tel.record_tbt(gap)
         end = t.finished if t.finished is not None else t.arrival
         error = None if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) else (
             out.finish_reason.value if out.finish_reason else "unknown")
-        tel.record_request(end - t.arrival, len(out.prompt_token_ids), out.num_output_tokens, error_type=error)
+        tel.record_request(end - t.arrival, out.num_prompt_tokens, out.num_output_tokens, error_type=error)

@@ -18,14 +18,13 @@ flushes what it held back (a multi-byte character cut short comes out as U+FFFD)
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 from chariot.contracts.outputs import RequestOutput
-from chariot.contracts.requests import FinishReason
+from chariot.contracts.requests import FinishReason, RequestTimes
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
 from chariot.worker.engine_output import EngineOutput, StepResult
@@ -93,18 +92,14 @@ class OutputProcessor:
         reason = FinishReason.STOP if stopped else out.finish_reason
         if reason is FinishReason.LENGTH:  # stopped mid-character? emit what the detokenizer held back
             state.held += state.detok.flush()
-        times = out.times
-        if stopped and not out.finished:  # the engine has not stamped it: it finishes it after this
-            times = dataclasses.replace(times, finished=time.time())
         return RequestOutput(
             request_id=out.request_id,
-            prompt_token_ids=out.prompt_token_ids,
             new_token_ids=tokens,
             new_text=_release(state, finished=reason is not None),
+            num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=out.num_output_tokens - (len(out.new_token_ids) - len(tokens)),
-            finished=reason is not None,
             finish_reason=reason,
-            times=times,
+            times=_delta_times(out, len(tokens), stopped_here=stopped and not out.finished),
             num_preemptions=out.num_preemptions,
             error=out.error,
             new_logprobs=list(out.new_logprobs[: len(tokens)]),
@@ -126,6 +121,14 @@ class OutputProcessor:
                 del tokens[i + 1 :]
                 return True
         return False
+
+
+def _delta_times(out: EngineOutput, kept: int, stopped_here: bool) -> RequestTimes:
+    """The output's timestamps for the `kept` tokens that survive a stop string; a stop string ends
+    the request here, before the engine stamps its end."""
+    t = out.times
+    finished = time.time() if stopped_here else t.finished
+    return RequestTimes(t.arrival, t.first_scheduled, t.first_token, t.token_times[:kept], finished)
 
 
 def _release(state: _RequestState, finished: bool) -> str:

@@ -19,12 +19,14 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from chariot.contracts.engine_client import EngineClient
+from chariot.contracts.engine_settings import ENGINE_CORES
 from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health, stop_on_signals
 from chariot.contracts.proto_codec import request_from_proto, response_from_output, stats_to_proto
 from chariot.proto.chariot.v1 import generation_pb2_grpc
-from chariot.worker.async_engine import AsyncEngine, StepObserver
+from chariot.worker.async_engine import AsyncEngine
 from chariot.worker.engine import Engine
-from chariot.worker.engine_core import ENGINE_CORES, EngineCoreClient
+from chariot.worker.engine_core import EngineCoreClient, StepObserver
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +35,25 @@ EXIT_ENGINE_FAILED = 1
 DEFAULT_GRACE_S = 5.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-EngineFront = AsyncEngine | EngineCoreClient  # the same API: engine thread here, or engine-core process
+
+
+def engine_client(engine_core: str, factory: Callable[[], Engine],
+                  observer: StepObserver | None = None) -> EngineClient:
+    """The `EngineClient` for an `engine_core` setting: the loop in a child process, or on a thread here.
+
+    With `"process"`, `factory` must be picklable (the child builds the engine; see `engine_core.py`).
+    """
+    if engine_core == "process":
+        return EngineCoreClient(factory, observer=observer)
+    if engine_core == "thread":
+        return AsyncEngine(factory, observer=observer)
+    raise ValueError(f"engine_core must be one of {ENGINE_CORES}, not {engine_core!r}")
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """`chariot.v1.Generation` backed by one AsyncEngine."""
+    """`chariot.v1.Generation` backed by one `EngineClient`."""
 
-    def __init__(self, engine: EngineFront, served_model: str) -> None:
+    def __init__(self, engine: EngineClient, served_model: str) -> None:
         self._engine = engine
         self._model = served_model
 
@@ -65,7 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 # ---- server assembly --------------------------------------------------------------------------
-def build_server(engine: EngineFront, served_model: str) -> tuple[grpc.aio.Server, Any]:
+def build_server(engine: EngineClient, served_model: str) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with Generation, health (initially NOT_SERVING) and reflection; not yet bound."""
     return generation_server(GenerationServicer(engine, served_model))
 
@@ -94,10 +108,7 @@ async def serve(
     NOT_SERVING, in-flight calls get `grace_s` seconds to finish, then remaining requests are aborted.
     """
     stop = stop or asyncio.Event()
-    if engine_core not in ENGINE_CORES:
-        raise ValueError(f"engine_core must be one of {ENGINE_CORES}, not {engine_core!r}")
-    engine: EngineFront = (EngineCoreClient(engine_factory, observer=observer) if engine_core == "process"
-                           else AsyncEngine(engine_factory, observer=observer))
+    engine = engine_client(engine_core, engine_factory, observer)
     server, health_servicer = build_server(engine, served_model)
     try:
         await set_health(health_servicer, _NOT_SERVING)
@@ -116,7 +127,7 @@ async def serve(
 
 
 async def _run(
-    engine: EngineFront, health_servicer: Any, stop: asyncio.Event, on_ready: Callable[[], None] | None
+    engine: EngineClient, health_servicer: Any, stop: asyncio.Event, on_ready: Callable[[], None] | None
 ) -> int:
     """Wait for the model to load, serve until stopped or the engine dies; the exit code."""
     if not await _first_or_stop(engine.wait_ready(), stop):

@@ -1,8 +1,8 @@
 """The engine-core process (`worker/engine_core.py`) on its own: a real spawned child running the real
 engine on a real tiny checkpoint, driven through `EngineCoreClient`.
 
-Covers what the gRPC server tests do not see directly: token parity with the in-thread engine, the
-observer receiving finished outputs whose token times were sent as deltas, aborts (by call and by
+Covers what the gRPC server tests do not see directly: token parity with the in-thread engine (both
+are `EngineClient`s), the observer receiving every delta with its own token times, aborts (by call and by
 leaving a stream) freeing every KV block, duplicate ids refused before anything crosses the pipe,
 and a killed child failing every live stream and every later call with `EngineDeadError`.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from chariot.contracts.engine_client import EngineClient
 from chariot.contracts.errors import EngineDeadError, InvalidRequestError
 from chariot.contracts.outputs import RequestOutput
 from chariot.worker import SamplingParams
@@ -71,11 +72,11 @@ def test_tokens_match_the_in_thread_engine_and_the_observer_sees_whole_requests(
         finally:
             await front.shutdown()
 
-    finished: list[RequestOutput] = []
+    seen: list[RequestOutput] = []
 
     def observer(result: StepResult, outputs: Any) -> None:
         assert result.outputs == ()  # the step crossed the pipe without its outputs: they come as deltas
-        finished.extend(o for o in outputs if o.finished)
+        seen.extend(outputs)
 
     local = asyncio.run(run(AsyncEngine(_factory(tiny_model_dir))))
     remote = asyncio.run(run(EngineCoreClient(_factory(tiny_model_dir), observer=observer)))
@@ -85,11 +86,18 @@ def test_tokens_match_the_in_thread_engine_and_the_observer_sees_whole_requests(
 
     assert tokens(remote) == tokens(local)
     assert all(len(t) == GREEDY.max_tokens for t in tokens(remote))
-    assert [s[0].prompt_token_ids for s in remote] == PROMPTS
-    assert sorted(o.request_id for o in finished) == sorted(s[-1].request_id for s in remote)
-    for out in finished:  # token times were sent as deltas and add up to one time per token
-        assert len(out.times.token_times) == out.num_output_tokens == GREEDY.max_tokens
-        assert out.times.token_times == sorted(out.times.token_times)
+    assert [s[0].num_prompt_tokens for s in remote] == [len(p) for p in PROMPTS]
+    assert sorted(o.request_id for o in seen if o.finished) == sorted(s[-1].request_id for s in remote)
+    for stream in remote:  # every delta carries its own tokens' times, which add up to one per token
+        times = [t for out in stream for t in out.times.token_times]
+        assert all(len(out.times.token_times) == len(out.new_token_ids) for out in stream)
+        assert len(times) == GREEDY.max_tokens and times == sorted(times)
+        assert [o for o in seen if o.request_id == stream[0].request_id] == stream  # the observer saw each
+
+
+def test_both_engine_clients_implement_the_protocol(tiny_model_dir: Path) -> None:
+    for client in (AsyncEngine(_factory(tiny_model_dir)), EngineCoreClient(_factory(tiny_model_dir))):
+        assert isinstance(client, EngineClient)
 
 
 def test_aborts_free_every_block_and_duplicate_ids_are_refused(tiny_model_dir: Path) -> None:

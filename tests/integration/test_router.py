@@ -46,6 +46,7 @@ from chariot.router.app import run_router
 from chariot.router.config import RouterConfig, TenantLimit
 from chariot.router.dataplane import DataPlane
 from chariot.worker import LLM, SamplingParams
+from chariot.worker import server as worker_server
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
 from chariot.worker.server import serve
@@ -312,6 +313,60 @@ def test_grpc_stream_matches_offline_greedy(router: Router, offline: LLM, vocab:
         assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert (last.prompt_tokens, last.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
         assert 0 < last.timing.arrival <= last.timing.first_token <= last.timing.last_token
+
+
+def test_grpc_relay_forwards_the_workers_bytes_unchanged(router: Router, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every response the router's gRPC front sends is, byte for byte, one the worker sent it."""
+    sent: dict[str, list[bytes]] = {}
+    real = worker_server.response_from_output
+
+    def recording(out: Any) -> Any:  # spy on the real workers' encoder (they run in this process)
+        msg = real(out)
+        sent.setdefault(out.request_id, []).append(msg.SerializeToString())
+        return msg
+
+    monkeypatch.setattr(worker_server, "response_from_output", recording)
+    raw_generate = router.channel.unary_stream("/chariot.v1.Generation/Generate",
+                                               request_serializer=pb.GenerateRequest.SerializeToString,
+                                               response_deserializer=None)
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
+    for i, prompt in enumerate(("The quick brown fox", [5, 6, 7, 8])):
+        request = request_to_proto(prompt, params, request_id=f"relay-{i}", model=SERVED)
+        received = list(raw_generate(request, timeout=TIMEOUT))
+        assert len(received) >= 2 and received == sent[f"relay-{i}"]
+        last = pb.GenerateResponse.FromString(received[-1])
+        assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED and last.logprobs
+
+
+def test_a_prompt_is_tokenised_once_per_request(router: Router, workers: list[Worker],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router tokenises a text prompt to count it and sends the ids; the worker never tokenises
+    it again, and the n choices of one request share one tokenisation."""
+    encoded: list[str] = []
+    real = Tokenizer.encode
+
+    def counting(self: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+        encoded.append(text)
+        return real(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", counting)  # the workers and the router share this process
+    prompt = "Tokenised exactly once, please"
+    list(router.stub.Generate(request_to_proto(prompt, GREEDY, model=SERVED), timeout=TIMEOUT))
+    assert encoded == [prompt]
+    for payload in ({"prompt": prompt, "max_tokens": 4}, {"prompt": prompt, "max_tokens": 4, "n": 3},
+                    {"prompt": prompt, "max_tokens": 4, "n": 2, "stream": True}):
+        encoded.clear()
+        response = router.post("/v1/completions", payload)
+        assert response.status_code == 200, response.text
+        assert encoded == [prompt], payload
+    encoded.clear()  # without the router's tokenizer, the text goes to the worker, which tokenises it once
+    text_only = Router([workers[0].flag])
+    try:
+        text_only.wait_ready(1)
+        list(text_only.stub.Generate(request_to_proto(prompt, GREEDY, model=SERVED), timeout=TIMEOUT))
+    finally:
+        text_only.stop()
+    assert encoded == [prompt]
 
 
 def test_http_sse_matches_offline_greedy(router: Router, offline: LLM, vocab: int) -> None:
@@ -759,7 +814,7 @@ def test_an_internal_error_is_a_500_whose_traceback_is_logged_with_the_request_i
 ) -> None:
     # Fault injection, not a mock: a bug in the data plane (no real input reaches one) is simulated by
     # making the real router's prompt counting raise; everything else is the real router and workers.
-    async def broken(self: DataPlane, prompt: Any, max_tokens: int) -> int:
+    def broken(self: DataPlane, prompt: Any, max_tokens: int) -> int:
         raise RuntimeError("injected bug 7f3a")
 
     monkeypatch.setattr(DataPlane, "count_prompt_tokens", broken)

@@ -31,9 +31,10 @@ def engine_outputs(tokens: list[int], max_tokens: int | None = None, stop_token_
     limit = max_tokens or len(tokens)
     times, outs = RequestTimes(arrival=0.0), []
     for i, token in enumerate(tokens[:limit]):
+        times.token_times.append(1.0 + i)  # as the engine does: each output carries its own token's time
         stop = token in set(stop_token_ids)
         reason = FinishReason.STOP if stop else FinishReason.LENGTH if i + 1 == limit else None
-        outs.append(EngineOutput(rid, (token,), i + 1, reason, [1, 2], times, token if stop else None))
+        outs.append(EngineOutput(rid, (token,), i + 1, reason, [1, 2], times.latest(1), token if stop else None))
         if reason is not None:
             break
     return outs
@@ -153,9 +154,12 @@ def test_outputs_of_untracked_requests_are_dropped(tokenizer: Tokenizer) -> None
 def test_completion_output_adds_deltas_up(tokenizer: Tokenizer) -> None:
     tokens = tokenizer.encode(TEXT, add_special_tokens=False)
     results, _ = run(tokenizer, engine_outputs(tokens), stop=("stop",))
-    whole = CompletionOutput.from_deltas(results)
+    assert [r.times.token_times for r in results] == [[1.0 + i] for i in range(len(results))]  # O(1) per delta
+    assert all(r.num_prompt_tokens == 2 for r in results)
+    whole = CompletionOutput.from_deltas(results, [1, 2])
     assert (whole.text, whole.token_ids) == (TEXT[: TEXT.index("stop")], tokens[: len(results)])
     assert whole.finished and whole.finish_reason is FinishReason.STOP and whole.prompt_token_ids == [1, 2]
+    assert whole.times.token_times == [1.0 + i for i in range(len(results))]
 
 
 def test_forming_stop_len() -> None:

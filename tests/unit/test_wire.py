@@ -16,6 +16,7 @@ from chariot.contracts.proto_codec import (
     PREFILL_TOKENS_PER_S,
     finish_reason_from_proto,
     logprobs_from_proto,
+    output_from_response,
     params_from_proto,
     params_to_proto,
     request_from_proto,
@@ -119,8 +120,8 @@ def test_request_round_trip() -> None:
 def _output(**kw: Any) -> RequestOutput:
     times = RequestTimes(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.0, 11.2])
     base: dict[str, Any] = dict(
-        request_id="r", prompt_token_ids=[1, 2, 3], new_token_ids=[9], new_text="ab", num_output_tokens=2,
-        finished=False, finish_reason=None, times=times,
+        request_id="r", new_token_ids=[9], new_text="ab", num_prompt_tokens=3, num_output_tokens=2,
+        finish_reason=None, times=times,
     )
     return RequestOutput(**{**base, **kw})
 
@@ -132,6 +133,20 @@ def test_response_carries_delta_totals_and_timing() -> None:
     assert resp.finish_reason == pb.FINISH_REASON_UNSPECIFIED
     assert (resp.timing.arrival, resp.timing.first_scheduled, resp.timing.first_token,
             resp.timing.last_token) == (10.0, 10.5, 11.0, 11.2)
+    assert list(resp.timing.token_times) == [11.0, 11.2] and resp.timing.finished == 0.0
+
+
+@pytest.mark.parametrize("reason", [*FinishReason, None])
+def test_output_round_trips_through_the_wire(reason: FinishReason | None) -> None:
+    """What the worker streams is what the router reads back: field for field, one delta type."""
+    lps = [TokenLogprobs(9, -0.5, ((9, -0.5), (4, -2.0)))]
+    times = RequestTimes(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.2],
+                         finished=11.3 if reason else None)
+    out = _output(times=times, finish_reason=reason, error="boom" if reason is FinishReason.ERROR else None,
+                  new_logprobs=lps)
+    raw = response_from_output(out).SerializeToString()
+    back = output_from_response(pb.GenerateResponse.FromString(raw), raw, "replica-0")
+    assert back == out and (back.wire, back.replica) == (raw, "replica-0")
 
 
 def test_unset_timing_is_zero() -> None:
@@ -142,7 +157,7 @@ def test_unset_timing_is_zero() -> None:
 @pytest.mark.parametrize("reason", [*FinishReason, None])
 def test_finish_reasons_round_trip(reason: FinishReason | None) -> None:
     error = "boom" if reason is FinishReason.ERROR else None
-    resp = response_from_output(_output(finished=reason is not None, finish_reason=reason, error=error))
+    resp = response_from_output(_output(finish_reason=reason, error=error))
     assert finish_reason_from_proto(resp.finish_reason) is reason
     assert resp.error == (error or "")
 
@@ -165,7 +180,7 @@ def test_stats_to_proto() -> None:
 
 def test_logprobs_travel_in_the_response() -> None:
     lps = [TokenLogprobs(7, -0.25, ((7, -0.25), (3, -1.5))), TokenLogprobs(2, -3.0)]
-    out = RequestOutput("r", [1], [7, 2], "ab", 2, False, None, RequestTimes(arrival=0.0), new_logprobs=lps)
+    out = RequestOutput("r", [7, 2], "ab", 1, 2, None, RequestTimes(arrival=0.0), new_logprobs=lps)
     resp = pb.GenerateResponse.FromString(response_from_output(out).SerializeToString())
     assert [logprobs_from_proto(m) for m in resp.logprobs] == lps
 

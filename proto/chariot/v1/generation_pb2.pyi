@@ -92,16 +92,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., tenant: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("arrival", "first_scheduled", "first_token", "last_token")
+    __slots__ = ("arrival", "first_scheduled", "first_token", "last_token", "token_times", "finished")
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     FIRST_SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TIMES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     arrival: float
     first_scheduled: float
     first_token: float
     last_token: float
-    def __init__(self, arrival: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ...) -> None: ...
+    token_times: _containers.RepeatedScalarFieldContainer[float]
+    finished: float
+    def __init__(self, arrival: _Optional[float] = ..., first_scheduled: _Optional[float] = ..., first_token: _Optional[float] = ..., last_token: _Optional[float] = ..., token_times: _Optional[_Iterable[float]] = ..., finished: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "timing", "prompt_tokens", "completion_tokens", "error", "logprobs")
