@@ -5,6 +5,9 @@ Why one event loop: the admission controller, the registry and the data plane ar
 without locks; running the gRPC server (grpc.aio), the HTTP server (uvicorn) and every background
 task on the same loop makes each admission decision atomic with respect to the others for free.
 
+Every setting, the process's own included, is a field of `RouterConfig` (`router/config.py`);
+`run_router` takes that config and only the runtime hooks (a ready callback, a stop event).
+
 Lifetime: `run_router` binds both ports first (a taken port is a `ConfigError`, exit code 2), starts
 everything, prints `chariot router ready http=HOST:PORT grpc=HOST:PORT`, and serves until SIGTERM /
 SIGINT (when on the main thread) or until `stop` is set; then health goes NOT_SERVING, both servers
@@ -30,68 +33,57 @@ from chariot.contracts.grpc_server import SERVICE_NAME, host_port, stop_on_signa
 from chariot.contracts.telemetry import setup_telemetry
 from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.admission import AdmissionController
-from chariot.router.config import RouterConfig, TenantLimit
+from chariot.router.config import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_SERVED_MODEL,
+    RouterConfig,
+    TenantLimit,
+)
 from chariot.router.dataplane import DataPlane
 from chariot.router.grpc_front import NOT_SERVING, HealthReporter, bind_grpc, build_grpc_server
 from chariot.router.http_front import build_http_app
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
-from chariot.router.upstream import DEFAULT_STATS_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_GRPC_PORT = 50051
-DEFAULT_GRACE_S = 5.0
 DEFAULT_TENANT_WILDCARD = "*"
 SERVICE = "chariot-router"
 
 ReadyCallback = Callable[[int, int], None]
 
 
-async def run_router(
-    config: RouterConfig,
-    host: str,
-    http_port: int,
-    grpc_port: int,
-    replicas: Sequence[str],
-    served_model: str,
-    model_dir: str | None,
-    otlp_endpoint: str | None,
-    ready: ReadyCallback | None = None,
-    stop: asyncio.Event | None = None,
-    *,
-    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
-    grace_s: float = DEFAULT_GRACE_S,
-) -> int:
-    """Serve until SIGTERM/SIGINT or `stop`; returns 0. `ready(http_port, grpc_port)` once listening.
+async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
+                     stop: asyncio.Event | None = None) -> int:
+    """Serve `config` until SIGTERM/SIGINT or `stop`; returns 0. `ready(http_port, grpc_port)` once listening.
 
     Port 0 picks a free port (for either front). Raises `ConfigError` for a bad replica list or file,
     a port that cannot be bound, and `ModelLoadError` for an unreadable `model_dir` tokenizer.
     """
     stop = stop or asyncio.Event()
-    tokenizer = Tokenizer(model_dir) if model_dir else None
-    registry = ReplicaRegistry.from_config(config, replicas)
+    host, grace_s = config.host, config.grace_s
+    tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
+    registry = ReplicaRegistry.from_config(config, config.replicas)
     async with contextlib.AsyncExitStack() as stack:
-        telemetry = setup_telemetry(SERVICE, "router", otlp_endpoint, model=served_model)
+        telemetry = setup_telemetry(SERVICE, "router", config.otlp_endpoint, model=config.served_model)
         stack.callback(telemetry.shutdown)
         state = make_state(config)
         stack.push_async_callback(state.aclose)
         state.start(upkeep_interval_s(config))
         admission = AdmissionController(config, registry, state)
-        dataplane = DataPlane(
-            config, registry, admission, telemetry, tokenizer, served_model, stats_interval_s=stats_interval_s
-        )
+        dataplane = DataPlane(config, registry, admission, telemetry, tokenizer, config.served_model,
+                              stats_interval_s=config.stats_interval_s)
         stack.push_async_callback(dataplane.aclose)
         dataplane.start()
         if config.replica_file:
             _cancel_on_exit(stack, registry.start_watching(config.replica_poll_s))
-        bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, grpc_port, grace_s))
-        bound_http = await stack.enter_async_context(_http_front(dataplane, host, http_port, grace_s))
+        bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, config.grpc_port, grace_s))
+        bound_http = await stack.enter_async_context(_http_front(dataplane, host, config.http_port, grace_s))
         print(f"chariot router ready http={host_port(host, bound_http)} grpc={host_port(host, bound_grpc)}", flush=True)
-        log.info("router serving %s over %d replica(s)", served_model, len(registry.names()))
+        log.info("router serving %s over %d replica(s)", config.served_model, len(registry.names()))
         if ready is not None:
             ready(bound_http, bound_grpc)
         with stop_on_signals(stop):
@@ -209,12 +201,20 @@ def parse_rate_limits(values: Sequence[str]) -> tuple[TenantLimit | None, dict[s
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The `RouterConfig` of parsed `chariot router` flags (unset flags keep the config defaults)."""
     default_limit, tenant_limits = parse_rate_limits(args.rate_limit)
+    served = args.served_model_name or default_served_model(args.model)
     overrides: dict[str, Any] = {
         "ttft_slo_ms": args.ttft_slo_ms,
         "tbt_slo_ms": args.tbt_slo_ms,
         "max_queue_per_replica": args.max_queue_per_replica,
     }
     return RouterConfig(
+        host=args.host,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        replicas=tuple(args.replica),
+        served_model=served,
+        model_dir=args.model,
+        otlp_endpoint=args.otlp_endpoint,
         redis_url=args.redis_url,
         replica_file=args.replica_file,
         default_rate_limit=default_limit,
@@ -225,7 +225,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 def default_served_model(model_dir: str | None) -> str:
     """The served model name when `--served-model-name` is not given: the model directory's name."""
-    return Path(model_dir).name if model_dir else "default"
+    return Path(model_dir).name if model_dir else DEFAULT_SERVED_MODEL
 
 
 def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -280,10 +280,4 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_router_command(args: argparse.Namespace) -> int:
     """The `chariot router` handler: flags → `run_router`; a `ConfigError` propagates (exit code 2)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
-    served = args.served_model_name or default_served_model(args.model)
-    return asyncio.run(
-        run_router(
-            config, args.host, args.http_port, args.grpc_port, args.replica, served, args.model, args.otlp_endpoint
-        )
-    )
+    return asyncio.run(run_router(config_from_args(args)))

@@ -1,8 +1,9 @@
 """The router's frozen, validated configuration.
 
-Admission control, rate limiting, the replica registry and the shared state all read their knobs from
-one `RouterConfig`, validated once here so that a bad flag or ConfigMap value fails at start-up with
-a `ConfigError` that names the field, instead of surfacing later as a strange routing decision.
+The process (addresses, ports, the replicas it fronts, the served model, telemetry, shutdown grace),
+admission control, rate limiting, the replica registry and the shared state all read their settings
+from one `RouterConfig`, validated once here so that a bad flag or ConfigMap value fails at start-up
+with a `ConfigError` that names the field, instead of surfacing later as a strange routing decision.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from chariot.contracts.errors import ConfigError
 
 RateLimitUnit = Literal["tokens", "requests"]
 RATE_LIMIT_UNITS: tuple[str, ...] = ("tokens", "requests")
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_SERVED_MODEL = "default"
+DEFAULT_STATS_INTERVAL_S = 0.25
+DEFAULT_GRACE_S = 5.0
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -37,8 +45,18 @@ class TenantLimit:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Every knob of the router's decision core.
+    """Every setting of the router.
 
+    The process:
+    - `host`, `http_port`, `grpc_port`: where both fronts listen (port 0: a free one).
+    - `replicas`: `NAME=HOST:PORT` (or `HOST:PORT`) of each replica's stage 0, unless `replica_file`.
+    - `served_model`: the model name clients send; `model_dir`: the tokenizer's model directory
+      (exact prompt lengths, chat template; None: estimated).
+    - `otlp_endpoint`: OTLP collector for metrics and traces (None: Prometheus only).
+    - `stats_interval_s`: how often each replica's load report is polled.
+    - `grace_s`: how long in-flight calls may finish at shutdown.
+
+    The decision core:
     - `ttft_slo_ms` / `tbt_slo_ms`: the latency SLOs; a request is shed when its predicted TTFT on the
       best replica exceeds `ttft_slo_ms * (1 + slo_margin)`.
     - `max_queue_per_replica`: the most admitted-but-unfinished requests one replica may hold.
@@ -60,6 +78,15 @@ class RouterConfig:
       modification time is checked.
     """
 
+    host: str = DEFAULT_HOST
+    http_port: int = DEFAULT_HTTP_PORT
+    grpc_port: int = DEFAULT_GRPC_PORT
+    replicas: tuple[str, ...] = ()
+    served_model: str = DEFAULT_SERVED_MODEL
+    model_dir: str | None = None
+    otlp_endpoint: str | None = None
+    stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    grace_s: float = DEFAULT_GRACE_S
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
     slo_margin: float = 0.1
@@ -82,6 +109,7 @@ class RouterConfig:
     max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
+        self._validate_process()
         _positive("ttft_slo_ms", self.ttft_slo_ms)
         _positive("tbt_slo_ms", self.tbt_slo_ms)
         _non_negative("slo_margin", self.slo_margin)
@@ -97,6 +125,21 @@ class RouterConfig:
         _positive("replica_poll_s", self.replica_poll_s)
         _positive("queue_retry_after_s", self.queue_retry_after_s)
         _positive("max_retry_after_s", self.max_retry_after_s)
+
+    def _validate_process(self) -> None:
+        for name in ("host", "served_model"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(name, f"must be a non-empty string, got {value!r}")
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+                raise ConfigError(name, f"must be an integer in [0, {MAX_PORT}] (0: a free port), got {port!r}")
+        if isinstance(self.replicas, str) or not all(isinstance(r, str) and r for r in self.replicas):
+            raise ConfigError("replicas", f"must be a sequence of NAME=HOST:PORT strings, got {self.replicas!r}")
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        _positive("stats_interval_s", self.stats_interval_s)
+        _positive("grace_s", self.grace_s)
 
     def _validate_limits(self) -> None:
         if self.default_rate_limit is not None:

@@ -33,11 +33,11 @@ import grpc
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
+from chariot.router.config import DEFAULT_STATS_INTERVAL_S
 from chariot.router.registry import RegistryChange, ReplicaLoad, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STATS_INTERVAL_S = 0.25
 GENERATE_METHOD = "/chariot.v1.Generation/Generate"
 CHANNEL_CLOSE_GRACE_S = 60.0
 # Reconnect quickly after a worker restarts (gRPC's default back-off grows to two minutes).

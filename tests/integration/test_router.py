@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import json
@@ -201,20 +202,12 @@ class Router:
             self.http_port, self.grpc_port = http_port, grpc_port
             ready()
 
-        return await run_router(
-            self.config,
-            "127.0.0.1",
-            0,
-            0,
-            self.replicas,
-            self.served,
-            str(self.model_dir) if self.model_dir else None,
-            None,
-            ready=on_ready,
-            stop=stop,
-            stats_interval_s=STATS_INTERVAL_S,
-            grace_s=1.0,
+        config = dataclasses.replace(
+            self.config, host="127.0.0.1", http_port=0, grpc_port=0, replicas=tuple(self.replicas),
+            served_model=self.served, model_dir=str(self.model_dir) if self.model_dir else None,
+            stats_interval_s=STATS_INTERVAL_S, grace_s=1.0,
         )
+        return await run_router(config, ready=on_ready, stop=stop)
 
     def health(self) -> dict[str, Any]:
         body: dict[str, Any] = self.client.get("/health").json()
