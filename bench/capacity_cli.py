@@ -420,6 +420,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return p
 
 
+def run_bench_command(argv: Sequence[str]) -> int:
+    """`chariot bench ARGS`: the `chariot` command hands its remaining arguments here when `bench` runs,
+    so nothing else it does imports the benchmarks."""
+    parser = argparse.ArgumentParser(prog="chariot")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return int(args.handler(args))
+
+
 def _resolve(args: argparse.Namespace) -> tuple[Load, Search, list[PolicyConfig], Path]:
     d = QUICK if args.quick else FULL
     model = ModelConfig.from_dir(args.model)

@@ -1,7 +1,7 @@
 """Token budget from the TBT SLO (docs/architecture.md §3, Sarathi-Serve §4.3).
 
 The paper sets the token budget once, from profiling: the largest number of tokens an iteration
-may hold without its time exceeding the TBT SLO. `chariot tune` (`chariot.bench.tune`) profiles
+may hold without its time exceeding the TBT SLO. `chariot tune` (`chariot.worker.tune`) profiles
 iteration times on this hardware, fits the linear `CostModel` below and writes a JSON profile;
 the worker turns `--tbt-slo-ms X` into a budget with `resolve_token_budget`, evaluating the same
 cost model. The evaluation lives here (json + math only, no numpy, no bench code) so a serving

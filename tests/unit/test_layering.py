@@ -2,7 +2,7 @@
 TYPE_CHECKING) points down, and the packages meant to start without torch never import it.
 
     chariot.cli                                   the `chariot` command and `chariot up`
-    chariot.bench                                 benchmarks and the tuner: they drive the services
+    chariot.bench                                 benchmarks: they drive the services
     chariot.worker  chariot.router  chariot.operator
     chariot.contracts                             torch-free shared contracts
     chariot.proto  chariot.kernels

@@ -101,7 +101,7 @@ def test_faster_hardware_has_more_capacity() -> None:
 def test_cli_predicts_capacity_from_a_profile(tiny_model_dir: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     from chariot.bench.simulator import main
-    from chariot.bench.tune import Profile
+    from chariot.worker.tune import Profile
 
     path = Profile(str(tiny_model_dir), "float32", [], COST).save(tmp_path / "p.json")
     assert main(["--profile", str(path), "--requests", "40", "--policy", "sarathi:256", "vllm"]) == 0

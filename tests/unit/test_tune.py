@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from chariot.bench.tune import Grid, Profile, Sample, choose_budget, fit, main, profile
 from chariot.contracts.errors import ConfigError
 from chariot.worker.budget import (
     Assumptions,
@@ -20,6 +19,7 @@ from chariot.worker.budget import (
     resolve_token_budget,
     worst_case_iteration_s,
 )
+from chariot.worker.tune import Grid, Profile, Sample, choose_budget, fit, main, profile
 
 # 10 ms fixed, 1 ms per prefill token, 2 ms per decode, nothing else: a budget B with D decodes costs
 # 10 + (B - D) + 2·D ms = 10 + B + D ms.
@@ -153,7 +153,7 @@ def test_stale_profile_of_another_model_is_refused(tiny_model_dir: Path, tmp_pat
 def test_cli_writes_profile_and_prints_table(tiny_model_dir: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                                              ) -> None:
-    import chariot.bench.tune as tune
+    import chariot.worker.tune as tune
 
     monkeypatch.setattr(tune, "QUICK_GRID", Grid((0, 32, 64), (0, 2, 4), (64, 128), repeats=1))
     out = tmp_path / "t.json"

@@ -17,6 +17,9 @@ size. This module does that for the machine it runs on:
 
 The profile (samples, coefficients, hardware, the assumptions and an SLO → budget table) is written
 as JSON where `chariot worker --tbt-slo-ms X` finds it (`default_profile_path`).
+
+It sits in the worker, beside the cost model it fits (`budget.py`): a deployment uses it (the CRD's
+`scheduler.tuneProfile`), so the `chariot` command must not need the benchmarks to offer it.
 """
 
 from __future__ import annotations
@@ -400,7 +403,7 @@ def format_report(prof: Profile, elapsed_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chariot.bench.tune")
+    parser = argparse.ArgumentParser(prog="python -m chariot.worker.tune")
     sub = parser.add_subparsers(dest="command", required=True)
     add_tune_parser(sub)
     args = parser.parse_args(["tune", *(sys.argv[1:] if argv is None else argv)])
