@@ -34,7 +34,6 @@ COPY router router
 COPY operator operator
 COPY proto proto
 COPY bench bench
-COPY environment environment
 # The operator's own dependencies are named here too, so the image works whatever extras exist.
 RUN pip install . "kopf>=1.37" "kubernetes>=30.1" "pyyaml>=6"
 

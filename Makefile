@@ -62,7 +62,7 @@ test-gpu: $(STAMP)
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a
 # symlinked chariot/ tree (otherwise every chariot.* import would be typed Any).
-PACKAGES := cli contracts worker kernels router operator proto bench environment
+PACKAGES := cli contracts worker kernels router operator proto bench
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	rm -rf build/typecheck && mkdir -p build/typecheck/chariot

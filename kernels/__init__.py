@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from chariot.environment import ATTENTION_BACKEND, read
+from chariot.kernels import knobs
 from chariot.kernels.attention import AttentionBackend, AttentionMetadata, empty_kv_cache
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "write_kv",
 ]
 
-BACKEND_ENV = ATTENTION_BACKEND.name
+BACKEND_ENV = knobs.ATTENTION_BACKEND
 BACKENDS: dict[str, str] = {
     "reference": "chariot.kernels.reference",
     "triton": "chariot.kernels.triton_attention",
@@ -109,7 +109,10 @@ def select_backend(name: str | None = None) -> str:
     """
     global _active
     if name is None:
-        name = read(ATTENTION_BACKEND)
+        try:
+            name = knobs.attention_backend()
+        except ValueError as e:
+            raise AttentionBackendError(str(e)) from None
     chosen = _resolve(name.strip().lower() if name is not None else None)
     backend: AttentionBackend = importlib.import_module(BACKENDS[chosen]).BACKEND
     _active = backend

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from chariot.environment import KERNEL_CACHE, read_path
+from chariot.kernels import knobs
 
 __all__ = ["CACHE_ENV", "FLAGS", "build_dir", "build_problem", "load_ops"]
 
 log = logging.getLogger(__name__)
-CACHE_ENV = KERNEL_CACHE.name
+CACHE_ENV = knobs.KERNEL_CACHE
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math")
 COMPILE_SECONDS = 25  # measured on a 2-core AVX2 EPYC; shown when compiling
 
@@ -54,7 +54,7 @@ def digest(source: Path, stem: str) -> str:
 
 def build_dir(source: Path, stem: str) -> Path:
     """Where a build lives: `$CHARIOT_KERNEL_CACHE` (default ~/.cache/chariot/kernels)/<stem>-<hash>."""
-    root = read_path(KERNEL_CACHE)
+    root = knobs.kernel_cache()
     return root / f"{stem}-{digest(source, stem)}"
 
 

@@ -21,15 +21,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chariot.environment import CPU_LAYER_OPS, is_on
-from chariot.kernels import cpu_build, reference
+from chariot.kernels import cpu_build, knobs, reference
 from chariot.kernels.cpu_build import load_ops
 
 __all__ = ["ENV", "build_problem", "enabled", "load_kernel", "rms_norm", "rope_", "silu_and_mul", "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
 STEM = "cpu_layer_ops"
-ENV = CPU_LAYER_OPS.name
+ENV = knobs.CPU_LAYER_OPS
 
 KernelFn = Callable[..., None]
 
@@ -48,7 +47,7 @@ def build_problem() -> str | None:
 
 def enabled() -> bool:
     """Whether the kernels run: not turned off by `CHARIOT_CPU_LAYER_OPS=0`, and built."""
-    return is_on(CPU_LAYER_OPS) and build_problem() is None
+    return knobs.cpu_layer_ops() and build_problem() is None
 
 
 FAST_DTYPES = (torch.float32, torch.bfloat16)

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-import chariot.environment as env
+import chariot.contracts.environment as env
 from chariot.operator.controller import DEFAULT_IMAGE, Controller, Settings
 from chariot.operator.reconcile import Backoff
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-import chariot.environment as env
+import chariot.contracts.environment as env
 
 START_TIMEOUT_S = 10.0
 

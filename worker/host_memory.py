@@ -24,7 +24,7 @@ import logging
 import platform
 from functools import cache
 
-from chariot.environment import CPU_KEEP_FREED_MEMORY, is_on
+from chariot.contracts.environment import CPU_KEEP_FREED_MEMORY, is_on
 
 log = logging.getLogger(__name__)
 

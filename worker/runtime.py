@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from chariot.contracts.environment import STAGE_CPUS, read
 from chariot.contracts.errors import ConfigError, PipelineError
-from chariot.environment import STAGE_CPUS, read
 from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner

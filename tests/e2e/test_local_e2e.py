@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-import chariot.environment as env
+import chariot.contracts.environment as env
 from chariot.operator import crd
 from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot

@@ -8,8 +8,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from chariot import environment
-from chariot.contracts import engine_settings
+from chariot.contracts import engine_settings, environment
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 BLOCKS: dict[str, Callable[[], str]] = {

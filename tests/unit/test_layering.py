@@ -6,7 +6,6 @@ TYPE_CHECKING) points down, and the packages meant to start without torch never 
     chariot.worker  chariot.router  chariot.operator
     chariot.contracts                             torch-free shared contracts
     chariot.proto  chariot.kernels
-    chariot.environment                           the CHARIOT_* environment knobs (standard library only)
 """
 
 from __future__ import annotations
@@ -17,9 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LEVEL = {"environment": -1, "proto": 0, "kernels": 0, "contracts": 1, "worker": 2, "router": 2, "operator": 2,
-         "bench": 3, "cli": 4}
-TORCH_FREE = ("environment", "contracts", "router", "operator", "cli", "proto")
+LEVEL = {"proto": 0, "kernels": 0, "contracts": 1, "worker": 2, "router": 2, "operator": 2, "bench": 3, "cli": 4}
+TORCH_FREE = ("contracts", "router", "operator", "cli", "proto")
 THIRD_PARTY_TORCH = ("torch", "triton", "numpy")
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import chariot.environment as env
+import chariot.contracts.environment as env
 from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 

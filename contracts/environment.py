@@ -6,12 +6,15 @@ each one has its name, what it takes, its default, what it does and which module
 `CHARIOT_*` name appears in the source without being declared here, when code reads one around these
 readers, or when the doc is stale).
 
-Why its own package at the bottom of the stack (`chariot.environment`, below `chariot.kernels` and
-`chariot.proto`): the attention kernels read three of these knobs, and the kernels sit below
-`chariot.contracts`, so they cannot import a registry kept there; nor can the registry live in
-`chariot.kernels`, since importing that package imports torch and the operator, which reads
-`CHARIOT_IMAGE`, must start without it. This package imports nothing but the standard library, so
-every package, torch-free or not, reads its knobs through it.
+Why in `chariot.contracts`: the registry is a shared contract, and the contracts package is torch-free
+and imports nothing of Chariot but `chariot.proto`, so every package at or above it (the worker, the
+router, the operator, which reads `CHARIOT_IMAGE` and must start without torch, the benchmarks, the
+CLI and the tests) reads its knobs through this module. The attention kernels are the exception: they
+read three of these knobs (`CHARIOT_ATTENTION_BACKEND`, `CHARIOT_KERNEL_CACHE`,
+`CHARIOT_CPU_LAYER_OPS`) but sit below `chariot.contracts` in the stack, so they cannot import it;
+`kernels/knobs.py` reads those three with the same semantics (standard library only). They are still
+declared here, and `tests/unit/test_environment.py` checks that its names and defaults equal these
+declarations, so the two cannot drift. This module imports nothing but the standard library.
 
 Knobs are read when used, not once at start-up: tests and benchmarks set them per run, and child
 processes inherit them.
@@ -125,7 +128,7 @@ def knob(name: str) -> Knob:
     for k in KNOBS:
         if k.name == name:
             return k
-    raise KeyError(f"{name} is not a declared environment knob (chariot.environment.KNOBS)")
+    raise KeyError(f"{name} is not a declared environment knob (chariot.contracts.environment.KNOBS)")
 
 
 def markdown_table() -> str:

@@ -1,0 +1,66 @@
+"""The three `CHARIOT_*` environment knobs the kernels read, and their readers (standard library only).
+
+Every knob is declared in the registry, `chariot.contracts.environment` (name, values, default, help,
+readers), and every package at or above `chariot.contracts` reads its knobs through it. The kernels
+sit below `chariot.contracts` in the package stack (`tests/unit/test_layering.py`), so they cannot
+import the registry; they read their own three here instead, with the registry's semantics: an empty
+variable counts as unset, an unset one means the declared default, and the backend must be one of its
+choices. `tests/unit/test_environment.py` checks that the names and defaults below equal the
+registry's declarations, so the two cannot drift, and that nothing else in the kernels reads a knob.
+
+Knobs are read when used, not once at start-up: tests and benchmarks set them per run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = [
+    "ATTENTION_BACKEND",
+    "ATTENTION_BACKENDS",
+    "ATTENTION_BACKEND_DEFAULT",
+    "CPU_LAYER_OPS",
+    "CPU_LAYER_OPS_DEFAULT",
+    "KERNEL_CACHE",
+    "KERNEL_CACHE_DEFAULT",
+    "attention_backend",
+    "cpu_layer_ops",
+    "kernel_cache",
+]
+
+ATTENTION_BACKEND = "CHARIOT_ATTENTION_BACKEND"
+ATTENTION_BACKEND_DEFAULT: str | None = None  # unset: the kernels pick by what this machine can run
+ATTENTION_BACKENDS = ("reference", "triton", "cpu")
+KERNEL_CACHE = "CHARIOT_KERNEL_CACHE"
+KERNEL_CACHE_DEFAULT = "~/.cache/chariot/kernels"
+CPU_LAYER_OPS = "CHARIOT_CPU_LAYER_OPS"
+CPU_LAYER_OPS_DEFAULT = "1"
+
+
+def _read(name: str, default: str | None) -> str | None:
+    """The variable's value (an empty one counts as unset), else `default`."""
+    return os.environ.get(name) or default
+
+
+def attention_backend() -> str | None:
+    """`$CHARIOT_ATTENTION_BACKEND`, stripped and lower-cased, or None when unset (or blank); anything
+    outside ATTENTION_BACKENDS raises ValueError naming the variable and what it takes."""
+    value = _read(ATTENTION_BACKEND, ATTENTION_BACKEND_DEFAULT)
+    value = value.strip().lower() if value is not None else None
+    if not value:
+        return None
+    if value not in ATTENTION_BACKENDS:
+        *first, last = ATTENTION_BACKENDS
+        raise ValueError(f"{ATTENTION_BACKEND} must be {', '.join(first)} or {last}, got {value!r}")
+    return value
+
+
+def kernel_cache() -> Path:
+    """`$CHARIOT_KERNEL_CACHE` as a path (`~` expanded): where the C++ CPU kernels are built and cached."""
+    return Path(_read(KERNEL_CACHE, KERNEL_CACHE_DEFAULT) or KERNEL_CACHE_DEFAULT).expanduser()
+
+
+def cpu_layer_ops() -> bool:
+    """Whether the fused C++ layer kernels are on: `$CHARIOT_CPU_LAYER_OPS` is anything but `0`."""
+    return _read(CPU_LAYER_OPS, CPU_LAYER_OPS_DEFAULT) != "0"
