@@ -92,16 +92,17 @@ async def serve(
     served_model: str,
     ready: Callable[[int], None] | None = None,
     *,
+    engine_core: str,
     stop: asyncio.Event | None = None,
     grace_s: float = DEFAULT_GRACE_S,
     observer: StepObserver | None = None,
     on_ready: Callable[[], None] | None = None,
-    engine_core: str = "thread",
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set): returns 0, or 1 if the engine failed.
 
-    The engine is built on its own thread (`engine_core="thread"`) or in a child process
-    (`"process"`: `engine_factory` must then be picklable; see `engine_core.py`) while the server
+    `engine_core` is the engine-core setting (declared, with its default, in
+    `contracts/engine_settings.py`): the engine is built on its own thread (`"thread"`) or in a child
+    process (`"process"`: `engine_factory` must then be picklable; see `engine_core.py`) while the server
     already answers health checks (NOT_SERVING until loaded). `ready(port)` is called once the
     server listens, with the bound port.
     A load failure (e.g. ModelLoadError, ConfigError) is re-raised. On shutdown, health goes

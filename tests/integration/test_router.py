@@ -147,7 +147,8 @@ class Worker:
             self.port = port
             ready()
 
-        return await serve(self._factory, "127.0.0.1", 0, SERVED, ready=on_port, stop=stop, grace_s=1.0, **self._extra)
+        return await serve(self._factory, "127.0.0.1", 0, SERVED, ready=on_port, stop=stop, grace_s=1.0,
+                           engine_core="thread", **self._extra)  # the paced engine's factory is a lambda
 
     @property
     def address(self) -> str:

@@ -512,7 +512,7 @@ def test_port_in_use_is_a_config_error(server: RunningServer) -> None:
         raise AssertionError("the engine must not be built when the port cannot be bound")
 
     async def main() -> int:
-        return await serve(factory, "127.0.0.1", server.port, SERVED)
+        return await serve(factory, "127.0.0.1", server.port, SERVED, engine_core="thread")
 
     with pytest.raises(ConfigError) as err:
         asyncio.run(main())
@@ -526,7 +526,7 @@ from chariot.worker.engine import Engine
 from chariot.worker.server import serve
 cfg = EngineConfig(model=sys.argv[1], dtype="float32", kv_cache_tokens=2048, max_model_len=256)
 code = asyncio.run(serve(lambda: Engine(cfg, progress=False), "127.0.0.1", 0, "tiny",
-                         ready=lambda port: print(port, flush=True)))
+                         ready=lambda port: print(port, flush=True), engine_core="thread"))
 sys.exit(code)
 """
 

@@ -174,3 +174,6 @@ def test_engine_core_default_is_declared_once() -> None:
 
     assert inspect.signature(start_group).parameters["engine_core"].default == ENGINE_CORE.default
     assert inspect.signature(GroupSupervisor).parameters["engine_core"].default == ENGINE_CORE.default
+    from chariot.worker.server import serve  # no default of its own: callers pass the declared setting
+
+    assert inspect.signature(serve).parameters["engine_core"].default is inspect.Parameter.empty

@@ -49,20 +49,18 @@ MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather t
 MANY_ROWS_PASSES = 5  # a pass over MANY_ROWS_BYTES is short, and this decision routes most of a prefill's time
 SETTLED_ROWS = 32
 """The panel kernel's decode wins that MANY_ROWS needs before it is timed. Above 32 rows the two
-routes ran within a few percent of each other on an AVX2 EPYC (48 rows 45.5-60.9 against 55.7-70.8 ms,
-64 rows 59.5-84.9 against 72.1-93.6 ms over seven start-ups), and one noisy pass there sent every
-prefill chunk to oneDNN; the chunks carry most of a busy stage's time."""
+routes can run within a few percent of each other, so one noisy pass there would decide where every
+prefill chunk goes; the chunks carry most of a busy stage's time (docs/kernels.md)."""
 PANEL_TIE = 1.05
 """The panel kernel wins a row count unless oneDNN is more than 5 % faster: within that the start-up
 measurement on a noisy 2-core machine goes either way (it did at 512 rows on an AVX2 EPYC), and the
 panels alone keep one copy of the weights instead of two."""
 MANY_ROWS_TIE = 1.10
-"""The same margin at MANY_ROWS, wider: the start-up timing of 512 rows moved by about 10 % on a
-2-core AVX2 EPYC (panels 89.2-115.5 against oneDNN 98.4-121.3 ms over eight start-ups; two lost,
-by 10.1 and 5.1 %, and the second sent a peer run's prefill to oneDNN), while paired runs had the
-panels ahead of oneDNN's packed route, by 1.06x quiet and 1.16x beside a process busy 1 ms in every
-10 (`bench/experiments/panel_contention_ab.py`): the panels hand out their work in units, oneDNN splits
-it once per thread. A machine whose oneDNN is well ahead at 512 rows (AVX-512) still keeps it."""
+"""The same margin at MANY_ROWS, wider: the start-up timing of 512 rows moves by about 10 % on a
+small, busy machine, while paired runs have the panels ahead of oneDNN's packed route, more so when
+other processes share the cores: the panels hand out their work in units, oneDNN splits it once per
+thread (docs/kernels.md, `bench/experiments/panel_contention_ab.py`). A machine whose oneDNN is well
+ahead at 512 rows (AVX-512) still keeps it."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 
