@@ -98,20 +98,22 @@ def test_streamed_deltas_and_timestamps(tiny_llm):
     processor = OutputProcessor(engine.tokenizer)
     rid = engine.add_request("Hello world, this is", params)
     processor.add_request(rid, params)
-    deltas, tokens, final = [], [], None
+    deltas, tokens, times, final = [], [], [], None
     while engine.has_unfinished:
         for out in run_step(engine, processor)[1]:
             assert out.request_id == rid and out.num_output_tokens == len(tokens) + len(out.new_token_ids)
+            assert len(out.times.token_times) == len(out.new_token_ids)  # a delta carries its own tokens' times
             deltas.append(out.new_text)
             tokens += out.new_token_ids
+            times += out.times.token_times
             final = out
     assert final is not None and final.finished and final.finish_reason.value == "length"
     assert len(tokens) == 10 and len(processor) == 0
     assert "".join(deltas) == tiny_llm.tokenizer.decode(tokens)
     assert tiny_llm.generate("Hello world, this is", params)[0].text == "".join(deltas)
     t = final.times
-    assert t.arrival <= t.first_scheduled <= t.first_token <= t.token_times[-1] <= t.finished
-    assert len(t.token_times) == 10 and t.token_times == sorted(t.token_times)
+    assert t.arrival <= t.first_scheduled <= t.first_token == times[0] <= times[-1] <= t.finished
+    assert len(times) == 10 and times == sorted(times)
 
 
 def test_stop_token_and_stop_string(tiny_llm):
