@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from chariot.bench.capacity import RequestTrace
+from chariot.bench.capacity_cli import add_bench_parser
 from chariot.bench.machine_speed import PhaseClock, PhaseSpeed, Speed, measure_speed
 from chariot.bench.peer import (
     IDLE_PATHS,
@@ -124,7 +125,11 @@ def test_bad_flags_raise_config_error_naming_the_field(argv: list[str], field: s
 
 
 def test_registered_as_chariot_bench_peer() -> None:
-    parsed = chariot_parser().parse_args(["bench", "peer", "--quick", "--requests", "8"])
+    handed = chariot_parser().parse_args(["bench", "peer", "--quick", "--requests", "8"])
+    assert handed.bench_args == ["peer", "--quick", "--requests", "8"]  # `chariot` hands them to chariot.bench
+    bench = argparse.ArgumentParser(prog="chariot")
+    add_bench_parser(bench.add_subparsers(dest="command", required=True))
+    parsed = bench.parse_args(["bench", *handed.bench_args])
     assert parsed.bench_command == "peer" and parsed.requests == 8 and parsed.quick
     assert parsed.handler.__name__ == "run_peer"
 
