@@ -957,13 +957,21 @@ def versions() -> dict[str, str | None]:
         except PackageNotFoundError:
             return None
 
+    theirs = vllm_versions() if vllm_python().exists() else {}  # a Chariot-only run needs no vLLM
+    return {"chariot": chariot_pkg("chariot"), "chariot_torch": chariot_pkg("torch"), "vllm": theirs.get("vllm"),
+            "vllm_torch": theirs.get("torch"), "python": platform.python_version()}
+
+
+def vllm_versions() -> dict[str, str]:
+    """vLLM's and its torch's versions, asked of the vLLM venv ({} if it cannot say)."""
     probe = "import vllm, torch, json; print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__}))"
     with tempfile.TemporaryDirectory() as cwd:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         run = subprocess.run([str(vllm_python()), "-c", probe], cwd=cwd, env=env, capture_output=True, text=True)
-    theirs = json.loads(run.stdout.strip().splitlines()[-1]) if run.returncode == 0 and run.stdout.strip() else {}
-    return {"chariot": chariot_pkg("chariot"), "chariot_torch": chariot_pkg("torch"), "vllm": theirs.get("vllm"),
-            "vllm_torch": theirs.get("torch"), "python": platform.python_version()}
+    if run.returncode != 0 or not run.stdout.strip():
+        return {}
+    found: dict[str, str] = json.loads(run.stdout.strip().splitlines()[-1])
+    return found
 
 
 def setup_record(cfg: PeerConfig) -> dict[str, Any]:
