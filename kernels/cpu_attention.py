@@ -99,6 +99,8 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t  # as it is: `to` and `contiguous` would each still dispatch an op
     return t.to(torch.int32).contiguous()
 
 

@@ -62,37 +62,44 @@ def _fast(*tensors: torch.Tensor) -> bool:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's `silu(gate) · up` for `gate_up` = [..., 2·I] (gate first): a fresh [..., I] tensor."""
     width = gate_up.shape[-1] // 2
-    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    flat = _rows(gate_up)
     if not (_fast(gate_up) and flat.stride(-1) == 1):
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
     out = torch.empty(flat.shape[0], width, dtype=gate_up.dtype)
     load_kernel()("silu_and_mul")(flat, out)
-    return out.view(*gate_up.shape[:-1], width)
+    return out if gate_up.dim() == 2 else out.view(*gate_up.shape[:-1], width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x / sqrt(mean(x²) + eps) · weight` over the last dimension, computed in float32 (Hugging Face's
     order: normalise, round to x's dtype, then scale); a fresh tensor shaped like x."""
-    flat = x.reshape(-1, x.shape[-1])
+    flat = _rows(x)
     if not (_fast(x, weight) and flat.stride(-1) == 1 and weight.is_contiguous()):
         return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype).mul_(weight)
     out = torch.empty(flat.shape, dtype=x.dtype)
     load_kernel()("rms_norm")(flat, weight, float(eps), out)
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., width] as [rows, width]; a 2-D x as it is (each reshape is one more dispatched op)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate q [T, heads, head_dim] and k [T, kv_heads, head_dim] in place by each token's angles
-    (cos, sin [T, 1, head_dim], q's dtype), bit for bit as `reference.rope` (Hugging Face's order of
-    roundings). q and k may be strided views (of one fused projection): only head_dim must be contiguous."""
-    cos2, sin2 = cos.reshape(cos.shape[0], -1), sin.reshape(sin.shape[0], -1)
+    (cos, sin [T, head_dim] or [T, 1, head_dim], q's dtype), bit for bit as `reference.rope` (Hugging
+    Face's order of roundings). q and k may be strided views (of one fused projection): only head_dim
+    must be contiguous."""
+    cos2, sin2 = _rows(cos), _rows(sin)
     if _fast(q, k, cos2, sin2) and q.stride(-1) == 1 and k.stride(-1) == 1 and cos2.stride(-1) == 1 \
             and sin2.stride(-1) == 1:
         load_kernel()("rope")(q, k, cos2, sin2)
         return
-    q.copy_(reference.rope(q, cos, sin))
-    k.copy_(reference.rope(k, cos, sin))
+    cos3, sin3 = cos2.unsqueeze(1), sin2.unsqueeze(1)  # one angle per token, broadcast over heads
+    q.copy_(reference.rope(q, cos3, sin3))
+    k.copy_(reference.rope(k, cos3, sin3))
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

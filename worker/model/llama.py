@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
-from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention, write_kv
-from chariot.kernels.cpu_layer_ops import rms_norm, rope_, silu_and_mul
+from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention
+from chariot.kernels.layer_ops import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul
 from chariot.worker.config import ModelConfig, RopeScaling
 from chariot.worker.model.parallel import NO_SHARD, SINGLE, Collectives, Shard
 
@@ -39,7 +39,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)  # one pass on the CPU (float32, bfloat16), else PyTorch's
+        return rms_norm(x, self.weight, self.eps)  # one kernel (Triton on CUDA, C++ on the CPU)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x += residual` in place (the residual stream; x must be the caller's own fresh tensor), then
+        the norm of it: returns (norm, x), in one kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -76,7 +81,7 @@ class RotaryTable:
         self._copies: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for the given positions."""
+        """cos, sin of shape [T, head_dim] for the given positions (the RoPE kernels broadcast them over heads)."""
         key = (positions.device, dtype)
         table = self._copies.get(key)
         if table is None:
@@ -84,7 +89,7 @@ class RotaryTable:
             table = (cos0.to(device=positions.device, dtype=dtype), sin0.to(device=positions.device, dtype=dtype))
             self._copies[key] = table
         cos, sin = table
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return cos[positions], sin[positions]
 
 
 class Attention(nn.Module):
@@ -113,9 +118,10 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
-        rope_(q, k, cos, sin)  # in place, in the projection's output
         k_cache, v_cache = kv_cache
-        write_kv(k, v.view(t, self.num_kv_heads, self.head_dim), k_cache, v_cache, meta.slot_mapping)
+        # q, k rotated in place in the projection's output; k, v written to the cache (one kernel on CUDA)
+        rope_write_kv(q, k, v.view(t, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
+                      meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
@@ -154,7 +160,12 @@ class VocabEmbedding(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual connection.
+
+    The residual stream travels beside the hidden state, as in vLLM: a layer takes (h, residual) and
+    returns (mlp output, residual) without adding them, and each residual add happens inside the next
+    norm (`RMSNorm.add_forward`, one kernel on CUDA). The first layer of a stage gets residual None.
+    """
 
     def __init__(self, config: ModelConfig, tp: Collectives = SINGLE) -> None:
         super().__init__()
@@ -170,10 +181,17 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        # Residual adds in place into each block's fresh output (addition is exact either way round).
-        h = self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Residual adds in place into each block's fresh output (addition is exact either way round);
+        # `h` itself is only written when it is a block's output (residual given).
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(x), residual
 
 
 class LlamaStage(nn.Module):
@@ -231,9 +249,10 @@ class LlamaStage(nn.Module):
         else:
             h = hidden_states
         cos, sin = self.rotary.lookup(positions, h.dtype)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return h
+            h, residual = layer(h, cos, sin, kv_cache, meta, residual)
+        return h.add_(residual) if residual is not None else h  # the last MLP output, fresh: added in place
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head over the rows to sample: [N, hidden] → [N, vocab] float32."""
