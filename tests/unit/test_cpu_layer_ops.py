@@ -137,8 +137,11 @@ def test_rope_wrapper_takes_the_kernel_or_the_reference(monkeypatch: pytest.Monk
         q, k = torch.randn(6, 4, 32, generator=gen).to(dtype), torch.randn(6, 2, 32, generator=gen).to(dtype)
         c, s = cos.to(dtype), sin.to(dtype)
         want_q, want_k = reference.rope(q, c, s), reference.rope(k, c, s)
+        q2, k2 = q.clone(), k.clone()
         cpu_layer_ops.rope_(q, k, c, s)
+        cpu_layer_ops.rope_(q2, k2, c.squeeze(1), s.squeeze(1))  # [T, head_dim] angles, as the model passes
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
+        assert torch.equal(q2, want_q) and torch.equal(k2, want_k)
     calls: list[str] = []
     kernel = cpu_layer_ops.load_kernel()
     monkeypatch.setattr(cpu_layer_ops, "load_kernel", lambda: lambda name: calls.append(name) or kernel(name))

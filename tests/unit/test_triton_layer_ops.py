@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chariot.kernels import layer_ops, reference
+from chariot.kernels import cpu_layer_ops, layer_ops, reference
 
 MODULE = "chariot.kernels.triton_layer_ops"
 CUDA = torch.cuda.is_available()
@@ -233,3 +233,13 @@ def test_empty_batches_launch_nothing(tlo: ModuleType) -> None:
 def test_cpu_tensors_keep_the_cpu_path() -> None:
     assert not layer_ops.fused_on(torch.zeros(2, 8))
     assert not layer_ops.fused_on(torch.zeros(2, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_add_rms_norm_is_the_add_then_the_norm_of_before(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    x, residual, weight = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((5, 48), (5, 48), (48,)))
+    want_sum = x + residual
+    normed, summed = layer_ops.add_rms_norm(x, residual, weight, EPS)
+    assert summed is x and torch.equal(x, want_sum)
+    assert torch.equal(normed, cpu_layer_ops.rms_norm(want_sum, weight, EPS))
