@@ -248,16 +248,17 @@ class Engine:
         self.scheduler.complete(batch)
         now = time.time()
         outputs = []
+        sampled = sampled.to_host()  # one copy back per tensor, not one per row
         tokens = sampled.token_ids.tolist()
-        rows = iter(range(len(tokens)))
-        for chunk in batch.chunks:
-            if not chunk.samples:
-                continue
-            row = next(rows)
-            seq = self.scheduler.seqs.get(chunk.seq_id)
+        live = self.scheduler.seqs
+        sampling_chunks = batch.chunks if batch.num_decodes == len(batch.chunks) else [
+            c for c in batch.chunks if c.samples]
+        for row, (chunk, token) in enumerate(zip(sampling_chunks, tokens, strict=True)):
+            seq = live.get(chunk.seq_id)
             if seq is None:  # finished (aborted, stopped) while in flight
                 continue
-            outputs.append(self._append_token(seq, tokens[row], now, sampled.logprobs_of(row, seq.params.logprobs)))
+            logprob = None if seq.params.logprobs is None else sampled.logprobs_of(row, seq.params.logprobs)
+            outputs.append(self._append_token(seq, token, now, logprob))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float, logprob: TokenLogprobs | None = None,

@@ -1,14 +1,16 @@
 """Executor: turns a scheduler batch into a packed micro-batch and runs one forward pass over it.
 
 `InputBuilder` (stage 0) packs a `SchedulerOutput` into a host `MicroBatch` (`micro_batch.py`) —
-token ids, positions, slot mapping, block tables, sampling parameters — with vectorised numpy,
-one row of Python work per *sequence*, none per token. `ModelRunner` owns a model stage and its
+token ids, positions, slot mapping, block tables, sampling parameters — with vectorised numpy:
+per sequence only the gathering of what it owns (its newest token for a decode, its block list, its
+request's sampling row, kept from its first step), none per token. `ModelRunner` owns a model stage and its
 KV cache, decodes a micro-batch for its device (the same decoding on every stage) and executes
 it; on the last stage it also computes logits for the sampled rows only and samples.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
@@ -18,10 +20,18 @@ import torch
 
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.kv_cache import KVCache
-from chariot.worker.micro_batch import Layout, MicroBatch, ModelInput, decode_batch, pack
+from chariot.worker.micro_batch import (
+    Layout,
+    MicroBatch,
+    ModelInput,
+    decode_batch,
+    pack,
+    request_row,
+    sampling_sections,
+)
 from chariot.worker.model.llama import LlamaStage
-from chariot.worker.sampler import LogitAdjustments, Sampler, SamplerOutput, SamplingColumns
-from chariot.worker.scheduler.output import SchedulerOutput
+from chariot.worker.sampler import LogitAdjustments, Sampler, SamplerOutput
+from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
 from chariot.worker.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -35,9 +45,11 @@ class InputBuilder:
         self.blocks = block_manager
         self.block_size = block_manager.block_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._rows: dict[int, tuple[int, ...]] = {}  # seq_id -> its request's packed sampling values
 
     def build(self, batch: SchedulerOutput, seqs: Mapping[int, Sequence]) -> MicroBatch:
         chunks = batch.chunks
+        rows = [seqs[c.seq_id] for c in chunks]
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         seq_lens = starts + q_lens
@@ -47,35 +59,55 @@ class InputBuilder:
 
         seq_index = np.repeat(np.arange(len(chunks)), q_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, q_lens)
-        tables = self._block_tables(batch, seq_lens)
+        tables = self._block_tables(chunks, seq_lens)
         slots = tables[seq_index, positions // self.block_size] * self.block_size + positions % self.block_size
 
-        input_ids: list[int] = []
-        for c in chunks:
-            input_ids.extend(seqs[c.seq_id].token_slice(c.start, c.start + c.num_tokens))
         sampled = [i for i, c in enumerate(chunks) if c.samples]
-        sampled_seqs = [seqs[chunks[i].seq_id] for i in sampled]
-        sampling = SamplingColumns.from_params([s.params for s in sampled_seqs],
-                                               [len(s.output_token_ids) for s in sampled_seqs],
-                                               self._adjustments(sampled_seqs))
-        layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled),
-                        len(sampling.adjustments))
-        sections: list[np.ndarray | list[int]] = [input_ids, positions, slots, cu, seq_lens, tables,
-                                                  cu[1:][sampled] - 1]
-        return pack(layout, sections, sampling)
+        sampled_seqs = [rows[i] for i in sampled]
+        adjustments = self._adjustments(sampled_seqs)
+        layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled), len(adjustments))
+        steps = np.fromiter((len(s.output_token_ids) for s in sampled_seqs), dtype=np.int64, count=len(sampled))
+        index: list[np.ndarray | list[int]] = [self._input_ids(batch, rows), positions, slots, cu, seq_lens, tables,
+                                               cu[1:][sampled] - 1]
+        sampling = sampling_sections(self._request_rows(sampled_seqs, seqs), steps, adjustments)
+        return pack(layout, [*index, *sampling])
 
-    def _adjustments(self, seqs: list[Sequence]) -> LogitAdjustments | None:
-        """logit_bias, penalties and the min_tokens ban of the sampled rows (None when no row has any)."""
+    @staticmethod
+    def _input_ids(batch: SchedulerOutput, rows: list[Sequence]) -> list[int]:
+        """Token ids of every chunk: a decode's is its sequence's newest token, no slice needed."""
+        decodes = batch.num_decodes
+        ids = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in rows[:decodes]]
+        for c, seq in zip(batch.chunks[decodes:], rows[decodes:], strict=True):
+            ids.extend(seq.token_slice(c.start, c.start + c.num_tokens))
+        return ids
+
+    def _request_rows(self, sampled: list[Sequence], live: Mapping[int, Sequence]) -> np.ndarray:
+        """The sampled rows' packed sampling values [N, 5], each request's kept from its first step."""
+        cache = self._rows
+        if len(cache) > 2 * len(live) + 64:  # drop finished requests' rows now and then
+            self._rows = cache = {sid: row for sid, row in cache.items() if sid in live}
+        for seq in sampled:
+            if seq.seq_id not in cache:
+                cache[seq.seq_id] = request_row(seq.params)
+        return np.array([cache[s.seq_id] for s in sampled], dtype=np.int64).reshape(len(sampled), 5)
+
+    def _adjustments(self, seqs: list[Sequence]) -> LogitAdjustments:
+        """logit_bias, penalties and the min_tokens ban of the sampled rows (empty when no row has any)."""
         if not any(s.params.logit_bias or s.params.penalized or s.params.min_tokens for s in seqs):
-            return None
+            return LogitAdjustments()
         return LogitAdjustments.for_rows([(s.params, s.output_token_ids) for s in seqs], self.eos_token_ids)
 
-    def _block_tables(self, batch: SchedulerOutput, seq_lens: np.ndarray) -> np.ndarray:
+    def _block_tables(self, chunks: tuple[ScheduledChunk, ...], seq_lens: np.ndarray) -> np.ndarray:
+        """[S, W] block tables, W the widest row's need: every row's blocks in one flat pass."""
         width = max(1, -(-int(seq_lens.max()) // self.block_size))
-        tables = np.zeros((len(batch.chunks), width), dtype=np.int64)
-        for row, chunk in enumerate(batch.chunks):
-            table = self.blocks.block_table(chunk.seq_id)[:width]
-            tables[row, : len(table)] = table
+        lists = [self.blocks.block_table(c.seq_id) for c in chunks]
+        lens = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+        flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))
+        row = np.repeat(np.arange(len(lists)), lens)
+        col = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
+        keep = col < width
+        tables = np.zeros((len(lists), width), dtype=np.int64)
+        tables[row[keep], col[keep]] = flat[keep]
         return tables
 
 
@@ -122,7 +154,8 @@ class ModelRunner:
         none = SamplerOutput(torch.empty(0, dtype=torch.long))
         if not self.stage.is_last or inp.sample_indices.numel() == 0:
             return none
-        logits = self.stage.compute_logits(hidden_states[inp.sample_indices])
+        every_token = inp.sample_indices.numel() == len(hidden_states)  # decode-only: rows are 0..T-1
+        logits = self.stage.compute_logits(hidden_states if every_token else hidden_states[inp.sample_indices])
         if self.sampler is None or inp.sampling is None:
             return none
         return self.sampler(logits, inp.sampling)

@@ -26,6 +26,7 @@ from dataclasses import astuple, dataclass
 import numpy as np
 import torch
 
+from chariot.contracts.sampling_params import SamplingParams
 from chariot.kernels import AttentionMetadata
 from chariot.worker.sampler import LogitAdjustments, SamplingBatch, SamplingColumns
 
@@ -91,64 +92,91 @@ class MicroBatch:
                              f"got {self.payload.dtype}{list(self.payload.shape)}")
 
 
-def pack(
-    layout: Layout,
-    sections: Sequence[np.ndarray | Sequence[int]],
-    sampling: SamplingColumns | None,
-) -> MicroBatch:
-    """Pack the index sections (input_ids … sample_indices, in payload order) and the sampling
-    columns of the sampled rows into one host buffer."""
+def pack(layout: Layout, sections: Sequence[np.ndarray | Sequence[int]]) -> MicroBatch:
+    """Pack every section, in payload order (the sampling ones as `sampling_sections` makes them),
+    into one host buffer."""
     parts = [np.asarray(p, dtype=np.int64).reshape(-1) for p in sections]
-    if sampling is not None:
-        parts += _sampling_sections(sampling)
     buf = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return MicroBatch(layout, torch.from_numpy(buf))
 
 
 def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> ModelInput:
     """Device tensors for one stage: one copy of the payload to `device` (none if it is there
-    already), host facts from the host copy; sampling columns only when `with_sampling`."""
+    already; from pinned memory, asynchronously, onto a GPU), host facts from the host copy;
+    sampling columns only when `with_sampling`. Every device tensor, the sampling ones included, is a
+    view or conversion of that one copy: no other host-to-device copy, and no per-row Python work
+    beyond the host tuples the attention backends read."""
     layout, sizes = mb.layout, mb.layout.sizes()
     host = torch.split(mb.payload.cpu(), sizes)
-    dev = torch.split(mb.payload.to(device), sizes)
+    dev = torch.split(_to_device(mb.payload, device), sizes)
     ids, positions, slots, qsl, seq_lens, tables, sample_rows = dev[:7]
+    decode_only = layout.num_decodes == layout.num_seqs
     attn = AttentionMetadata(
         query_start_loc=qsl.to(torch.int32),
         seq_lens=seq_lens.to(torch.int32),
         block_tables=tables.view(layout.num_seqs, layout.table_width).to(torch.int32),
         slot_mapping=slots,
-        query_lens=tuple((host[3][1:] - host[3][:-1]).tolist()),
+        query_lens=(1,) * layout.num_seqs if decode_only else tuple((host[3][1:] - host[3][:-1]).tolist()),
         seq_lens_list=tuple(host[4].tolist()),
         num_decodes=layout.num_decodes,
     )
     sampled = with_sampling and layout.num_sampled > 0
-    sampling = SamplingBatch.from_columns(_sampling_columns(host[7:]), device) if sampled else None
+    sampling = _sampling_batch(host[7:], dev[7:10]) if sampled else None
     return ModelInput(ids, positions, attn, sample_rows, sampling)
 
 
-def _sampling_sections(s: SamplingColumns) -> list[np.ndarray]:
-    seeds = [NO_SEED if x is None else x for x in s.seeds]
-    logprobs = [NO_LOGPROBS if x is None else x for x in s.logprobs]
-    a = s.adjustments
-    return [_bits(s.temperatures), np.asarray(s.top_ks, dtype=np.int64), _bits(s.top_ps),
-            np.asarray(seeds, dtype=np.int64), np.asarray(s.steps, dtype=np.int64),
-            np.asarray(logprobs, dtype=np.int64), np.asarray(a.rows, dtype=np.int64),
+def _to_device(payload: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The payload on `device`: a host payload goes to a GPU through pinned memory (PyTorch's caching
+    host allocator, which keeps a block until its copy is done) without blocking the host."""
+    if device.type != "cuda" or payload.device.type != "cpu":
+        return payload.to(device)
+    return payload.pin_memory().to(device, non_blocking=True)
+
+
+def sampling_sections(rows: np.ndarray, steps: np.ndarray, adjustments: LogitAdjustments) -> list[np.ndarray]:
+    """The sampling sections of a payload, from one packed row per sampled chunk (`request_row`'s
+    five values as an [N, 5] int64 array), their generation steps [N] and the batch's adjustments."""
+    temps, top_ks, top_ps, seeds, logprobs = rows.reshape(-1, 5).T
+    a = adjustments
+    return [temps, top_ks, top_ps, seeds, steps, logprobs, np.asarray(a.rows, dtype=np.int64),
             np.asarray(a.token_ids, dtype=np.int64), _bits(a.deltas)]
+
+
+def request_row(params: SamplingParams) -> tuple[int, int, int, int, int]:
+    """A request's fixed sampling values as payload int64s: temperature and top-p as float64 bit
+    patterns, top-k, seed and logprobs (-1: none). Constant for a request's life, so a caller may
+    keep it."""
+    temp_bits, top_p_bits = np.array([params.temperature, params.top_p], dtype=np.float64).view(np.int64).tolist()
+    seed = NO_SEED if params.seed is None else params.seed
+    logprobs = NO_LOGPROBS if params.logprobs is None else params.logprobs
+    return temp_bits, params.top_k, top_p_bits, seed, logprobs
 
 
 def _bits(values: Sequence[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
 
-def _sampling_columns(sections: Sequence[torch.Tensor]) -> SamplingColumns:
-    temps, top_ks, top_ps, seeds, steps, logprobs, rows, token_ids, deltas = sections
-    return SamplingColumns(
+def _sampling_batch(host: Sequence[torch.Tensor], dev: Sequence[torch.Tensor]) -> SamplingBatch:
+    """The sampling batch: temperature, top-k and top-p tensors straight from the device payload, the
+    host columns (seeds, steps, logprobs, adjustments) from the host one."""
+    temps, top_ks, top_ps, seeds, steps, logprobs, rows, token_ids, deltas = host
+    cols = SamplingColumns(
         temperatures=tuple(temps.view(torch.float64).tolist()),
         top_ks=tuple(top_ks.tolist()),
         top_ps=tuple(top_ps.view(torch.float64).tolist()),
-        seeds=tuple(None if x == NO_SEED else x for x in seeds.tolist()),
+        seeds=_optional(seeds.tolist(), NO_SEED),
         steps=tuple(steps.tolist()),
-        logprobs=tuple(None if x == NO_LOGPROBS else x for x in logprobs.tolist()),
+        logprobs=_optional(logprobs.tolist(), NO_LOGPROBS),
         adjustments=LogitAdjustments(tuple(rows.tolist()), tuple(token_ids.tolist()),
                                      tuple(deltas.view(torch.float64).tolist())),
     )
+    dev_temps, dev_top_ks, dev_top_ps = dev
+    return SamplingBatch.from_device_columns(cols, dev_temps.view(torch.float64), dev_top_ks,
+                                             dev_top_ps.view(torch.float64))
+
+
+def _optional(values: list[int], none: int) -> tuple[int | None, ...]:
+    """`values` with `none` (below every set value) as None; no per-row work when no row has one."""
+    if max(values, default=none) == none:
+        return (None,) * len(values)
+    return tuple(None if x == none else x for x in values)

@@ -126,7 +126,7 @@ class SamplingColumns:
         columns = (self.temperatures, self.top_ks, self.top_ps, self.seeds, self.logprobs)
         if any(len(col) != n for col in columns):
             raise ValueError(f"sampling columns of unequal length for {n} steps")
-        if any(s < 0 for s in self.steps):
+        if min(self.steps, default=0) < 0:
             raise ValueError(f"steps must be >= 0, got {list(self.steps)}")
 
     @classmethod
@@ -184,13 +184,25 @@ class SamplingBatch:
     @classmethod
     def from_columns(cls, cols: SamplingColumns, device: torch.device | str | None = None) -> SamplingBatch:
         """Build the batch from host columns."""
-        sample_rows = [i for i, t in enumerate(cols.temperatures) if t >= GREEDY_TEMPERATURE]
+        return cls.from_device_columns(cols, _tensor(cols.temperatures, torch.float64, device),
+                                       _tensor(cols.top_ks, torch.int64, device),
+                                       _tensor(cols.top_ps, torch.float64, device))
+
+    @classmethod
+    def from_device_columns(cls, cols: SamplingColumns, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                            top_ps: torch.Tensor) -> SamplingBatch:
+        """Build the batch from host columns whose temperatures and top-p (float64) and top-k (int64)
+        are already on the sampling device (a packed micro-batch's views): no copies for them, and
+        no per-row Python work when every row is greedy."""
+        sample_rows = [] if max(cols.temperatures, default=0.0) < GREEDY_TEMPERATURE else [
+            i for i, t in enumerate(cols.temperatures) if t >= GREEDY_TEMPERATURE]
         filter_pos = [j for j, i in enumerate(sample_rows) if cols.top_ks[i] > 0 or cols.top_ps[i] < 1.0]
         ks = [cols.top_ks[sample_rows[j]] for j in filter_pos]
+        device = temperatures.device
         return cls(
-            temperatures=_tensor([_row_temperature(t) for t in cols.temperatures], torch.float32, device),
-            top_ks=_tensor(cols.top_ks, torch.int64, device),
-            top_ps=_tensor(cols.top_ps, torch.float32, device),
+            temperatures=_row_temperatures(temperatures),
+            top_ks=top_ks,
+            top_ps=top_ps.to(torch.float32),
             columns=cols,
             sample_rows=tuple(sample_rows),
             filter_rows=tuple(sample_rows[j] for j in filter_pos),
@@ -224,9 +236,10 @@ def _tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device | 
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _row_temperature(temperature: float) -> float:
-    """0 for greedy rows, else the temperature capped to stay finite in float32."""
-    return 0.0 if temperature < GREEDY_TEMPERATURE else min(float(temperature), MAX_TEMPERATURE)
+def _row_temperatures(temperatures: torch.Tensor) -> torch.Tensor:
+    """float32: 0 for greedy rows, else the (float64) temperature capped to stay finite in float32."""
+    capped = temperatures.clamp(max=MAX_TEMPERATURE)
+    return torch.where(temperatures < GREEDY_TEMPERATURE, 0.0, capped).to(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -241,6 +254,12 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
     top_ids: torch.Tensor | None = None  # [N, K] int64
+
+    def to_host(self) -> SamplerOutput:
+        """This output on the host: one device-to-host copy per tensor, not one per row."""
+        if self.logprobs is None or self.top_ids is None:
+            return SamplerOutput(self.token_ids.cpu())
+        return SamplerOutput(self.token_ids.cpu(), self.logprobs.cpu(), self.top_ids.cpu())
 
     def logprobs_of(self, row: int, wanted: int | None) -> TokenLogprobs | None:
         """Row `row`'s token logprob and its `wanted` likeliest alternatives (None if it asked for none)."""
