@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-gpu install lint bench bench-peer clean proto system-deps kubectl kube-floor
+.PHONY: run test test-gpu gpu-check gpu-wheels install lint bench bench-peer clean proto system-deps kubectl kube-floor
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,35 @@ test: $(STAMP) system-deps kubectl kube-floor lint
 test-gpu: $(STAMP)
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: no CUDA device')"
 	$(BIN)/python -m pytest -q -m gpu
+
+# One prepared check for a GPU machine, within about 8 minutes (issue 38; bench/gpu_check.py): the gpu
+# tests; Llama-3-8B-shaped decode (1-128 sequences) and prefill iterations with CUDA graphs on and off
+# against the weight+KV-read floor and the measured HBM bandwidth; kernels per iteration; greedy tokens
+# with graphs on and off; sarathi vs vllm capacity under the strict SLO; vLLM beside it if importable.
+# JSON, logs, PNGs and report.md go to OUT. GPU_PYTHON must have a CUDA torch: the venv's python if
+# there is a venv, else python3 (the device machine's). It needs no install: a symlinked chariot/ tree
+# goes first on PYTHONPATH. On the lent device machine: `make gpu-wheels` here, then give its `run` tool
+# `bash bench/gpu_check_device.sh` with carry ["build/gpu-wheels"] and timeout_s 540 (docs/kernels.md).
+OUT ?= build/gpu-check
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	rm -rf build/gpu-pkg && mkdir -p build/gpu-pkg/chariot
+	for d in $(PACKAGES); do ln -s $(CURDIR)/$$d build/gpu-pkg/chariot/$$d; done
+	PYTHONPATH=$(CURDIR)/build/gpu-pkg$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m chariot.bench.gpu_check \
+		--out $(OUT) $(GPU_CHECK_ARGS)
+
+# Wheels (CPython 3.12, x86-64) of what the device machine's python lacks for gpu-check (the router's and
+# worker's gRPC, OpenTelemetry and HTTP packages), at the venv's versions, into build/gpu-wheels.
+GPU_WHEEL_PKGS := grpcio grpcio-health-checking grpcio-reflection protobuf googleapis-common-protos \
+	opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions opentelemetry-proto \
+	opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-proto-grpc \
+	opentelemetry-exporter-otlp-common opentelemetry-exporter-prometheus starlette uvicorn redis
+gpu-wheels: $(STAMP)
+	rm -rf build/gpu-wheels && mkdir -p build/gpu-wheels
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d build/gpu-wheels $$($(BIN)/python -c "import importlib.metadata as m, sys; \
+		print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $(GPU_WHEEL_PKGS))
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a
 # symlinked chariot/ tree (otherwise every chariot.* import would be typed Any).

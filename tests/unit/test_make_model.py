@@ -23,6 +23,7 @@ from chariot.worker.model.make_model import (
     build_config,
     greedy_generate,
     make_model,
+    synthetic_tokenizer,
     train_tokenizer,
     weight_shapes,
 )
@@ -161,3 +162,32 @@ def test_greedy_decoding_gives_varied_tokens(model_factory: Any, preset: str) ->
         out = greedy_generate(stage, tokenizer.encode(prompt), 32)
         assert len(out) == 32
         assert len(set(out)) >= 8, (prompt, out)
+
+
+def test_reduced_depth_checkpoint_with_synthetic_tokenizer_loads_and_decodes(tmp_path: Path) -> None:
+    model_dir = make_model(tmp_path / "m", "small", num_layers=2, tokenizer="synthetic", progress=False)
+    config = ModelConfig.from_dir(model_dir)
+    assert config.num_layers == 2 and config.intermediate_size == PRESETS["small"].intermediate_size
+    tokenizer = Tokenizer(model_dir)
+    assert tokenizer.vocab_size == PRESETS["small"].vocab_size
+    ids = tokenizer.encode("Hello, café 世界")
+    assert ids[0] == 0 and tokenizer.decode(ids) == "Hello, café 世界"
+    stage = load_stage(model_dir, (0, 2), torch.float32, progress=False)
+    assert len(set(greedy_generate(stage, ids, 16))) >= 4
+
+
+def test_synthetic_tokenizer_has_the_exact_vocabulary_without_training() -> None:
+    vocab = PRESETS["llama3-8b"].vocab_size
+    tokenizer = synthetic_tokenizer(vocab)
+    assert tokenizer.get_vocab_size() == vocab and tokenizer.token_to_id("<|eos|>") == 1
+    assert tokenizer.to_str() == synthetic_tokenizer(vocab).to_str()
+    with pytest.raises(ConfigError) as info:
+        synthetic_tokenizer(100)
+    assert info.value.field == "vocab_size"
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"tokenizer": "bpe"}, "tokenizer"), ({"num_layers": 0}, "num_layers")])
+def test_rejects_bad_depth_or_tokenizer_kind(tmp_path: Path, kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_model(tmp_path / "m", "tiny", progress=False, **kwargs)
+    assert info.value.field == field

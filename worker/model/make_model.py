@@ -6,6 +6,10 @@ module. They are laid out exactly like real ones (HF parameter names, sharding w
 reference. Weights are drawn with a spread large enough that greedy decoding produces varied
 tokens (HF's std-0.02 init makes every prompt decode to one repeated token, which hides bugs).
 Everything is deterministic per seed.
+
+For GPU checks a checkpoint must be made in seconds, not minutes: weights can be drawn on the GPU
+(`device="cuda"`), the layer count can be cut while every layer keeps the preset's exact shapes
+(`num_layers`), and the tokenizer can be built without training (`tokenizer="synthetic"`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ CHAT_TEMPLATE_JINJA = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 LOGIT_STD = 4.0  # target spread of the random model's logits
+TOKENIZER_KINDS = ("trained", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -83,21 +88,31 @@ def make_model(
     tie_word_embeddings: bool | None = None,
     rope_scaling: dict[str, Any] | None = None,
     progress: bool = True,
+    num_layers: int | None = None,
+    device: str = "cpu",
+    tokenizer: str = "trained",
 ) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return its path.
 
     `tie_word_embeddings=None` ties for qwen2 only; `rope_scaling` is written verbatim (e.g. a
     llama3 dict); shards are split at `max_shard_bytes` (default 100 MiB) with an index file.
+    `num_layers` overrides the preset's layer count (same layer shapes); `device` is where the
+    weights are drawn (other values than on the CPU for the same seed); `tokenizer` is "trained"
+    (BPE trained on a synthetic corpus) or "synthetic" (`synthetic_tokenizer`: no training).
     """
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ConfigError("tokenizer", f"must be one of {', '.join(TOKENIZER_KINDS)}, got {tokenizer!r}")
     config = build_config(preset, arch, dtype, tie_word_embeddings, rope_scaling)
+    if num_layers is not None:
+        _set_num_layers(config, num_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(config))
-    tokenizer = train_tokenizer(config["vocab_size"], seed)
-    tokenizer.save(str(out / "tokenizer.json"))
+    make_tokenizer = train_tokenizer if tokenizer == "trained" else synthetic_tokenizer
+    make_tokenizer(config["vocab_size"], seed).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
-    tensors = random_weights(config, seed, progress)
+    tensors = random_weights(config, seed, progress, device)
     save_sharded(out, tensors, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, progress)
     return out
 
@@ -144,6 +159,14 @@ def build_config(
     }
     config.update(_arch_fields(arch, p))
     return config
+
+
+def _set_num_layers(config: dict[str, Any], num_layers: int) -> None:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError("num_layers", f"must be a positive integer, got {num_layers!r}")
+    config["num_hidden_layers"] = num_layers
+    if "max_window_layers" in config:
+        config["max_window_layers"] = num_layers
 
 
 def _arch_fields(arch: str, p: Preset) -> dict[str, Any]:
@@ -220,15 +243,18 @@ def _init_std(name: str, shape: tuple[int, ...], config: dict[str, Any]) -> tupl
     return 0.0, 1.0 / math.sqrt(shape[1])
 
 
-def random_weights(config: dict[str, Any], seed: int, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Deterministic random tensors for every checkpoint name, in the config's dtype."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+def random_weights(config: dict[str, Any], seed: int, progress: bool = True,
+                   device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Deterministic random tensors (on the CPU) for every checkpoint name, in the config's dtype,
+    drawn on `device`: a GPU draws Llama-3-8B's 16 GB in a second, the CPU takes minutes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     dtype = to_torch_dtype(config["torch_dtype"])
     shapes = list(weight_shapes(config))
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in tqdm(shapes, desc="Generating weights", unit="tensor", file=sys.stderr, disable=not progress):
         mean, std = _init_std(name, shape, config)
-        tensors[name] = (torch.randn(shape, generator=gen) * std + mean).to(dtype)
+        drawn = torch.randn(shape, generator=gen, device=device) * std + mean
+        tensors[name] = drawn.to(dtype).cpu()
     return tensors
 
 
@@ -337,9 +363,7 @@ def _sentence(rng: random.Random, lexicon: list[str], cum_weights: list[float]) 
 
 def train_tokenizer(vocab_size: int, seed: int = 0) -> HFTokenizer:
     """A byte-level BPE with exactly `vocab_size` tokens (special tokens included), adding BOS on encode."""
-    tokenizer = HFTokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = _byte_level(HFTokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
@@ -348,12 +372,46 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> HFTokenizer:
     )
     corpus = synthetic_corpus(vocab_size, seed)
     tokenizer.train_from_iterator(corpus, trainer, length=len(corpus))
+    return _with_bos(tokenizer, vocab_size)
+
+
+def synthetic_tokenizer(vocab_size: int, seed: int = 0) -> HFTokenizer:
+    """A byte-level BPE with exactly `vocab_size` tokens, built in a second without training: after the
+    special tokens and the 256 byte symbols come every two-symbol merge, then three-symbol ones, in
+    a fixed order (`seed` is unused: the result is always the same). Its text is as meaningless as the
+    random weights; it is for checkpoints whose vocabulary would take minutes to train (Llama-3's)."""
+    del seed
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    base = [*SPECIAL_TOKENS, *alphabet]
+    if vocab_size < len(base):
+        raise ConfigError("vocab_size", f"a byte-level tokenizer needs at least {len(base)} tokens, got {vocab_size}")
+    merges = list(itertools.islice(_synthetic_merges(alphabet), vocab_size - len(base)))
+    vocab = {token: i for i, token in enumerate([*base, *(left + right for left, right in merges)])}
+    tokenizer = _byte_level(HFTokenizer(models.BPE(vocab=vocab, merges=merges)))
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return _with_bos(tokenizer, vocab_size)
+
+
+def _synthetic_merges(alphabet: list[str]) -> Iterator[tuple[str, str]]:
+    pairs = [(a, b) for a in alphabet for b in alphabet]
+    yield from pairs
+    yield from ((a + b, c) for a, b in pairs for c in alphabet)
+
+
+def _byte_level(tokenizer: HFTokenizer) -> HFTokenizer:
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _with_bos(tokenizer: HFTokenizer, vocab_size: int) -> HFTokenizer:
+    """Add BOS on encode; check the vocabulary has exactly `vocab_size` tokens."""
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
     )
     if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"BPE training produced {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}")
+        raise RuntimeError(f"the BPE has {tokenizer.get_vocab_size()} tokens, wanted {vocab_size}")
     return tokenizer
 
 

@@ -1,0 +1,824 @@
+"""`make gpu-check`: everything a GPU machine should measure, as one prepared command that ends in
+about 8 minutes and leaves JSON, logs, plots and a short report in one folder.
+
+Why one command: GPU machines reach this project now and then, for minutes, so a GPU check cannot
+be a session of trial and error. It runs in parts, each a child process with its own time limit
+inside one overall budget; a part that fails or runs out of time leaves what it measured, the parts
+after it still run, and the report says what is missing and why. Parts, in order:
+
+- `prepare`: random weights with Llama-3-8B's exact layer shapes (hidden 4096, 32 heads, 8 KV heads,
+  intermediate 14336, vocabulary 128256, bf16), drawn on the GPU and written in seconds, with a
+  reduced layer count (`--layers`, default 4 of 32; a copy that reads only half of them for the
+  per-layer fit); then the HBM bandwidth (a large device-to-device copy and a read-only reduction).
+- `engine`: decode iterations for 1, 16, 64 and 128 sequences (context 512) and prefill chunks of
+  512 and 2,048 tokens, each with CUDA graphs on and off (`EngineConfig.cuda_graphs`); the kernels
+  per decode iteration (torch.profiler); greedy tokens of a few prompts under both settings. Per-layer
+  figures are scaled to 32 layers by a linear fit over the full and the half depth.
+- `gpu_tests`: `pytest -m gpu` over the test files that carry the marker.
+- `capacity`: `sarathi` against `vllm` under the paper's strict SLO (P99 TBT <= 5x a lone decode
+  iteration, measured by `engine`) and a relaxed one (25x), with the capacity search of `chariot
+  bench capacity` and few probes.
+- `vllm`: if this Python can `import vllm`, the same offline trace through vLLM and Chariot on the
+  same weights; otherwise the reason it was skipped.
+
+Then `summary.json`, `report.md` and `decode_iterations.png` (iteration time against batch size,
+graphs on and off, beside the weight+KV-read floor: bytes one decode iteration must read over the
+measured bandwidth).
+
+    make gpu-check OUT=build/gpu-check                   # = python -m chariot.bench.gpu_check --out build/gpu-check
+
+On the lent device machine the repository's venv does not travel (its torch is a CPU wheel), and make
+may be missing: the machine's own `python3` has a CUDA torch, and `make gpu-wheels` (run here first)
+downloads what it lacks. The later GPU session passes the device's `run` tool
+
+    command: bash bench/gpu_check_device.sh      carry: ["build/gpu-wheels"]      timeout_s: 540
+
+which installs the wheels, runs this check into build/gpu-check and copies summary.json, report.md,
+the plot and an archive of the folder into the tool's `$OUT`. The check ends itself after
+`--budget-s` (450 s), leaving device time for one shorter rerun of some parts, e.g.
+`bash bench/gpu_check_device.sh --parts prepare,capacity --budget-s 200`. Without CUDA the check says
+so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PARTS = ("prepare", "engine", "gpu_tests", "capacity", "vllm")
+# Each engine run is its own process: a CUDA error in one (say, in graph capture) cannot cost the others.
+ENGINE_RUNS = ("on", "off", "on_half", "off_half")  # CUDA graphs on / off, at full and at half depth
+PART_LIMITS_S = {"prepare": 90, "engine-on": 90, "engine-off": 75, "engine-on_half": 45, "engine-off_half": 45,
+                 "gpu_tests": 120, "capacity": 180, "vllm": 120}
+MIN_PART_S = 20.0  # a part is not started with less time than this left in the budget
+DEFAULT_BUDGET_S = 450.0
+MAX_BUDGET_S = 3600.0
+FULL_LAYERS = 32  # Llama-3-8B
+DEFAULT_LAYERS = 4
+PRESET = "llama3-8b"
+DECODE_BATCHES = (1, 16, 64, 128)
+DECODE_CONTEXT = 512
+PREFILL_TOKENS = (512, 2048)
+HEADLINE_BATCH = 64
+STRICT_SLO_FACTOR, RELAXED_SLO_FACTOR = 5.0, 25.0  # Sarathi-Serve §5: strict and relaxed TBT SLOs
+BUDGET_CANDIDATES = (64, 128, 256, 512, 1024, 2048)
+HYBRID_SHARE_OF_SLO = 0.8  # the share of the strict SLO a Sarathi hybrid iteration may take
+CAPACITY_TRACE, CAPACITY_SCALE, CAPACITY_MAX_LEN, CAPACITY_REQUESTS = "chat", 1.0, 4096, 32
+CAPACITY_TOLERANCE, CAPACITY_MAX_PROBES, CAPACITY_DRAIN_S = 0.25, 3, 60.0
+# The router and the load generator share the host with the worker: past tens of QPS of streamed
+# tokens the host, not the GPU, would set the TBT, so the probes stay below this load.
+MAX_PROBE_QPS = 40.0
+MIN_PROBE_QPS = 0.2
+PROGRESS = "» "  # lines of a part's output that the check echoes (the rest goes to the part's log)
+NO_CUDA_EXIT = 2
+GRAPHS_UNAVAILABLE = "graphs not available in this build"
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+def parse_parts(text: str) -> tuple[str, ...]:
+    """`engine,capacity` → the parts in run order; every name must be a known part."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PARTS]
+    if unknown or not names:
+        raise ValueError(f"--parts: unknown part(s) {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in names)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m chariot.bench.gpu_check",
+                                description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for JSON, logs, plots and report.md")
+    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                   help=f"decoder layers of the Llama-3-8B-shaped model (1-{FULL_LAYERS}, default {DEFAULT_LAYERS}); "
+                        "figures are scaled to 32 layers")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"overall time limit in seconds (default {DEFAULT_BUDGET_S:g}); each part also has its own")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    p.add_argument("--model-root", default=None, metavar="DIR",
+                   help="where the random checkpoint is written (default /dev/shm if it has room, else build/)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The check's arguments; a bad value exits 2 with a message naming its flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 1 <= args.layers <= FULL_LAYERS:
+        parser.error(f"--layers must be between 1 and {FULL_LAYERS}, got {args.layers}")
+    if not 0 < args.budget_s <= MAX_BUDGET_S:
+        parser.error(f"--budget-s must be in (0, {MAX_BUDGET_S:g}], got {args.budget_s:g}")
+    try:
+        args.parts = parse_parts(args.parts)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def graphs_in_this_build() -> bool:
+    """Whether this build's engine has the CUDA-graphs setting."""
+    import dataclasses
+
+    from chariot.worker.config import EngineConfig
+
+    return "cuda_graphs" in {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_runs(graphs: bool, layers: int) -> list[str]:
+    """The engine runs to make: graphs on and off where the build has them, each also at half depth
+    where the per-layer fit needs it."""
+    modes = ["on", "off"] if graphs else ["off"]
+    return modes + ([f"{m}_half" for m in modes] if half_depth(layers) else [])
+
+
+def cuda_problem() -> str | None:
+    """Why this machine cannot run the check, or None when a CUDA device is usable."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch cannot be imported ({exc})"
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} at {sys.executable} is a CPU-only build; run with a python whose torch "
+                "has CUDA (make gpu-check GPU_PYTHON=...)")
+    if not torch.cuda.is_available():
+        return f"no CUDA device is visible to torch {torch.__version__} (CUDA {torch.version.cuda}) at {sys.executable}"
+    return None
+
+
+# ---- the model and its floor ---------------------------------------------------------------------
+def model_config(layers: int) -> dict[str, Any]:
+    """The checkpoint config of the Llama-3-8B preset cut to `layers` layers (same layer shapes)."""
+    from chariot.worker.model.make_model import build_config
+
+    config = build_config(PRESET)
+    config["num_hidden_layers"] = layers
+    return config
+
+
+def dtype_bytes(config: Mapping[str, Any]) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2}[str(config["torch_dtype"])]
+
+
+def decode_read_bytes(config: Mapping[str, Any], batch: int, context: float) -> int:
+    """Bytes one decode iteration of `batch` sequences at `context` tokens must read from memory:
+    every weight once (the input embedding only for the batch's rows, unless tied to the LM head)
+    and every cached K and V of every layer once."""
+    from chariot.worker.model.make_model import weight_shapes
+
+    elem = dtype_bytes(config)
+    tied = bool(config["tie_word_embeddings"])
+    weights = sum(math.prod(shape) for name, shape in weight_shapes(dict(config))
+                  if tied or name != "model.embed_tokens.weight")
+    embedded_rows = 0 if tied else batch * config["hidden_size"]
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"]
+    return int((weights + embedded_rows) * elem + batch * context * kv_per_token * elem)
+
+
+def floor_ms(read_bytes: int, bandwidth_gbs: float) -> float:
+    """The fastest a memory-bound iteration can be: its bytes over the measured bandwidth."""
+    if bandwidth_gbs <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_gbs}")
+    return read_bytes / (bandwidth_gbs * 1e9) * 1e3
+
+
+def scale_to_layers(full_ms: float, half_ms: float, layers: int, half_layers: int,
+                    target: int = FULL_LAYERS) -> float | None:
+    """A per-iteration time at `target` layers from two depths: t = fixed + layers × per_layer.
+    None when the two points do not give a positive per-layer time (noise larger than a layer)."""
+    if layers == target:
+        return full_ms
+    if half_layers >= layers:
+        return None
+    per_layer = (full_ms - half_ms) / (layers - half_layers)
+    if per_layer <= 0:
+        return None
+    return full_ms + (target - layers) * per_layer
+
+
+def half_depth(layers: int) -> int | None:
+    """The second depth of the per-layer fit (None: one layer cannot be split, 32 need no fit)."""
+    return None if layers < 2 or layers == FULL_LAYERS else layers // 2
+
+
+# ---- the SLO, the budget and the probe loads -----------------------------------------------------
+def slos_ms(lone_decode_ms: float) -> dict[str, float]:
+    """The paper's TBT SLOs from the time of a decode iteration of one sequence."""
+    if lone_decode_ms <= 0:
+        raise ValueError(f"the lone decode iteration must take a positive time, got {lone_decode_ms}")
+    return {"strict": STRICT_SLO_FACTOR * lone_decode_ms, "relaxed": RELAXED_SLO_FACTOR * lone_decode_ms}
+
+
+def prefill_ms_at(tokens: int, prefill_ms: Mapping[int, float]) -> float:
+    """Prefill time of a chunk of `tokens`, linear through the two measured chunk sizes."""
+    (n1, t1), (n2, t2) = sorted(prefill_ms.items())[:1] + sorted(prefill_ms.items())[-1:]
+    if n1 == n2:
+        return t1 * tokens / n1
+    slope = (t2 - t1) / (n2 - n1)
+    return max(0.0, t1 + slope * (tokens - n1))
+
+
+def pick_token_budget(prefill_ms: Mapping[int, float], decode_ms: float, strict_slo_ms: float,
+                      candidates: Sequence[int] = BUDGET_CANDIDATES) -> int:
+    """Sarathi's token budget for the strict SLO: the largest candidate whose hybrid iteration (the
+    chunk's prefill beside a decode batch) stays within `HYBRID_SHARE_OF_SLO` of it; the smallest
+    candidate if none does."""
+    if not prefill_ms:
+        raise ValueError("need at least one measured prefill chunk")
+    fitting = [c for c in candidates if decode_ms + prefill_ms_at(c, prefill_ms) <= HYBRID_SHARE_OF_SLO * strict_slo_ms]
+    return max(fitting) if fitting else min(candidates)
+
+
+def probe_qps_range(decode_batch_ms: float, batch: int, prefill_ms_per_token: float,
+                    mean_prompt: float, mean_decode: float) -> tuple[float, float]:
+    """(lowest, first upper) probe load of the capacity search, around a rough capacity estimate:
+    a request keeps the GPU busy for its decode tokens at the full batch's per-token time plus its
+    prompt at the prefill rate. Clamped to [MIN_PROBE_QPS, MAX_PROBE_QPS]."""
+    if batch < 1 or decode_batch_ms <= 0:
+        raise ValueError("need a measured decode batch")
+    busy_ms = mean_decode * decode_batch_ms / batch + mean_prompt * prefill_ms_per_token
+    estimate = 1e3 / busy_ms if busy_ms > 0 else MAX_PROBE_QPS
+    low = min(max(0.1 * estimate, MIN_PROBE_QPS), MAX_PROBE_QPS / 4)
+    high = min(max(0.5 * estimate, 2 * low), MAX_PROBE_QPS)
+    return round(low, 3), round(high, 3)
+
+
+def capacity_plan(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """How the capacity part runs, from the engine part's measurements (graphs on where available, as
+    the served workers run): the SLOs from the lone decode iteration, Sarathi's token budget, the trace
+    and the probe loads."""
+    from chariot.bench.traces import TRACES, make_trace
+
+    runs = engine.get("runs", {})
+    mode = "on" if runs.get("on", {}).get("decode") else "off"
+    decode = {r["batch"]: r["median_ms"] for r in runs.get(mode, {}).get("decode", [])}
+    prefill = {r["tokens"]: r["median_ms"] for r in runs.get(mode, {}).get("prefill", [])}
+    if 1 not in decode or not prefill:
+        raise ValueError(f"the engine part measured no lone decode iteration or no prefill (graphs {mode})")
+    slo = {k: round(v, 1) for k, v in slos_ms(decode[1]).items()}
+    batch = max(decode)
+    trace = make_trace(TRACES[CAPACITY_TRACE], CAPACITY_REQUESTS, None, seed=0, scale=CAPACITY_SCALE,
+                       max_len=CAPACITY_MAX_LEN)
+    mean_prompt = statistics.mean(r.prompt_len for r in trace)
+    mean_decode = statistics.mean(r.decode_len for r in trace)
+    per_token = prefill_ms_at(max(prefill), prefill) / max(prefill)
+    low, high = probe_qps_range(decode[batch], batch, per_token, mean_prompt, mean_decode)
+    return {"graphs": mode, "lone_decode_ms": decode[1], "slo_ms": slo,
+            "token_budget": pick_token_budget(prefill, decode.get(HEADLINE_BATCH, decode[batch]), slo["strict"]),
+            "trace": CAPACITY_TRACE, "scale": CAPACITY_SCALE, "max_len": CAPACITY_MAX_LEN,
+            "requests": CAPACITY_REQUESTS, "mean_prompt": mean_prompt, "mean_decode": mean_decode,
+            "qps_low": low, "qps_high": high, "tolerance": CAPACITY_TOLERANCE, "max_probes": CAPACITY_MAX_PROBES,
+            "drain_s": CAPACITY_DRAIN_S}
+
+
+# ---- reading the parts' output -------------------------------------------------------------------
+PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
+
+
+def parse_pytest_summary(text: str) -> dict[str, int]:
+    """Counts from pytest's last summary line ("21 passed, 262 deselected, 1 warning in 50.05s")."""
+    lines = [line for line in text.splitlines() if re.search(r"\b(passed|failed|errors?|deselected)\b", line)
+             and " in " in line]
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "deselected": 0}
+    if lines:
+        for number, word in PYTEST_COUNT.findall(lines[-1]):
+            key = "errors" if word.startswith("error") else word
+            counts[key] = counts.get(key, 0) + int(number)
+    return counts
+
+
+def gpu_test_files(tests_root: Path) -> list[str]:
+    """Test files that carry the `gpu` marker (collecting only them keeps optional test-only
+    packages, missing on a bare GPU machine, out of the run)."""
+    marker = re.compile(r"pytest\.mark\.gpu\b")
+    return sorted(str(p) for p in tests_root.rglob("test_*.py") if marker.search(p.read_text()))
+
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch",
+               "cuGraphLaunch")
+NOT_KERNELS = ("Memcpy", "Memset")
+
+
+def kernel_counts(device_events: Sequence[str], host_events: Sequence[str], iterations: int) -> dict[str, float]:
+    """Kernels executed and launch calls made per iteration, from a profile of `iterations` steps
+    (device event names; host runtime-API event names). Graph replays count one launch each."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    kernels = sum(not name.startswith(NOT_KERNELS) for name in device_events)
+    launches = sum(name.startswith(LAUNCH_APIS) for name in host_events)
+    graphs = sum(name.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for name in host_events)
+    return {"kernels_per_iteration": kernels / iterations, "launch_calls_per_iteration": launches / iterations,
+            "graph_launches_per_iteration": graphs / iterations}
+
+
+def compare_greedy(first: Sequence[Sequence[int]], second: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Whether two runs' greedy tokens are identical, prompt by prompt (first differing position)."""
+    if len(first) != len(second):
+        return {"identical": False, "prompts": max(len(first), len(second)),
+                "differences": [f"{len(first)} against {len(second)} outputs"]}
+    differences = []
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        if list(a) != list(b):
+            at = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            differences.append(f"prompt {i}: first differs at token {at}")
+    return {"identical": not differences, "prompts": len(first), "differences": differences}
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_json(path: Path, value: Mapping[str, Any]) -> None:
+    """Write atomically, so a part killed mid-write leaves the previous version."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2, default=_json_default) + "\n")
+    tmp.replace(path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return str(value)
+
+
+# ---- summary ------------------------------------------------------------------------------------
+def decode_rows(engine: Mapping[str, Any], layers: int, bandwidth_gbs: float | None) -> list[dict[str, Any]]:
+    """One row per (graphs, batch): measured time, its floor and ratio at `layers`, and both
+    scaled to 32 layers (from the half-depth run of the same setting)."""
+    runs = engine.get("runs", {})
+    half = half_depth(layers)
+    rows = []
+    for mode in ("on", "off"):
+        full = {r["batch"]: r for r in runs.get(mode, {}).get("decode", [])}
+        halves = {r["batch"]: r for r in runs.get(f"{mode}_half", {}).get("decode", [])}
+        for batch, r in sorted(full.items()):
+            rows.append(_decode_row(mode, r, halves.get(batch), layers, half, bandwidth_gbs))
+    return rows
+
+
+def _decode_row(mode: str, full: Mapping[str, Any], half: Mapping[str, Any] | None, layers: int,
+                half_layers: int | None, bandwidth_gbs: float | None) -> dict[str, Any]:
+    batch, context = full["batch"], full["mean_context"]
+    row: dict[str, Any] = {"graphs": mode, "batch": batch, "mean_context": context, "layers": layers,
+                           "median_ms": full["median_ms"]}
+    scaled = full["median_ms"] if layers == FULL_LAYERS else None
+    if half is not None and half_layers is not None:
+        scaled = scale_to_layers(full["median_ms"], half["median_ms"], layers, half_layers)
+    row["scaled_32_ms"] = scaled
+    if bandwidth_gbs:
+        row["floor_ms"] = floor_ms(decode_read_bytes(model_config(layers), batch, context), bandwidth_gbs)
+        row["x_floor"] = full["median_ms"] / row["floor_ms"]
+        row["floor_32_ms"] = floor_ms(decode_read_bytes(model_config(FULL_LAYERS), batch, context), bandwidth_gbs)
+        row["x_floor_32"] = None if scaled is None else scaled / row["floor_32_ms"]
+    return row
+
+
+def prefill_rows(engine: Mapping[str, Any], layers: int) -> list[dict[str, Any]]:
+    runs, half, rows = engine.get("runs", {}), half_depth(layers), []
+    for mode in ("on", "off"):
+        halves = {r["tokens"]: r["median_ms"] for r in runs.get(f"{mode}_half", {}).get("prefill", [])}
+        for r in runs.get(mode, {}).get("prefill", []):
+            scaled = r["median_ms"] if layers == FULL_LAYERS else None
+            if half is not None and r["tokens"] in halves:
+                scaled = scale_to_layers(r["median_ms"], halves[r["tokens"]], layers, half)
+            rows.append({"graphs": mode, "tokens": r["tokens"], "median_ms": r["median_ms"], "scaled_32_ms": scaled})
+    return rows
+
+
+def capacity_summary(capacity: Mapping[str, Any] | None, plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Capacity per policy and SLO, and the sarathi/vllm ratio under each (a bound when `vllm` did
+    not pass even the lowest probe)."""
+    if capacity is None:
+        return None
+    by_label = {p["label"]: p["capacity_qps"] for p in capacity.get("policies", [])}
+    sarathi = next((v for k, v in by_label.items() if k.startswith("sarathi")), None)
+    vllm = by_label.get("vllm")
+    out: dict[str, Any] = {"capacity_qps": by_label, "plan": dict(plan or {}), "ratio": {}}
+    if sarathi is None or vllm is None:
+        return out
+    low = float(capacity.get("setup", {}).get("qps_low", 0.0))
+    for slo, cap in sarathi.items():
+        other = vllm.get(slo)
+        if other is None:
+            continue
+        if other > 0:
+            out["ratio"][slo] = {"value": cap / other}
+        elif cap > 0:
+            out["ratio"][slo] = {"at_least": cap / low if low else None,
+                                 "note": f"vllm below the lowest probe, {low:g} QPS"}
+        else:
+            out["ratio"][slo] = {"note": "neither policy passed the lowest probe"}
+    return out
+
+
+def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The check's results from the part files in `out`, with the headline numbers."""
+    prepare = read_json(out / "prepare.json") or {}
+    engine = read_json(out / "engine.json") or {}
+    bandwidth = prepare.get("bandwidth", {}).get("floor_gbs")
+    decode = decode_rows(engine, layers, bandwidth)
+    runs = engine.get("runs", {})
+    on, off = runs.get("on", {}).get("greedy"), runs.get("off", {}).get("greedy")
+    greedy = compare_greedy(on, off) if on is not None and off is not None else None
+    summary = {
+        "gpu": prepare.get("gpu"), "torch": prepare.get("torch"), "layers": layers, "full_layers": FULL_LAYERS,
+        "model": prepare.get("model"), "bandwidth": prepare.get("bandwidth"), "parts": dict(statuses),
+        "graphs_available": engine.get("graphs_available"), "graphs_note": engine.get("graphs_note"),
+        "decode": decode, "prefill": prefill_rows(engine, layers), "kernels": engine.get("kernels", {}),
+        "greedy": greedy, "gpu_tests": read_json(out / "gpu_tests.json"),
+        "capacity": capacity_summary(read_json(out / "capacity" / "capacity.json"),
+                                     read_json(out / "capacity_plan.json")),
+        "vllm": read_json(out / "vllm.json"),
+    }
+    summary["headline"] = headline(summary)
+    return summary
+
+
+def headline(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers issue 38 asks for: decode at 64 sequences with graphs against its floor (measured
+    depth and scaled to 32 layers), greedy identity, the strict-SLO capacity ratio, the gpu tests."""
+    rows = {(r["graphs"], r["batch"]): r for r in summary.get("decode", [])}
+    best = rows.get(("on", HEADLINE_BATCH)) or rows.get(("off", HEADLINE_BATCH)) or {}
+    capacity = summary.get("capacity") or {}
+    tests = summary.get("gpu_tests") or {}
+    return {"decode_batch": HEADLINE_BATCH, "graphs": best.get("graphs"), "decode_ms": best.get("median_ms"),
+            "floor_ms": best.get("floor_ms"), "x_floor": best.get("x_floor"),
+            "decode_32_ms": best.get("scaled_32_ms"), "floor_32_ms": best.get("floor_32_ms"),
+            "x_floor_32": best.get("x_floor_32"),
+            "greedy_identical": (summary.get("greedy") or {}).get("identical"),
+            "capacity_ratio": capacity.get("ratio", {}),
+            "gpu_tests": {k: tests.get(k) for k in ("passed", "failed", "errors")} if tests else None}
+
+
+# ---- report -------------------------------------------------------------------------------------
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def render_report(summary: Mapping[str, Any]) -> str:
+    """report.md: the headline, then one short section per part."""
+    sections = [_report_head(summary), _report_parts(summary), _report_decode(summary), _report_prefill(summary),
+                _report_kernels(summary), _report_greedy(summary), _report_capacity(summary), _report_vllm(summary)]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def _report_head(s: Mapping[str, Any]) -> str:
+    layers, bw = int(s.get("layers") or FULL_LAYERS), s.get("bandwidth") or {}
+    h = s.get("headline") or {}
+    lines = [f"# GPU check: {s.get('gpu') or 'unknown GPU'} (torch {s.get('torch') or '?'})", "",
+             f"Random weights with Llama-3-8B's layer shapes (hidden 4096, 32 heads, 8 KV heads, intermediate "
+             f"14336, vocabulary 128256, bf16), **{layers} of {FULL_LAYERS} layers**. Figures \"at 32 layers\" are "
+             f"scaled per layer from runs at {layers} and {half_depth(layers) or layers} layers."
+             if layers != FULL_LAYERS else "Random weights with Llama-3-8B's shapes, all 32 layers, bf16.",
+             "",
+             f"HBM bandwidth measured: copy {_num(bw.get('copy_gbs'), 0)} GB/s (read + write), read "
+             f"{_num(bw.get('read_gbs'), 0)} GB/s; the floors use {_num(bw.get('floor_gbs'), 0)} GB/s.",
+             "",
+             f"**Decode, {h.get('decode_batch')} sequences, graphs {h.get('graphs') or '–'}:** "
+             f"{_num(h.get('decode_ms'))} ms against a floor of {_num(h.get('floor_ms'))} ms "
+             f"({_num(h.get('x_floor'))}× floor) at {layers} layers; at 32 layers {_num(h.get('decode_32_ms'))} ms "
+             f"against {_num(h.get('floor_32_ms'))} ms ({_num(h.get('x_floor_32'))}× floor; issue 38 asks ≤ 1.5×)."]
+    return "\n".join(lines)
+
+
+def _report_parts(s: Mapping[str, Any]) -> str:
+    lines = ["## Parts", "", "| part | status | seconds | note |", "|---|---|---:|---|"]
+    for name, st in (s.get("parts") or {}).items():
+        lines.append(f"| {name} | {st.get('status')} | {_num(st.get('seconds'), 0)} | {st.get('note') or ''} |")
+    return "\n".join(lines)
+
+
+def _report_decode(s: Mapping[str, Any]) -> str:
+    rows = s.get("decode") or []
+    if not rows:
+        return "## Decode iterations\n\nNot measured (see the engine part's log)."
+    lines = [f"## Decode iterations (context {DECODE_CONTEXT}, median)", "",
+             f"| graphs | batch | ms at {s.get('layers')} layers | floor ms | × floor | ms at 32 layers | "
+             "floor ms (32) | × floor (32) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['graphs']} | {r['batch']} | {_num(r['median_ms'])} | {_num(r.get('floor_ms'))} | "
+                     f"{_num(r.get('x_floor'))} | {_num(r.get('scaled_32_ms'))} | {_num(r.get('floor_32_ms'))} | "
+                     f"{_num(r.get('x_floor_32'))} |")
+    if s.get("graphs_note"):
+        lines += ["", f"CUDA graphs: {s['graphs_note']}."]
+    return "\n".join(lines)
+
+
+def _report_prefill(s: Mapping[str, Any]) -> str:
+    rows = s.get("prefill") or []
+    if not rows:
+        return ""
+    lines = ["## Prefill chunks (a fresh prompt in one iteration, median)", "",
+             f"| graphs | tokens | ms at {s.get('layers')} layers | ms at 32 layers |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['graphs']} | {r['tokens']} | {_num(r['median_ms'])} | {_num(r.get('scaled_32_ms'))} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def _report_kernels(s: Mapping[str, Any]) -> str:
+    kernels = s.get("kernels") or {}
+    if not kernels:
+        return ""
+    lines = [f"## Kernels per decode iteration ({HEADLINE_BATCH} sequences, torch.profiler)", "",
+             "| graphs | kernels executed | launch calls | graph launches |", "|---|---:|---:|---:|"]
+    for mode, k in kernels.items():
+        lines.append(f"| {mode} | {_num(k.get('kernels_per_iteration'), 1)} | "
+                     f"{_num(k.get('launch_calls_per_iteration'), 1)} | "
+                     f"{_num(k.get('graph_launches_per_iteration'), 1)} |")
+    return "\n".join(lines)
+
+
+def _report_greedy(s: Mapping[str, Any]) -> str:
+    greedy = s.get("greedy")
+    if not greedy:
+        return "## Greedy tokens, graphs on and off\n\nNot compared (see the engine part)."
+    verdict = "identical" if greedy["identical"] else "DIFFERENT: " + "; ".join(greedy["differences"])
+    return f"## Greedy tokens, graphs on and off\n\n{greedy['prompts']} prompts: {verdict}."
+
+
+def _report_capacity(s: Mapping[str, Any]) -> str:
+    cap = s.get("capacity")
+    if not cap:
+        return "## Capacity under SLO\n\nNot measured (see the capacity part)."
+    plan = cap.get("plan") or {}
+    slos = plan.get("slo_ms") or {}
+    lines = ["## Capacity under SLO (`sarathi` against `vllm`)", "",
+             f"Lone decode iteration {_num(plan.get('lone_decode_ms'))} ms: strict SLO {_num(slos.get('strict'))} ms "
+             f"(5×), relaxed {_num(slos.get('relaxed'))} ms (25×); sarathi token budget {plan.get('token_budget')}; "
+             f"trace {plan.get('trace')} ×{plan.get('scale')}, {plan.get('requests')} requests per probe, probes "
+             f"from {plan.get('qps_low')} QPS.", "", "| policy | capacity (QPS) by SLO (ms) |", "|---|---|"]
+    for label, by_slo in (cap.get("capacity_qps") or {}).items():
+        lines.append(f"| {label} | " + ", ".join(f"{_num(q, 3)} @ {slo}" for slo, q in by_slo.items()) + " |")
+    for slo, ratio in (cap.get("ratio") or {}).items():
+        lines.append(f"\nsarathi / vllm @ {slo} ms: {_ratio_text(ratio)}")
+    if s.get("layers") != FULL_LAYERS:
+        lines.append(f"\nAt {s.get('layers')} layers the LM head and the host are a larger share of a decode "
+                     "iteration than at 32, so prefill stalls weigh less against the SLO: `--layers 32` measures "
+                     "Llama-3-8B's own balance.")
+    return "\n".join(lines)
+
+
+def _ratio_text(ratio: Mapping[str, Any]) -> str:
+    if "value" in ratio:
+        return f"{ratio['value']:.2f}×"
+    if ratio.get("at_least"):
+        return f"≥ {_num(ratio['at_least'])}× ({ratio['note']})"
+    return str(ratio.get("note", ""))
+
+
+def _report_vllm(s: Mapping[str, Any]) -> str:
+    v = s.get("vllm")
+    if not v:
+        return "## vLLM side by side\n\nNot run."
+    if v.get("skipped"):
+        return f"## vLLM side by side\n\nSkipped: {v['skipped']}."
+    lines = ["## vLLM side by side (offline, same weights and trace)", "",
+             "| system | requests | output tokens | wall s | output tokens/s |", "|---|---:|---:|---:|---:|"]
+    for name, r in (v.get("systems") or {}).items():
+        lines.append(f"| {name} | {r.get('requests')} | {r.get('output_tokens')} | {_num(r.get('wall_s'))} | "
+                     f"{_num(r.get('tokens_per_s'), 0)} |")
+    return "\n".join(lines)
+
+
+def plot_decode(summary: Mapping[str, Any], path: Path) -> Path | None:
+    """Iteration time against batch size, graphs on and off, beside the floor; measured depth on the
+    left, scaled to 32 layers on the right."""
+    rows = summary.get("decode") or []
+    if not rows:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    panels = [("median_ms", "floor_ms", f"{summary.get('layers')} layers (measured)"),
+              ("scaled_32_ms", "floor_32_ms", "32 layers (scaled)")]
+    for i, (key, floor_key, title) in enumerate(panels):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for mode, style in (("on", "o-"), ("off", "s--")):
+            pts = [(r["batch"], r[key]) for r in rows if r["graphs"] == mode and r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=f"graphs {mode}")
+        floor = sorted({(r["batch"], r[floor_key]) for r in rows if r.get(floor_key) is not None})
+        if floor:
+            ax.plot(*zip(*floor, strict=True), ":", color="black", label="weight+KV-read floor")
+        ax.set(xscale="log", xlabel="sequences per decode iteration", ylabel="iteration ms", title=title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Decode iterations, Llama-3-8B shapes, {summary.get('gpu') or 'GPU'}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ---- running the parts --------------------------------------------------------------------------
+@dataclass
+class PartStatus:
+    status: str  # ok | failed | timeout | skipped
+    seconds: float = 0.0
+    note: str = ""
+
+
+class Check:
+    """Runs the parts as child processes within the overall budget and records how each ended."""
+
+    def __init__(self, args: argparse.Namespace, python: str = sys.executable) -> None:
+        self.args, self.python, self.out = args, python, Path(args.out)
+        self.started = time.monotonic()
+        self.statuses: dict[str, dict[str, Any]] = {}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def say(self, message: str) -> None:
+        print(f"[{self.elapsed():5.0f} s] {message}", flush=True)
+
+    def run(self, name: str, cmd: list[str], cwd: Path | None = None) -> PartStatus:
+        """Run one part's command, its output into `<name>.log`, within its limit and the budget left."""
+        limit = min(PART_LIMITS_S[name], self.args.budget_s - self.elapsed())
+        if limit < MIN_PART_S:
+            return self.record(name, PartStatus("skipped", note=f"out of time ({limit:.0f} s of the budget left)"))
+        self.say(f"{name}: started (limit {limit:.0f} s)")
+        t0 = time.monotonic()
+        code = run_logged(cmd, self.out / f"{name}.log", limit, cwd)
+        seconds = time.monotonic() - t0
+        if code is None:
+            status = PartStatus("timeout", seconds, f"stopped after {limit:.0f} s; partial results kept")
+        elif code == 0:
+            status = PartStatus("ok", seconds)
+        else:
+            status = PartStatus("failed", seconds, f"exit code {code}; see {name}.log")
+        return self.record(name, status)
+
+    def skip(self, name: str, why: str) -> PartStatus:
+        return self.record(name, PartStatus("skipped", note=why))
+
+    def record(self, name: str, status: PartStatus) -> PartStatus:
+        self.statuses[name] = asdict(status)
+        self.say(f"{name}: {status.status}" + (f" ({status.note})" if status.note else "")
+                 + (f" in {status.seconds:.0f} s" if status.seconds else ""))
+        return status
+
+    def part_cmd(self, part: str, *extra: str) -> list[str]:
+        return [self.python, "-m", "chariot.bench.gpu_check_parts", part, "--out", str(self.out), *extra]
+
+
+def run_logged(cmd: list[str], log: Path, limit_s: float, cwd: Path | None = None) -> int | None:
+    """Run `cmd` in its own process group with stdout+stderr into `log`, echoing progress lines;
+    the exit code, or None when it ran past `limit_s` (then the whole group is killed)."""
+    with log.open("w") as sink:
+        sink.write(f"$ {' '.join(cmd)}\n")
+        sink.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                start_new_session=True, cwd=cwd)
+        pump = threading.Thread(target=_pump, args=(proc, sink), daemon=True)
+        pump.start()
+        try:
+            code: int | None = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        pump.join(timeout=5)
+        return code
+
+
+def _pump(proc: subprocess.Popen[str], sink: Any) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sink.write(line)
+        sink.flush()
+        if line.startswith(PROGRESS):
+            print(f"    {line.rstrip()}", flush=True)
+
+
+def pick_model_root(candidates: Sequence[Path], need_bytes: int, free_bytes: Callable[[Path], int]) -> Path:
+    """The first candidate folder with room for the checkpoint (a RAM disk first: loads are faster),
+    else the last candidate."""
+    for folder in candidates:
+        try:
+            if free_bytes(folder) > need_bytes:
+                return folder
+        except OSError:
+            continue
+    return candidates[-1]
+
+
+def checkpoint_bytes(layers: int) -> int:
+    from chariot.worker.model.make_model import weight_shapes
+
+    config = model_config(layers)
+    return sum(math.prod(shape) for _, shape in weight_shapes(config)) * dtype_bytes(config)
+
+
+def default_model_root(layers: int) -> Path:
+    def free(folder: Path) -> int:
+        folder.mkdir(parents=True, exist_ok=True)
+        return shutil.disk_usage(folder).free
+
+    need = int(checkpoint_bytes(layers) * 1.2)
+    return pick_model_root([Path("/dev/shm/chariot-gpu-check"), Path("build/gpu-check-model")], need, free)
+
+
+def run_parts(check: Check) -> None:
+    """Every selected part in order; a part whose input is missing is skipped with the reason."""
+    args, out = check.args, check.out
+    model_root = Path(args.model_root) if args.model_root else default_model_root(args.layers)
+    model_args = ("--model-root", str(model_root), "--layers", str(args.layers))
+    for name in args.parts:
+        why = None if name in ("prepare", "gpu_tests") else missing_input(name, out)
+        if name == "gpu_tests":
+            run_gpu_tests(check)
+        elif name == "engine" and why is None:
+            for run in engine_runs(graphs_in_this_build(), args.layers):
+                check.run(f"engine-{run}", check.part_cmd("engine", *model_args, "--run", run))
+        elif why is not None:
+            check.skip(name, why)
+            if name == "vllm":
+                write_json(out / "vllm.json", {"skipped": why})
+        else:
+            check.run(name, check.part_cmd(name, *model_args))
+    if args.model_root is None and model_root.is_relative_to("/dev/shm"):
+        shutil.rmtree(model_root, ignore_errors=True)  # the checkpoint must not keep gigabytes of RAM
+
+
+def missing_input(part: str, out: Path) -> str | None:
+    """Why `part` cannot run with what the earlier parts left in `out` (None: it can)."""
+    if not (read_json(out / "prepare.json") or {}).get("model"):
+        return "no checkpoint: the prepare part did not finish"
+    if part == "capacity" and not (read_json(out / "engine.json") or {}).get("runs"):
+        return "no engine measurements to derive the SLO from"
+    if part == "vllm" and importlib.util.find_spec("vllm") is None:
+        return f"`import vllm` fails for {sys.executable}"
+    return None
+
+
+def run_gpu_tests(check: Check) -> None:
+    """`pytest -m gpu` on the marked files, from the repository's root; the counts into gpu_tests.json."""
+    root = Path(__file__).resolve().parents[1]
+    files = gpu_test_files(root / "tests")
+    if not files:
+        check.skip("gpu_tests", "no test file carries the gpu marker")
+        return
+    cmd = [check.python, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    status = check.run("gpu_tests", cmd, cwd=root)
+    log = (check.out / "gpu_tests.log").read_text() if (check.out / "gpu_tests.log").is_file() else ""
+    write_json(check.out / "gpu_tests.json", {**parse_pytest_summary(log), "status": status.status, "files": files})
+
+
+def finish(check: Check) -> dict[str, Any]:
+    """summary.json, report.md and the decode plot from whatever the parts left."""
+    summary = summarize(check.out, check.args.layers, check.statuses)
+    summary["elapsed_s"] = round(check.elapsed(), 1)
+    summary["command"] = " ".join([Path(sys.executable).name, "-m", "chariot.bench.gpu_check", *sys.argv[1:]])
+    try:
+        plot = plot_decode(summary, check.out / "decode_iterations.png")
+        summary["plot"] = plot.name if plot else None
+    except Exception as exc:  # a plot must not cost the report
+        summary["plot"] = f"failed: {exc}"
+    write_json(check.out / "summary.json", summary)
+    (check.out / "report.md").write_text(render_report(summary))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    problem = cuda_problem()
+    if problem is not None:
+        print(f"gpu-check: needs a CUDA GPU: {problem}", file=sys.stderr)
+        return NO_CUDA_EXIT
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    check = Check(args)
+    check.say(f"gpu-check: {args.layers} of {FULL_LAYERS} layers, parts {', '.join(args.parts)}, "
+              f"budget {args.budget_s:.0f} s, results in {args.out}")
+    try:
+        run_parts(check)
+    finally:  # whatever went wrong, the report says what was measured
+        summary = finish(check)
+    check.say(f"gpu-check: wrote {args.out}/summary.json and report.md")
+    print(json.dumps(summary["headline"], indent=1, default=_json_default))
+    return 0 if all(s["status"] == "ok" for s in check.statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
