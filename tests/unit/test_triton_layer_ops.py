@@ -12,6 +12,10 @@ GQA head counts. Triton is a test dependency: if it is missing, these tests fail
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -243,3 +247,49 @@ def test_cpu_add_rms_norm_is_the_add_then_the_norm_of_before(dtype: torch.dtype)
     normed, summed = layer_ops.add_rms_norm(x, residual, weight, EPS)
     assert summed is x and torch.equal(x, want_sum)
     assert torch.equal(normed, cpu_layer_ops.rms_norm(want_sum, weight, EPS))
+
+
+# --- compiled for a GPU, without one -----------------------------------------------------------
+
+# Each kernel's argument types as the wrappers launch them (a pointer's element type is filled in per
+# dtype), and one set of tile sizes of Llama-3-8B's shapes (hidden 4096, 32 + 8 heads of 128).
+COMPILE_SCRIPT = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from chariot.kernels import triton_layer_ops as m
+
+def compile_for_hopper(fn, args, constants):
+    sig = dict(args, **{name: "constexpr" for name in constants})
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constants), target=GPUTarget("cuda", 90, 32))
+
+for dt in sys.argv[1:]:
+    p = "*" + dt
+    norm = dict(out_ptr=p, x_ptr=p, residual_ptr=p, weight_ptr=p, hidden="i32", eps="fp32", stride_xt="i32",
+                stride_rt="i32", stride_ot="i32")
+    for residual in (False, True):
+        compile_for_hopper(m._rms_norm_kernel, norm, dict(HAS_RESIDUAL=residual, BLOCK=4096, ROUND_BF16=False))
+    silu = dict(out_ptr=p, gate_up_ptr=p, width="i32", stride_gt="i32", stride_ot="i32")
+    compile_for_hopper(m._silu_and_mul_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False))
+    rope = {name: p for name in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr", "v_cache_ptr")}
+    rope["slot_ptr"] = "*i64"
+    rope.update({name: "i32" for name in ("num_heads", "num_kv_heads", "half", "stride_qt", "stride_qh", "stride_kt",
+                 "stride_kh", "stride_vt", "stride_vh", "stride_ct", "stride_st", "stride_kcb", "stride_kcs",
+                 "stride_kch", "stride_vcb", "stride_vcs", "stride_vch")})
+    compile_for_hopper(m._rope_write_kv_kernel, rope, dict(BLOCK_SIZE=16, BLOCK_HQ=32, BLOCK_HK=8, BLOCK_HALF=64,
+                                                           ROUND_Q=False, ROUND_CACHE=False))
+    print("compiled", dt)
+"""
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None:
+    """The interpreter accepts code the compiler rejects (scalar and block types mixed, say): each
+    kernel is compiled to a cubin for sm_90 in a process without the interpreter, in every dtype."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    dtypes = ["bf16", "fp16", "fp32"]
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, *dtypes], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:3] == [f"compiled {dt}" for dt in dtypes]
