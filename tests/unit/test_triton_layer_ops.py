@@ -293,3 +293,47 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path: Path) -> None:
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:3] == [f"compiled {dt}" for dt in dtypes]
+
+
+# --- the model through the kernels ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_model_through_the_kernels_matches_the_cpu_path(
+    tlo: ModuleType, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """`LlamaStage` with every layer step on the Triton kernels (interpreted here, as on CUDA they run
+    compiled) against the CPU path: a 10-token prefill, then two decode steps."""
+    from chariot.kernels import AttentionMetadata
+    from chariot.worker.model.llama import allocate_kv_caches
+    from chariot.worker.model.loader import load_stage
+
+    stage = load_stage(tiny_model_dir, (0, 2), dtype, progress=False, cpu_linears=False)
+    ids = torch.arange(5, 17)
+
+    def run() -> torch.Tensor:
+        caches = allocate_kv_caches(stage.config, 2, 3, 8, dtype)
+        logits = []
+        for start, end in ((0, 10), (10, 11), (11, 12)):
+            pos = torch.arange(start, end)
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                seq_lens=torch.tensor([end], dtype=torch.int32),
+                block_tables=torch.tensor([[2, 0]], dtype=torch.int32),
+                slot_mapping=torch.tensor([2, 0])[pos // 8] * 8 + pos % 8,
+                query_lens=(end - start,), seq_lens_list=(end,), num_decodes=int(end - start == 1),
+            )
+            with torch.inference_mode():
+                logits.append(stage.compute_logits(stage(pos, caches, meta, input_ids=ids[start:end])[-1:]))
+        return torch.cat(logits)
+
+    cpu_path = run()
+    kernels_taken: list[str] = []
+    monkeypatch.setattr(layer_ops, "fused_on", lambda tensor: kernels_taken.append(str(tensor.dtype)) or True)
+    monkeypatch.setattr(layer_ops, "_triton", lambda: tlo)
+    fused = run()
+    assert len(kernels_taken) >= 3 * 2 * 4  # every step of every layer, in each of the three passes
+    print("max |fused - cpu path|:", float((fused - cpu_path).abs().max()), "of", float(cpu_path.abs().max()))
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused, cpu_path, atol=tolerance * float(cpu_path.abs().max()), rtol=0)
+    assert torch.equal(fused.argmax(-1), cpu_path.argmax(-1))
