@@ -28,6 +28,7 @@ T = TypeVar("T")
 # Names only: torch is imported where a dtype object is needed, so the CLI and the operator start without it.
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ENGINE_CORES: tuple[str, ...] = ("process", "thread")
+CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -201,10 +202,17 @@ PREFIX_CACHING: Setting[bool] = Setting(
     "compute every prompt in full (default: reuse the KV of cached full blocks of an identical leading prefix, "
     "e.g. a shared system prompt)", flag="--no-prefix-caching")
 
+CUDA_GRAPHS: Setting[str] = Setting(
+    "cuda_graphs", str, "auto",
+    "decode-only iterations through the padded batch-size buckets of the graph runner: auto = on with CUDA "
+    "(one CUDA graph captured per bucket at warm-up), off elsewhere; on = the same buckets and static buffers "
+    "everywhere (run eagerly where nothing can be captured); off = every iteration eager, unpadded",
+    flag="--cuda-graphs", choices=CUDA_GRAPH_MODES)
+
 ENGINE_SETTINGS: tuple[Setting[Any], ...] = (
     POLICY, TOKEN_BUDGET, MAX_BATCH_SIZE, PIPELINE_STAGES, TENSOR_PARALLEL_SIZE, DTYPE, BLOCK_SIZE,
     KV_CACHE_TOKENS, KV_CACHE_MEMORY_FRACTION, MAX_MODEL_LEN, WATERMARK, DEVICE, SEED, LAYER_SPLIT,
-    STAGE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, ATTENTION_AWARE_CHUNKS, PREFIX_CACHING,
+    STAGE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, ATTENTION_AWARE_CHUNKS, PREFIX_CACHING, CUDA_GRAPHS,
 )
 """The fields of `EngineConfig` beside `model`, in its order."""
 

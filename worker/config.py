@@ -188,6 +188,7 @@ class EngineConfig:
     is `pipeline_stages × tensor_parallel_size` processes, global rank = stage × T + shard.
     `prefix_caching` lets a prompt reuse the KV of full blocks another request already computed for the
     same leading tokens (`block_manager`); benchmarks that measure compute cost turn it off.
+    `cuda_graphs` routes decode-only iterations through the graph runner (`graph_runner.py`).
     """
 
     model: str
@@ -209,6 +210,7 @@ class EngineConfig:
     rendezvous_timeout_s: float = settings.RENDEZVOUS_TIMEOUT_S.default
     attention_aware_chunks: bool = settings.ATTENTION_AWARE_CHUNKS.default
     prefix_caching: bool = settings.PREFIX_CACHING.default
+    cuda_graphs: str = settings.CUDA_GRAPHS.default
 
     def __post_init__(self) -> None:
         """Every field against its declaration (`chariot.contracts.engine_settings`): type, bounds, choices."""

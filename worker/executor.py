@@ -18,7 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from chariot.kernels import AttentionMetadata
 from chariot.worker.block_manager import BlockManager
+from chariot.worker.graph_runner import DecodeBuffers, DecodeGraphRunner, GraphMode, GraphPlan, PadTarget
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.micro_batch import (
     Layout,
@@ -117,12 +119,22 @@ class ModelRunner:
     `run` on the leader first hands the micro-batch to the followers (`pipeline/tensor.py`)."""
 
     def __init__(self, stage: LlamaStage, kv_cache: KVCache, sampler: Sampler | None,
-                 device: torch.device, team: TensorTeam | None = None) -> None:
+                 device: torch.device, team: TensorTeam | None = None, graphs: GraphPlan | None = None) -> None:
         self.stage = stage
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
         self.team = team
+        self.graphs = self._graph_runner(graphs) if graphs is not None and graphs.mode is not GraphMode.OFF else None
+
+    def _graph_runner(self, plan: GraphPlan) -> DecodeGraphRunner:
+        """The decode graph runner over this stage's layers, its pads in the cache's scratch block."""
+        if self.kv_cache.scratch_block is None:
+            raise ValueError("cuda_graphs needs a KV cache allocated with a scratch block for padded rows")
+        pad = PadTarget(self.kv_cache.scratch_block, self.kv_cache.block_size)
+        hidden = None if self.stage.is_first else (self.stage.config.hidden_size, plan.dtype)
+        buffers = DecodeBuffers(plan.buckets[-1], plan.table_width, pad, self.device, hidden)
+        return DecodeGraphRunner(plan, self._run_layers, buffers)
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -134,9 +146,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's layers; returns hidden states [T, hidden]."""
+        """Run this stage's layers; returns hidden states [T, hidden]. A decode-only batch that a
+        graph bucket serves goes through the graph runner (`graph_runner.py`), on every rank alike."""
+        if self.graphs is not None and (bucket := self.graphs.bucket(inp)) is not None:
+            return self.graphs.run(inp, bucket, hidden_states)
         ids = inp.input_ids if hidden_states is None else None
-        return self.stage(inp.positions, self.kv_caches, inp.attn, input_ids=ids, hidden_states=hidden_states)
+        return self._run_layers(inp.positions, inp.attn, ids, hidden_states)
+
+    def _run_layers(self, positions: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor | None,
+                    hidden_states: torch.Tensor | None) -> torch.Tensor:
+        return self.stage(positions, self.kv_caches, meta, input_ids=input_ids, hidden_states=hidden_states)
+
+    def capture_graphs(self) -> float:
+        """Capture the decode graphs (CUDA with cuda_graphs on; else nothing); returns the seconds taken."""
+        if self.graphs is None:
+            return 0.0
+        with torch.inference_mode():
+            return self.graphs.capture(self.device)
 
     def run(self, mb: MicroBatch, hidden_states: torch.Tensor | None = None) -> tuple[ModelInput, torch.Tensor]:
         """Decode and run one micro-batch (a tensor-parallel leader shares it with its followers first)."""

@@ -35,23 +35,30 @@ def free_device_memory(device: torch.device) -> int:
 
 class KVCache:
     """One stage's KV cache: a (k_cache, v_cache) pair per layer of the stage, each
-    [num_blocks, block_size, kv_heads, head_dim]. Size it with `blocks_that_fit` (and, in a
-    pipeline, `agree`) before loading weights; then `allocate`."""
+    [num_blocks, block_size, kv_heads, head_dim], plus with the decode graph runner one scratch block
+    (index `num_blocks`, never handed out by the block manager) that padded rows write into. Size it
+    with `blocks_that_fit` (and, in a pipeline, `agree`) before loading weights; then `allocate`."""
 
-    def __init__(self, layers: list[LayerCache], num_blocks: int, block_size: int) -> None:
+    def __init__(self, layers: list[LayerCache], num_blocks: int, block_size: int,
+                 scratch_block: int | None = None) -> None:
         self.layers = layers
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_block = scratch_block
 
     @staticmethod
-    def blocks_that_fit(resolved: ResolvedConfig, num_layers: int, shard: Shard = NO_SHARD) -> int:
+    def blocks_that_fit(resolved: ResolvedConfig, num_layers: int, shard: Shard = NO_SHARD,
+                        reserved_bytes: int = 0) -> int:
         """Blocks for a stage of `num_layers` layers; raises ConfigError (naming the knob) unless
-        they hold at least one sequence of `max_model_len` tokens plus the watermark."""
+        they hold at least one sequence of `max_model_len` tokens plus the watermark. Sized from free
+        memory, the cache leaves `reserved_bytes` (the CUDA-graph pool, `graph_runner.graph_pool_bytes`)
+        out of the memory its fraction is taken of."""
         config = resolved.engine
         if config.kv_cache_tokens is not None:
             tokens, field = config.kv_cache_tokens, "kv_cache_tokens"
         else:
-            budget = int(free_device_memory(resolved.device) * config.kv_cache_memory_fraction)
+            free = max(0, free_device_memory(resolved.device) - reserved_bytes)
+            budget = int(free * config.kv_cache_memory_fraction)
             if resolved.device.type == "cpu":
                 budget //= shard.size  # the ranks of a stage share one machine's memory
             tokens = budget // bytes_per_token(resolved.model, num_layers, resolved.dtype, shard)
@@ -81,8 +88,9 @@ class KVCache:
 
     @classmethod
     def allocate(cls, resolved: ResolvedConfig, num_layers: int, num_blocks: int, shard: Shard = NO_SHARD,
-                 ) -> KVCache:
+                 scratch_block: bool = False) -> KVCache:
+        """`num_blocks` blocks per layer, and one more past them as the scratch block if `scratch_block`."""
         block_size = resolved.engine.block_size
-        layers = allocate_kv_caches(resolved.model, num_layers, num_blocks, block_size, resolved.dtype,
-                                    resolved.device, shard)
-        return cls(layers, num_blocks, block_size)
+        layers = allocate_kv_caches(resolved.model, num_layers, num_blocks + int(scratch_block), block_size,
+                                    resolved.dtype, resolved.device, shard)
+        return cls(layers, num_blocks, block_size, num_blocks if scratch_block else None)

@@ -19,6 +19,7 @@ from chariot.contracts.errors import ConfigError, PipelineError
 from chariot.kernels import active_backend
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import ModelRunner
+from chariot.worker.graph_runner import GraphPlan, graph_pool_bytes
 from chariot.worker.host_memory import keep_freed_memory
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.model.loader import load_stage
@@ -92,7 +93,9 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
         pin_stage_cpus(topology.rank)
     first, last = resolved.layer_ranges[rank]
     shard = Shard(place.shard, place.tensor_parallel_size)
-    local_blocks = KVCache.blocks_that_fit(resolved, last - first, shard)
+    graphs = GraphPlan.for_config(resolved)
+    pool = graph_pool_bytes(graphs, resolved.model, place.tensor_parallel_size)
+    local_blocks = KVCache.blocks_that_fit(resolved, last - first, shard, reserved_bytes=pool)
     link = None if topology is None else StageLink(topology, resolved.device, engine.stage_timeout_s, peer_check,
                                                    engine.rendezvous_timeout_s, place.tensor_parallel_size)
     num_blocks = local_blocks if link is None else KVCache.agree(local_blocks, link.device)
@@ -102,11 +105,11 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
                                resolved.model.hidden_size, resolved.dtype)
     tp = team.collectives if team is not None else SINGLE
     stage = load_stage(engine.model, (first, last), resolved.dtype, resolved.device, progress=progress, tp=tp)
-    kv_cache = KVCache.allocate(resolved, last - first, num_blocks, shard)
+    kv_cache = KVCache.allocate(resolved, last - first, num_blocks, shard, scratch_block=graphs.needs_scratch_block)
     if team is not None:
         team.wait_for_peers()
     samples = rank == resolved.num_stages - 1 and place.is_leader
-    runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team)
+    runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team, graphs)
     warm_up(runner, resolved, rank)
     return StageRuntime(resolved, rank, runner, kv_cache, link, team)
 

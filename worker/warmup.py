@@ -19,7 +19,8 @@ The Triton kernels do not specialise on the integers that vary from batch to bat
 sizes are all that is left to compile. The last stage also samples greedy and seeded rows. The
 synthetic KV goes into the first blocks of the cache, and no sequence reads a block before writing
 it (prefix caching registers a block only after a real sequence computed it), so the warm-up leaves
-no trace.
+no trace. With CUDA graphs (`graph_runner.py`) the stage then captures one decode graph per
+batch-size bucket, padded rows in the cache's scratch block, before it reports ready.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from chariot.kernels import active_backend
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.config import ResolvedConfig
 from chariot.worker.executor import InputBuilder, ModelRunner
+from chariot.worker.graph_runner import GraphMode
 from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
 from chariot.worker.sequence import Sequence
 
@@ -63,9 +65,25 @@ def warm_up(runner: ModelRunner, resolved: ResolvedConfig, rank: int) -> float:
     except Exception as exc:  # any failure here means the stage cannot serve: say which and why
         raise WarmupError(f"stage {rank}: warm-up forward pass failed (attention backend {backend}, device "
                           f"{runner.device}): {type(exc).__name__}: {exc}") from exc
+    _capture_graphs(runner, rank)
     seconds = time.perf_counter() - started
     log.info("stage %d warmed up in %.2f s (attention backend %s)", rank, seconds, backend)
     return seconds
+
+
+def _capture_graphs(runner: ModelRunner, rank: int) -> None:
+    """Capture the decode graphs of every bucket (`graph_runner.py`), after the warm-up batches
+    compiled the kernels and before the stage reports ready; a failure fails the warm-up."""
+    graphs = runner.graphs
+    if graphs is None or graphs.plan.mode is not GraphMode.CAPTURE:
+        return
+    try:
+        seconds = runner.capture_graphs()
+    except Exception as exc:
+        raise WarmupError(f"stage {rank}: capturing the decode CUDA graphs failed (device {runner.device}; "
+                          f"--cuda-graphs off runs without them): {type(exc).__name__}: {exc}") from exc
+    log.info("stage %d captured %d decode CUDA graphs (batch sizes %s) in %.2f s, memory pool %.1f MiB",
+             rank, len(graphs.captured), ",".join(map(str, graphs.captured)), seconds, graphs.pool_bytes / 2**20)
 
 
 WARMUP_QUERY_LENGTHS = (2, 4, 8, 16, 32, 64)
