@@ -20,6 +20,7 @@ The sampling columns are decoded only by a stage that samples.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
@@ -102,13 +103,12 @@ def pack(layout: Layout, sections: Sequence[np.ndarray | Sequence[int]]) -> Micr
 
 def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> ModelInput:
     """Device tensors for one stage: one copy of the payload to `device` (none if it is there
-    already; from pinned memory, asynchronously, onto a GPU), host facts from the host copy;
-    sampling columns only when `with_sampling`. Every device tensor, the sampling ones included, is a
-    view or conversion of that one copy: no other host-to-device copy, and no per-row Python work
-    beyond the host tuples the attention backends read."""
+    already; from pinned memory, asynchronously, onto a GPU), host facts from the host copy as
+    numpy (no tensor operations); sampling columns only when `with_sampling`. Every device tensor,
+    the sampling ones included, is a view or conversion of that one copy."""
     layout, sizes = mb.layout, mb.layout.sizes()
-    host = torch.split(mb.payload.cpu(), sizes)
-    dev = torch.split(_to_device(mb.payload, device), sizes)
+    host = _numpy_sections(mb.payload, sizes)
+    dev = _to_device(mb.payload, device).split_with_sizes(sizes)
     ids, positions, slots, qsl, seq_lens, tables, sample_rows = dev[:7]
     decode_only = layout.num_decodes == layout.num_seqs
     attn = AttentionMetadata(
@@ -116,7 +116,7 @@ def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> M
         seq_lens=seq_lens.to(torch.int32),
         block_tables=tables.view(layout.num_seqs, layout.table_width).to(torch.int32),
         slot_mapping=slots,
-        query_lens=(1,) * layout.num_seqs if decode_only else tuple((host[3][1:] - host[3][:-1]).tolist()),
+        query_lens=(1,) * layout.num_seqs if decode_only else tuple(np.diff(host[3]).tolist()),
         seq_lens_list=tuple(host[4].tolist()),
         num_decodes=layout.num_decodes,
     )
@@ -125,9 +125,18 @@ def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> M
     return ModelInput(ids, positions, attn, sample_rows, sampling)
 
 
+def _numpy_sections(payload: torch.Tensor, sizes: list[int]) -> list[np.ndarray]:
+    """The payload's sections as host numpy views (a payload on a device is copied back once)."""
+    host = (payload if payload.device.type == "cpu" else payload.cpu()).numpy()
+    bounds = list(itertools.accumulate(sizes, initial=0))
+    return [host[a:b] for a, b in itertools.pairwise(bounds)]
+
+
 def _to_device(payload: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The payload on `device`: a host payload goes to a GPU through pinned memory (PyTorch's caching
     host allocator, which keeps a block until its copy is done) without blocking the host."""
+    if payload.device == device:
+        return payload
     if device.type != "cuda" or payload.device.type != "cpu":
         return payload.to(device)
     return payload.pin_memory().to(device, non_blocking=True)
@@ -156,23 +165,21 @@ def _bits(values: Sequence[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.float64).view(np.int64)
 
 
-def _sampling_batch(host: Sequence[torch.Tensor], dev: Sequence[torch.Tensor]) -> SamplingBatch:
-    """The sampling batch: temperature, top-k and top-p tensors straight from the device payload, the
-    host columns (seeds, steps, logprobs, adjustments) from the host one."""
+def _sampling_batch(host: Sequence[np.ndarray], dev: Sequence[torch.Tensor]) -> SamplingBatch:
+    """The sampling batch: host columns (from the host payload) and temperature, top-k and top-p as
+    the device payload's own sections."""
     temps, top_ks, top_ps, seeds, steps, logprobs, rows, token_ids, deltas = host
     cols = SamplingColumns(
-        temperatures=tuple(temps.view(torch.float64).tolist()),
+        temperatures=tuple(temps.view(np.float64).tolist()),
         top_ks=tuple(top_ks.tolist()),
-        top_ps=tuple(top_ps.view(torch.float64).tolist()),
+        top_ps=tuple(top_ps.view(np.float64).tolist()),
         seeds=_optional(seeds.tolist(), NO_SEED),
         steps=tuple(steps.tolist()),
         logprobs=_optional(logprobs.tolist(), NO_LOGPROBS),
         adjustments=LogitAdjustments(tuple(rows.tolist()), tuple(token_ids.tolist()),
-                                     tuple(deltas.view(torch.float64).tolist())),
+                                     tuple(deltas.view(np.float64).tolist())),
     )
-    dev_temps, dev_top_ks, dev_top_ps = dev
-    return SamplingBatch.from_device_columns(cols, dev_temps.view(torch.float64), dev_top_ks,
-                                             dev_top_ps.view(torch.float64))
+    return SamplingBatch.from_packed(cols, (dev[0], dev[1], dev[2]))
 
 
 def _optional(values: list[int], none: int) -> tuple[int | None, ...]:

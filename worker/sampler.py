@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -161,15 +162,12 @@ class SamplingBatch:
     are never sorted.
     """
 
-    temperatures: torch.Tensor  # [N] float32; 0 for greedy rows
-    top_ks: torch.Tensor  # [N] int64; 0 = off
-    top_ps: torch.Tensor  # [N] float32; 1.0 = off
     columns: SamplingColumns  # the exact host values it was built from (seeds and steps among them)
     sample_rows: tuple[int, ...]  # non-greedy rows
     filter_rows: tuple[int, ...]  # non-greedy rows that use top-k or top-p (subset of sample_rows)
     top_k_bound: int | None  # max top_k of filter_rows when all use top-k (no full sort), else None
-    sample_index: torch.Tensor  # [len(sample_rows)] int64: sample_rows on the device
-    filter_index: torch.Tensor  # [len(filter_rows)] int64: their positions within sample_rows
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # [N] int64 each, on the sampling device:
+    # temperature and top-p as float64 bit patterns, top-k (a packed micro-batch's own sections)
 
     @classmethod
     def from_params(
@@ -184,32 +182,50 @@ class SamplingBatch:
     @classmethod
     def from_columns(cls, cols: SamplingColumns, device: torch.device | str | None = None) -> SamplingBatch:
         """Build the batch from host columns."""
-        return cls.from_device_columns(cols, _tensor(cols.temperatures, torch.float64, device),
-                                       _tensor(cols.top_ks, torch.int64, device),
-                                       _tensor(cols.top_ps, torch.float64, device))
+        bits = torch.tensor([cols.temperatures, cols.top_ps], dtype=torch.float64).view(torch.int64)
+        packed = torch.stack([bits[0], _tensor(cols.top_ks, torch.int64, None), bits[1]])
+        packed = packed if device is None else packed.to(device)
+        return cls.from_packed(cols, (packed[0], packed[1], packed[2]))
 
     @classmethod
-    def from_device_columns(cls, cols: SamplingColumns, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                            top_ps: torch.Tensor) -> SamplingBatch:
-        """Build the batch from host columns whose temperatures and top-p (float64) and top-k (int64)
-        are already on the sampling device (a packed micro-batch's views): no copies for them, and
-        no per-row Python work when every row is greedy."""
+    def from_packed(cls, cols: SamplingColumns, packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    ) -> SamplingBatch:
+        """Build the batch from host columns and the same temperatures, top-k and top-p already on
+        the sampling device as `packed` holds them. Device tensors derived from them are made on
+        first use: an all-greedy batch makes none, and needs no per-row Python work."""
         sample_rows = [] if max(cols.temperatures, default=0.0) < GREEDY_TEMPERATURE else [
             i for i, t in enumerate(cols.temperatures) if t >= GREEDY_TEMPERATURE]
-        filter_pos = [j for j, i in enumerate(sample_rows) if cols.top_ks[i] > 0 or cols.top_ps[i] < 1.0]
-        ks = [cols.top_ks[sample_rows[j]] for j in filter_pos]
-        device = temperatures.device
-        return cls(
-            temperatures=_row_temperatures(temperatures),
-            top_ks=top_ks,
-            top_ps=top_ps.to(torch.float32),
-            columns=cols,
-            sample_rows=tuple(sample_rows),
-            filter_rows=tuple(sample_rows[j] for j in filter_pos),
-            top_k_bound=max(ks) if ks and min(ks) > 0 else None,
-            sample_index=_tensor(sample_rows, torch.int64, device),
-            filter_index=_tensor(filter_pos, torch.int64, device),
-        )
+        filter_rows = [i for i in sample_rows if cols.top_ks[i] > 0 or cols.top_ps[i] < 1.0]
+        ks = [cols.top_ks[i] for i in filter_rows]
+        return cls(cols, tuple(sample_rows), tuple(filter_rows), max(ks) if ks and min(ks) > 0 else None, packed)
+
+    @cached_property
+    def temperatures(self) -> torch.Tensor:
+        """[N] float32; 0 for greedy rows, else the temperature capped to stay finite in float32."""
+        temperatures = self.packed[0].view(torch.float64)
+        capped = temperatures.clamp(max=MAX_TEMPERATURE)
+        return torch.where(temperatures < GREEDY_TEMPERATURE, 0.0, capped).to(torch.float32)
+
+    @property
+    def top_ks(self) -> torch.Tensor:
+        """[N] int64; 0 = off."""
+        return self.packed[1]
+
+    @cached_property
+    def top_ps(self) -> torch.Tensor:
+        """[N] float32; 1.0 = off."""
+        return self.packed[2].view(torch.float64).to(torch.float32)
+
+    @cached_property
+    def sample_index(self) -> torch.Tensor:
+        """[len(sample_rows)] int64: sample_rows on the device."""
+        return _tensor(self.sample_rows, torch.int64, self.packed[0].device)
+
+    @cached_property
+    def filter_index(self) -> torch.Tensor:
+        """[len(filter_rows)] int64: their positions within sample_rows."""
+        position = {row: j for j, row in enumerate(self.sample_rows)}
+        return _tensor([position[row] for row in self.filter_rows], torch.int64, self.packed[0].device)
 
     @property
     def seeds(self) -> tuple[int | None, ...]:
@@ -234,12 +250,6 @@ class SamplingBatch:
 
 def _tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _row_temperatures(temperatures: torch.Tensor) -> torch.Tensor:
-    """float32: 0 for greedy rows, else the (float64) temperature capped to stay finite in float32."""
-    capped = temperatures.clamp(max=MAX_TEMPERATURE)
-    return torch.where(temperatures < GREEDY_TEMPERATURE, 0.0, capped).to(torch.float32)
 
 
 @dataclass(frozen=True)
