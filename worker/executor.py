@@ -19,7 +19,14 @@ import torch
 
 from chariot.kernels import AttentionMetadata
 from chariot.worker.block_manager import BlockManager
-from chariot.worker.graph_runner import DecodeBuffers, DecodeGraphRunner, GraphMode, GraphPlan, PadTarget
+from chariot.worker.graph_runner import (
+    CudaGraphCapture,
+    DecodeBuffers,
+    DecodeGraphRunner,
+    GraphMode,
+    GraphPlan,
+    PadTarget,
+)
 from chariot.worker.kv_cache import KVCache
 from chariot.worker.micro_batch import (
     Layout,
@@ -161,7 +168,7 @@ class ModelRunner:
         if self.graphs is None:
             return 0.0
         with torch.inference_mode():
-            return self.graphs.capture(self.device)
+            return self.graphs.capture(CudaGraphCapture(self.device))
 
     def run(self, mb: MicroBatch, hidden_states: torch.Tensor | None = None) -> tuple[ModelInput, torch.Tensor]:
         """Decode and run one micro-batch (a tensor-parallel leader shares it with its followers first)."""

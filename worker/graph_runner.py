@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -239,6 +241,49 @@ class DecodeBuffers:
         )
 
 
+class Replayable(Protocol):
+    """A captured graph: `replay` reruns its work on the tensors it was captured with."""
+
+    def replay(self) -> None: ...
+
+
+class GraphCapture(Protocol):
+    """The device calls a capture makes (`CudaGraphCapture`; tests substitute a CPU stand-in). A pool
+    is an opaque handle (torch's own type for it is private)."""
+
+    def pool(self) -> Any: ...
+
+    def synchronize(self) -> None: ...
+
+    def reserved_bytes(self) -> int: ...
+
+    def capture(self, run: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable, torch.Tensor]:
+        """A graph of `run`'s work and the output tensor it writes on every replay."""
+        ...
+
+
+class CudaGraphCapture:
+    """`GraphCapture` with CUDA graphs on one device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reserved_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def capture(self, run: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+        return graph, out
+
+
 class DecodeGraphRunner:
     """Runs the decode-only iterations a `GraphPlan` serves: fill the buffers, then replay the bucket's
     graph (CUDA, after `capture`) or run the bucket eagerly. `replays` and `eager_runs` count them."""
@@ -247,7 +292,7 @@ class DecodeGraphRunner:
         if plan.mode is GraphMode.OFF:
             raise ValueError("a graph runner needs cuda_graphs on (GraphMode.EAGER or CAPTURE)")
         self.plan, self.forward, self.buffers = plan, forward, buffers
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[Replayable, torch.Tensor]] = {}
         self.pool_bytes = 0
         self.replays = 0
         self.eager_runs = 0
@@ -280,28 +325,25 @@ class DecodeGraphRunner:
         lengths = inp.attn.seq_lens_list + (1,) * (bucket - n)
         return self._forward_bucket(bucket, self.buffers.metadata(bucket, lengths))[:n]
 
-    def capture(self, device: torch.device) -> float:
-        """Capture one graph per bucket, largest first, into one shared memory pool (CUDA only);
-        returns the seconds it took. Each bucket first runs once uncaptured, so that nothing is
-        compiled or lazily allocated during its capture."""
+    def capture(self, graphs: GraphCapture) -> float:
+        """Capture one graph per bucket, largest first, into one shared memory pool; returns the seconds
+        it took. Each bucket first runs once uncaptured, so that nothing is compiled or lazily allocated
+        during its capture. Pads only: the buffers hold no real row while capturing."""
         if self.plan.mode is not GraphMode.CAPTURE:
             return 0.0
         started = time.perf_counter()
         self.buffers.pad_from(0)
-        pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(device)
-        reserved = torch.cuda.memory_reserved(device)
+        pool = graphs.pool()
+        graphs.synchronize()
+        reserved = graphs.reserved_bytes()
         longest = self.plan.max_model_len
         for bucket in reversed(self.plan.buckets):
             meta = self.buffers.metadata(bucket, (longest,) * bucket)
             self._forward_bucket(bucket, meta)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward_bucket(bucket, meta)
-            self._graphs[bucket] = (graph, out)
-        torch.cuda.synchronize(device)
-        self.pool_bytes = torch.cuda.memory_reserved(device) - reserved
+            graphs.synchronize()
+            self._graphs[bucket] = graphs.capture(functools.partial(self._forward_bucket, bucket, meta), pool)
+        graphs.synchronize()
+        self.pool_bytes = graphs.reserved_bytes() - reserved
         return time.perf_counter() - started
 
     def _forward_bucket(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:

@@ -4,12 +4,14 @@ through a 2-stage pipeline and on two tensor-parallel ranks; on CUDA, with the g
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import chariot.kernels as kernels
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.executor import ModelRunner
 from chariot.worker.graph_runner import DecodeGraphRunner
@@ -77,9 +79,19 @@ def test_tensor_parallel_followers_take_the_leaders_path(tiny_model_dir: Path,
     assert served > 0
 
 
+@pytest.fixture
+def triton_backend() -> Iterator[None]:
+    """The Triton attention backend, the one graphs are captured with (other tests may have left another
+    selected); the default selection afterwards."""
+    kernels.select_backend("triton")
+    yield
+    kernels.select_backend()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["sarathi", "vllm"])
-def test_captured_graphs_give_the_eager_greedy_tokens_on_cuda(tiny_model_dir: Path, policy: str) -> None:
+def test_captured_graphs_give_the_eager_greedy_tokens_on_cuda(triton_backend: None, tiny_model_dir: Path,
+                                                              policy: str) -> None:
     want, _ = generate(tiny_model_dir, policy, "off", device="cuda")
     with LLM(str(tiny_model_dir), **engine_kwargs(policy, cuda_graphs="on", device="cuda")) as llm:
         got = [o.token_ids for o in llm.generate(prompts(), GREEDY)]

@@ -5,12 +5,15 @@ hidden states as the unpadded eager one. Capture itself needs CUDA (the `gpu` te
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+import chariot.kernels as kernels
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.kernels import AttentionMetadata, reference
@@ -20,6 +23,7 @@ from chariot.worker.executor import InputBuilder, ModelRunner
 from chariot.worker.graph_runner import (
     GRAPH_POOL_SLACK_BYTES,
     DecodeBuffers,
+    DecodeGraphRunner,
     GraphMode,
     GraphPlan,
     PadTarget,
@@ -291,8 +295,71 @@ def test_a_prefill_chunk_runs_unpadded(runtimes: dict[str, StageRuntime]) -> Non
     assert runner.graphs.eager_runs == runs
 
 
+class RecordedGraph:
+    """A CPU stand-in for a captured graph: replay reruns the captured work into the captured output."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], out: torch.Tensor) -> None:
+        self.run, self.out = run, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.run())
+
+
+class RecordingCapture:
+    """A CPU stand-in for `CudaGraphCapture`: what a graph would replay is the function captured, over
+    the same static buffers and with the same (capture-time) metadata."""
+
+    def pool(self) -> object:
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def capture(self, run: Callable[[], torch.Tensor], pool: object) -> tuple[RecordedGraph, torch.Tensor]:
+        out = run()
+        return RecordedGraph(run, out), out
+
+
+def test_replays_with_capture_metadata_give_the_eager_hidden_states(tiny_model_dir: Path,
+                                                                     triton_attention: ModuleType) -> None:
+    """The capture path on the CPU: the Triton kernels (interpreted) run every bucket with the capture
+    metadata (every row claiming max_model_len) over the static buffers, and replayed decodes of
+    several batch sizes equal the unpadded eager ones."""
+    kernels.select_backend("triton")
+    try:
+        on, off = runtime(tiny_model_dir, "on").runner, runtime(tiny_model_dir, "off").runner
+        assert on.graphs is not None
+        on.graphs = DecodeGraphRunner(replace(on.graphs.plan, mode=GraphMode.CAPTURE), on._run_layers,
+                                      on.graphs.buffers)
+        with torch.inference_mode():
+            on.graphs.capture(RecordingCapture())
+        assert on.graphs.captured == (1, 2, 4, 8)
+        for lengths in ((20, 3, 33, 17, 2), (5,), (40, 9, 1)):
+            outputs = []
+            for runner in (on, off):
+                inp, _ = decode_batch_of(runner, lengths)
+                fill_caches(runner, SENTINEL)
+                outputs.append(runner.forward(inp))
+            torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+        assert on.graphs.replays == 3 and on.graphs.eager_runs == 0
+    finally:
+        kernels.select_backend()
+
+
+@pytest.fixture
+def triton_backend() -> Iterator[None]:
+    """The Triton attention backend, the one graphs are captured with (other tests may have left another
+    selected); the default selection afterwards."""
+    kernels.select_backend("triton")
+    yield
+    kernels.select_backend()
+
+
 @pytest.mark.gpu
-def test_captured_graphs_replay_the_eager_decode(tiny_model_dir: Path) -> None:
+def test_captured_graphs_replay_the_eager_decode(triton_backend: None, tiny_model_dir: Path) -> None:
     """On CUDA: every bucket is captured in the warm-up, and a replayed decode equals the eager one."""
     outputs = []
     for mode in ("on", "off"):
