@@ -46,15 +46,16 @@ def tlo() -> ModuleType:
 
 
 def assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32 within 1e-5; 16-bit at most one unit in the last place apart, on at most 1 % of the elements
-    (rounding ties after an `exp` or `rsqrt` that differs from PyTorch's in the last fp32 bit)."""
+    """fp32 within 1e-5; 16-bit at most two units in the last place apart, on at most 1 % of the
+    elements (rounding ties after an `exp` or `rsqrt` that differs from PyTorch's in the last fp32 bit;
+    a rounded intermediate one unit off, as SiLU before the multiply, can move the result by two)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out.cpu(), expected.cpu(), atol=1e-5, rtol=1e-5)
         return
     ulp = torch.finfo(out.dtype).eps * expected.float().abs().clamp_min(torch.finfo(out.dtype).tiny)
     diff = (out.float() - expected.float()).abs()
-    assert (diff <= 1.01 * ulp).all(), f"max error {diff.max().item():.3g} beyond one ulp"
+    assert (diff <= 2.01 * ulp).all(), f"max error {diff.max().item():.3g} beyond two ulps"
     assert int((diff > 0).sum()) <= max(1, out.numel() // 100), "more than 1 % of the elements differ"
 
 
@@ -337,3 +338,30 @@ def test_model_through_the_kernels_matches_the_cpu_path(
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fused, cpu_path, atol=tolerance * float(cpu_path.abs().max()), rtol=0)
     assert torch.equal(fused.argmax(-1), cpu_path.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_llama3_8b_shapes_compiled_on_cuda(tlo: ModuleType, dtype: torch.dtype) -> None:
+    """Each kernel at Llama-3-8B's widths (hidden 4096, MLP 14,336, 32 + 8 heads of 128), 37 tokens,
+    compiled, against eager PyTorch on the GPU."""
+    tokens, hidden, width, heads, kv_heads, head_dim = 37, 4096, 14336, 32, 8, 128
+    x, residual = random(tokens, hidden, dtype=dtype, seed=20), random(tokens, hidden, dtype=dtype, seed=21)
+    weight = random(hidden, dtype=dtype, seed=22)
+    summed = x + residual
+    normed, _ = tlo.add_rms_norm(x, residual, weight, EPS)
+    assert torch.equal(x, summed)
+    assert_close(normed, eager_rms_norm(summed, weight))
+    gate_up = random(tokens, 2 * width, dtype=dtype, seed=23, scale=3.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_close(tlo.silu_and_mul(gate_up), F.silu(gate) * up)
+    q, k, v, cos, sin = rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=24)
+    want_q, want_k = (reference.rope(t, cos.unsqueeze(1), sin.unsqueeze(1)) for t in (q, k))
+    k_cache, v_cache = caches(kv_heads, head_dim, dtype, blocks=8, block_size=16)
+    ref_k_cache, ref_v_cache = caches(kv_heads, head_dim, dtype, blocks=8, block_size=16)
+    slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(25))[:tokens].to(DEVICE)
+    tlo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert_close(q, want_q)
+    assert_close(k, want_k)
+    reference.write_kv(k, v, ref_k_cache, ref_v_cache, slots)
+    assert same_bits(k_cache, ref_k_cache) and same_bits(v_cache, ref_v_cache)
