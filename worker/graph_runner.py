@@ -275,6 +275,9 @@ class CudaGraphCapture:
         torch.cuda.synchronize(self.device)
 
     def reserved_bytes(self) -> int:
+        """Memory the caching allocator holds once its free cached blocks are released: each capture
+        empties the cache on entry, so only this difference isolates the graphs' private pool."""
+        torch.cuda.empty_cache()
         return int(torch.cuda.memory_reserved(self.device))
 
     def capture(self, run: Callable[[], torch.Tensor], pool: Any) -> tuple[Replayable, torch.Tensor]:
@@ -343,7 +346,7 @@ class DecodeGraphRunner:
             graphs.synchronize()
             self._graphs[bucket] = graphs.capture(functools.partial(self._forward_bucket, bucket, meta), pool)
         graphs.synchronize()
-        self.pool_bytes = graphs.reserved_bytes() - reserved
+        self.pool_bytes = max(0, graphs.reserved_bytes() - reserved)
         return time.perf_counter() - started
 
     def _forward_bucket(self, bucket: int, meta: AttentionMetadata) -> torch.Tensor:
