@@ -17,7 +17,7 @@ after it still run, and the report says what is missing and why. Parts, in order
 - `gpu_tests`: `pytest -m gpu` over the test files that carry the marker.
 - `capacity`: `sarathi` against `vllm` under the paper's strict SLO (P99 TBT <= 5x a lone decode
   iteration, measured by `engine`) and a relaxed one (25x), with the capacity search of `chariot
-  bench capacity` and few probes.
+  bench capacity` and few probes; each policy its own part, so one long search cannot cost the other.
 - `vllm`: if this Python can `import vllm`, the same offline trace through vLLM and Chariot on the
   same weights; otherwise the reason it was skipped.
 
@@ -26,6 +26,7 @@ graphs on and off, beside the weight+KV-read floor: bytes one decode iteration m
 measured bandwidth).
 
     make gpu-check OUT=build/gpu-check                   # = python -m chariot.bench.gpu_check --out build/gpu-check
+    python -m chariot.bench.gpu_check --out /tmp/dry --dry-run    # every part's code on the CPU, before a GPU run
 
 On the lent device machine the repository's venv does not travel (its torch is a CPU wheel), and make
 may be missing: the machine's own `python3` has a CUDA torch, and `make gpu-wheels` (run here first)
@@ -63,8 +64,9 @@ from typing import Any
 PARTS = ("prepare", "engine", "gpu_tests", "capacity", "vllm")
 # Each engine run is its own process: a CUDA error in one (say, in graph capture) cannot cost the others.
 ENGINE_RUNS = ("on", "off", "on_half", "off_half")  # CUDA graphs on / off, at full and at half depth
+CAPACITY_POLICIES = ("sarathi", "vllm")  # each its own process and time limit: one long search cannot cost the other
 PART_LIMITS_S = {"prepare": 90, "engine-on": 90, "engine-off": 75, "engine-on_half": 45, "engine-off_half": 45,
-                 "gpu_tests": 120, "capacity": 180, "vllm": 120}
+                 "gpu_tests": 120, "capacity-sarathi": 100, "capacity-vllm": 100, "vllm": 120}
 MIN_PART_S = 20.0  # a part is not started with less time than this left in the budget
 DEFAULT_BUDGET_S = 450.0
 MAX_BUDGET_S = 3600.0
@@ -78,8 +80,8 @@ HEADLINE_BATCH = 64
 STRICT_SLO_FACTOR, RELAXED_SLO_FACTOR = 5.0, 25.0  # Sarathi-Serve §5: strict and relaxed TBT SLOs
 BUDGET_CANDIDATES = (64, 128, 256, 512, 1024, 2048)
 HYBRID_SHARE_OF_SLO = 0.8  # the share of the strict SLO a Sarathi hybrid iteration may take
-CAPACITY_TRACE, CAPACITY_SCALE, CAPACITY_MAX_LEN, CAPACITY_REQUESTS = "chat", 1.0, 4096, 32
-CAPACITY_TOLERANCE, CAPACITY_MAX_PROBES, CAPACITY_DRAIN_S = 0.25, 3, 60.0
+CAPACITY_TRACE, CAPACITY_SCALE, CAPACITY_MAX_LEN, CAPACITY_REQUESTS = "chat", 1.0, 4096, 24
+CAPACITY_TOLERANCE, CAPACITY_MAX_PROBES, CAPACITY_DRAIN_S = 0.25, 3, 30.0
 # The router and the load generator share the host with the worker: past tens of QPS of streamed
 # tokens the host, not the GPU, would set the TBT, so the probes stay below this load.
 MAX_PROBE_QPS = 40.0
@@ -111,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"overall time limit in seconds (default {DEFAULT_BUDGET_S:g}); each part also has its own")
     p.add_argument("--parts", default=",".join(PARTS),
                    help=f"comma-separated parts to run (default all: {','.join(PARTS)})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every part on the CPU with the small preset: checks the check itself, measures nothing")
     p.add_argument("--model-root", default=None, metavar="DIR",
                    help="where the random checkpoint is written (default /dev/shm if it has room, else build/)")
     return p
@@ -288,17 +292,24 @@ def capacity_plan(engine: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---- reading the parts' output -------------------------------------------------------------------
 PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
+PYTEST_PROGRESS = re.compile(r"^([.FEsxX]+)\s*(?:\[\s*\d+%\])?\s*$", re.MULTILINE)
 
 
-def parse_pytest_summary(text: str) -> dict[str, int]:
-    """Counts from pytest's last summary line ("21 passed, 262 deselected, 1 warning in 50.05s")."""
+def parse_pytest_summary(text: str) -> dict[str, Any]:
+    """Counts from pytest's last summary line ("21 passed, 262 deselected, 1 warning in 50.05s"); from
+    its progress characters (`.FEsx`) when it was stopped before the summary (then `partial`)."""
     lines = [line for line in text.splitlines() if re.search(r"\b(passed|failed|errors?|deselected)\b", line)
              and " in " in line]
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "deselected": 0}
+    counts: dict[str, Any] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "deselected": 0,
+                              "partial": not lines}
     if lines:
         for number, word in PYTEST_COUNT.findall(lines[-1]):
             key = "errors" if word.startswith("error") else word
             counts[key] = counts.get(key, 0) + int(number)
+        return counts
+    progress = "".join(m.group(1) for m in PYTEST_PROGRESS.finditer(text))
+    counts.update(passed=progress.count("."), failed=progress.count("F"), errors=progress.count("E"),
+                  skipped=progress.count("s"))
     return counts
 
 
@@ -404,30 +415,45 @@ def prefill_rows(engine: Mapping[str, Any], layers: int) -> list[dict[str, Any]]
     return rows
 
 
-def capacity_summary(capacity: Mapping[str, Any] | None, plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Capacity per policy and SLO, and the sarathi/vllm ratio under each (a bound when `vllm` did
-    not pass even the lowest probe)."""
-    if capacity is None:
+def capacity_folder(policy: str) -> str:
+    """Where a policy's capacity search leaves `chariot bench capacity`'s files, under the check's folder."""
+    return f"capacity-{policy}"
+
+
+def capacity_summary(runs: Sequence[Mapping[str, Any] | None], plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Capacity per policy and SLO (from each policy's capacity.json), and the sarathi/vllm ratio under
+    each SLO (a bound when `vllm` did not pass even the lowest probe)."""
+    found = [run for run in runs if run is not None]
+    if not found:
         return None
-    by_label = {p["label"]: p["capacity_qps"] for p in capacity.get("policies", [])}
+    by_label = {p["label"]: p["capacity_qps"] for run in found for p in run.get("policies", [])}
     sarathi = next((v for k, v in by_label.items() if k.startswith("sarathi")), None)
     vllm = by_label.get("vllm")
     out: dict[str, Any] = {"capacity_qps": by_label, "plan": dict(plan or {}), "ratio": {}}
     if sarathi is None or vllm is None:
         return out
-    low = float(capacity.get("setup", {}).get("qps_low", 0.0))
+    low = float((plan or {}).get("qps_low", 0.0))
     for slo, cap in sarathi.items():
-        other = vllm.get(slo)
-        if other is None:
-            continue
-        if other > 0:
-            out["ratio"][slo] = {"value": cap / other}
-        elif cap > 0:
-            out["ratio"][slo] = {"at_least": cap / low if low else None,
-                                 "note": f"vllm below the lowest probe, {low:g} QPS"}
-        else:
-            out["ratio"][slo] = {"note": "neither policy passed the lowest probe"}
+        if slo in vllm:
+            out["ratio"][slo] = capacity_ratio(cap, vllm[slo], low)
     return out
+
+
+def probe_lines(log: Path) -> list[str]:
+    """The probe lines a capacity search logged (`capacity_cli.probe_line`): what a search stopped at
+    its limit still tells."""
+    if not log.is_file():
+        return []
+    return [line.strip() for line in log.read_text(errors="replace").splitlines() if " QPS  P50 TTFT " in line]
+
+
+def capacity_ratio(sarathi: float, vllm: float, qps_low: float) -> dict[str, Any]:
+    if vllm > 0:
+        return {"value": sarathi / vllm}
+    if sarathi > 0:
+        return {"at_least": sarathi / qps_low if qps_low else None,
+                "note": f"vllm below the lowest probe, {qps_low:g} QPS"}
+    return {"note": "neither policy passed the lowest probe"}
 
 
 def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -441,12 +467,14 @@ def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]])
     greedy = compare_greedy(on, off) if on is not None and off is not None else None
     summary = {
         "gpu": prepare.get("gpu"), "torch": prepare.get("torch"), "layers": layers, "full_layers": FULL_LAYERS,
+        "dry_run": prepare.get("preset", PRESET) != PRESET, "decode_context": engine.get("decode_context"),
         "model": prepare.get("model"), "bandwidth": prepare.get("bandwidth"), "parts": dict(statuses),
         "graphs_available": engine.get("graphs_available"), "graphs_note": engine.get("graphs_note"),
         "decode": decode, "prefill": prefill_rows(engine, layers), "kernels": engine.get("kernels", {}),
         "greedy": greedy, "gpu_tests": read_json(out / "gpu_tests.json"),
-        "capacity": capacity_summary(read_json(out / "capacity" / "capacity.json"),
+        "capacity": capacity_summary([read_json(out / capacity_folder(p) / "capacity.json") for p in CAPACITY_POLICIES],
                                      read_json(out / "capacity_plan.json")),
+        "capacity_probes": {p: probe_lines(out / f"capacity-{p}.log") for p in CAPACITY_POLICIES},
         "vllm": read_json(out / "vllm.json"),
     }
     summary["headline"] = headline(summary)
@@ -478,8 +506,9 @@ def _num(value: Any, digits: int = 2) -> str:
 
 def render_report(summary: Mapping[str, Any]) -> str:
     """report.md: the headline, then one short section per part."""
-    sections = [_report_head(summary), _report_parts(summary), _report_decode(summary), _report_prefill(summary),
-                _report_kernels(summary), _report_greedy(summary), _report_capacity(summary), _report_vllm(summary)]
+    sections = [_report_head(summary), _report_parts(summary), _report_tests(summary), _report_decode(summary),
+                _report_prefill(summary), _report_kernels(summary), _report_greedy(summary),
+                _report_capacity(summary), _report_vllm(summary)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -492,6 +521,8 @@ def _report_head(s: Mapping[str, Any]) -> str:
              f"scaled per layer from runs at {layers} and {half_depth(layers) or layers} layers."
              if layers != FULL_LAYERS else "Random weights with Llama-3-8B's shapes, all 32 layers, bf16.",
              "",
+             *(["**A dry run on the CPU with the small preset: it checks the check; its figures mean nothing.**",
+                ""] if s.get("dry_run") else []),
              f"HBM bandwidth measured: copy {_num(bw.get('copy_gbs'), 0)} GB/s (read + write), read "
              f"{_num(bw.get('read_gbs'), 0)} GB/s; the floors use {_num(bw.get('floor_gbs'), 0)} GB/s.",
              "",
@@ -509,11 +540,20 @@ def _report_parts(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _report_tests(s: Mapping[str, Any]) -> str:
+    tests = s.get("gpu_tests")
+    if not tests:
+        return "## gpu tests\n\nNot run."
+    counts = ", ".join(f"{tests.get(k, 0)} {k}" for k in ("passed", "failed", "errors", "skipped"))
+    cut = " (stopped before its summary: counted from its progress)" if tests.get("partial") else ""
+    return f"## gpu tests\n\n`pytest -m gpu`: {counts}{cut}; output in gpu_tests.log."
+
+
 def _report_decode(s: Mapping[str, Any]) -> str:
     rows = s.get("decode") or []
     if not rows:
         return "## Decode iterations\n\nNot measured (see the engine part's log)."
-    lines = [f"## Decode iterations (context {DECODE_CONTEXT}, median)", "",
+    lines = [f"## Decode iterations (context {s.get('decode_context') or DECODE_CONTEXT}, median)", "",
              f"| graphs | batch | ms at {s.get('layers')} layers | floor ms | × floor | ms at 32 layers | "
              "floor ms (32) | × floor (32) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -559,8 +599,10 @@ def _report_greedy(s: Mapping[str, Any]) -> str:
 
 def _report_capacity(s: Mapping[str, Any]) -> str:
     cap = s.get("capacity")
+    probes = [line for lines in (s.get("capacity_probes") or {}).values() for line in lines]
+    seen = ["", "Probes, as the searches logged them:", "", "```", *probes, "```"] if probes else []
     if not cap:
-        return "## Capacity under SLO\n\nNot measured (see the capacity part)."
+        return "\n".join(["## Capacity under SLO", "", "No search finished (see the capacity parts).", *seen])
     plan = cap.get("plan") or {}
     slos = plan.get("slo_ms") or {}
     lines = ["## Capacity under SLO (`sarathi` against `vllm`)", "",
@@ -572,6 +614,7 @@ def _report_capacity(s: Mapping[str, Any]) -> str:
         lines.append(f"| {label} | " + ", ".join(f"{_num(q, 3)} @ {slo}" for slo, q in by_slo.items()) + " |")
     for slo, ratio in (cap.get("ratio") or {}).items():
         lines.append(f"\nsarathi / vllm @ {slo} ms: {_ratio_text(ratio)}")
+    lines += seen
     if s.get("layers") != FULL_LAYERS:
         lines.append(f"\nAt {s.get('layers')} layers the LM head and the host are a larger share of a decode "
                      "iteration than at 32, so prefill stalls weigh less against the SLO: `--layers 32` measures "
@@ -631,6 +674,17 @@ def plot_decode(summary: Mapping[str, Any], path: Path) -> Path | None:
     return path
 
 
+def plot_capacities(summary: Mapping[str, Any], path: Path) -> Path | None:
+    """Capacity per policy under each SLO, both policies' searches in one figure."""
+    capacity = (summary.get("capacity") or {}).get("capacity_qps") or {}
+    if not capacity:
+        return None
+    from chariot.bench.plots import plot_capacity
+
+    per_policy = {label: {float(slo): float(q) for slo, q in by_slo.items()} for label, by_slo in capacity.items()}
+    return plot_capacity(per_policy, path, f"{summary.get('layers')} Llama-3-8B-shaped layers, {summary.get('gpu')}")
+
+
 # ---- running the parts --------------------------------------------------------------------------
 @dataclass
 class PartStatus:
@@ -680,7 +734,8 @@ class Check:
         return status
 
     def part_cmd(self, part: str, *extra: str) -> list[str]:
-        return [self.python, "-m", "chariot.bench.gpu_check_parts", part, "--out", str(self.out), *extra]
+        device = ("--device", "cpu") if self.args.dry_run else ()
+        return [self.python, "-m", "chariot.bench.gpu_check_parts", part, "--out", str(self.out), *device, *extra]
 
 
 def run_logged(cmd: list[str], log: Path, limit_s: float, cwd: Path | None = None) -> int | None:
@@ -747,11 +802,16 @@ def run_parts(check: Check) -> None:
     model_args = ("--model-root", str(model_root), "--layers", str(args.layers))
     for name in args.parts:
         why = None if name in ("prepare", "gpu_tests") else missing_input(name, out)
-        if name == "gpu_tests":
+        if name == "gpu_tests" and args.dry_run:
+            check.skip(name, "a dry run: the gpu tests need CUDA")
+        elif name == "gpu_tests":
             run_gpu_tests(check)
         elif name == "engine" and why is None:
             for run in engine_runs(graphs_in_this_build(), args.layers):
                 check.run(f"engine-{run}", check.part_cmd("engine", *model_args, "--run", run))
+        elif name == "capacity" and why is None:
+            for policy in CAPACITY_POLICIES:
+                check.run(f"capacity-{policy}", check.part_cmd("capacity", *model_args, "--policy", policy))
         elif why is not None:
             check.skip(name, why)
             if name == "vllm":
@@ -791,11 +851,12 @@ def finish(check: Check) -> dict[str, Any]:
     summary = summarize(check.out, check.args.layers, check.statuses)
     summary["elapsed_s"] = round(check.elapsed(), 1)
     summary["command"] = " ".join([Path(sys.executable).name, "-m", "chariot.bench.gpu_check", *sys.argv[1:]])
-    try:
-        plot = plot_decode(summary, check.out / "decode_iterations.png")
-        summary["plot"] = plot.name if plot else None
-    except Exception as exc:  # a plot must not cost the report
-        summary["plot"] = f"failed: {exc}"
+    summary["plots"] = {}
+    for name, draw in (("decode_iterations.png", plot_decode), ("capacity.png", plot_capacities)):
+        try:
+            summary["plots"][name] = "written" if draw(summary, check.out / name) else "nothing to plot"
+        except Exception as exc:  # a plot must not cost the report
+            summary["plots"][name] = f"failed: {exc}"
     write_json(check.out / "summary.json", summary)
     (check.out / "report.md").write_text(render_report(summary))
     return summary
@@ -803,7 +864,7 @@ def finish(check: Check) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = cuda_problem()
+    problem = None if args.dry_run else cuda_problem()
     if problem is not None:
         print(f"gpu-check: needs a CUDA GPU: {problem}", file=sys.stderr)
         return NO_CUDA_EXIT
@@ -817,7 +878,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = finish(check)
     check.say(f"gpu-check: wrote {args.out}/summary.json and report.md")
     print(json.dumps(summary["headline"], indent=1, default=_json_default))
-    return 0 if all(s["status"] == "ok" for s in check.statuses.values()) else 1
+    return exit_code(check.statuses)
+
+
+def exit_code(statuses: Mapping[str, Mapping[str, Any]]) -> int:
+    """0 when every part ran or was skipped for a reason of this machine (no vLLM, no marked tests);
+    1 when one failed, ran out of time, or could not run because an earlier part did not finish."""
+    benign = ("`import vllm` fails", "no test file carries", "a dry run")
+    for status in statuses.values():
+        if status["status"] in ("failed", "timeout"):
+            return 1
+        if status["status"] == "skipped" and not str(status.get("note", "")).startswith(benign):
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

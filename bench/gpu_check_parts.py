@@ -27,6 +27,7 @@ import torch
 
 from chariot.bench.engine_bench import prefill_all
 from chariot.bench.gpu_check import (
+    CAPACITY_POLICIES,
     DECODE_BATCHES,
     DECODE_CONTEXT,
     ENGINE_RUNS,
@@ -36,6 +37,7 @@ from chariot.bench.gpu_check import (
     PREFILL_TOKENS,
     PRESET,
     PROGRESS,
+    capacity_folder,
     capacity_plan,
     graphs_in_this_build,
     half_depth,
@@ -111,20 +113,26 @@ def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
 
 
 def prepare(args: argparse.Namespace) -> int:
+    """The checkpoint (on the CPU, a dry run's: the small preset) and the HBM bandwidth."""
     out, root = Path(args.out), Path(args.model_root)
     full, half = model_dirs(root, args.layers)
-    record: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                              "layers": args.layers, "model_root": str(root)}
-    progress(f"drawing {args.layers} Llama-3-8B-shaped layers on the GPU into {full}")
+    on_gpu = args.device.startswith("cuda")
+    preset = PRESET if on_gpu else DRY_RUN_PRESET
+    record: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if on_gpu else "none (a dry run on the CPU)",
+                              "torch": torch.__version__, "layers": args.layers, "model_root": str(root),
+                              "preset": preset}
+    progress(f"drawing {args.layers} layers of the {preset} preset on {args.device} into {full}")
     shutil.rmtree(full, ignore_errors=True)
     t0 = time.perf_counter()
-    make_model(full, PRESET, seed=0, progress=False, num_layers=args.layers, device="cuda",
+    make_model(full, preset, seed=0, progress=False, num_layers=args.layers, device=args.device,
                tokenizer="synthetic", max_shard_bytes=SHARD_BYTES)
     record["make_s"] = round(time.perf_counter() - t0, 2)
     record["model"] = str(full)
     record["half_model"] = str(link_half_depth(full, half, half_depth(args.layers) or 0)) if half else None
     progress(f"checkpoint written in {record['make_s']} s")
     write_json(out / "prepare.json", record)
+    if not on_gpu:
+        return 0
     record["bandwidth"] = bw = measure_bandwidth()
     progress(f"bandwidth: copy {bw['copy_gbs']:.0f} GB/s, read {bw['read_gbs']:.0f} GB/s")
     write_json(out / "prepare.json", record)
@@ -152,6 +160,11 @@ class Sweep:
                             max_batch_size=max(self.batches), max_model_len=self.max_model_len,
                             kv_cache_tokens=self.kv_cache_tokens, device=self.device, dtype=self.dtype,
                             prefix_caching=False, attention_aware_chunks=False, **graphs)
+
+
+DRY_RUN_PRESET = "small"  # a dry run on the CPU: every part's code on a checkpoint the CPU decodes quickly
+DRY_RUN_SWEEP = Sweep(device="cpu", dtype="float32", batches=(1, 4, 16, HEADLINE_BATCH), context=64,
+                      prefill_tokens=(64, 256), max_model_len=MAX_MODEL_LEN, kv_cache_tokens=16384)
 
 
 def dtype_for(device: str) -> str:
@@ -294,13 +307,16 @@ def engine(args: argparse.Namespace) -> int:
     prep = read_json(out / "prepare.json") or {}
     mode, _, depth = args.run.partition("_")
     model = prep["half_model"] if depth == "half" else prep["model"]
-    sweep = Sweep(device=args.device, dtype=dtype_for(args.device))
+    sweep = Sweep() if args.device.startswith("cuda") else DRY_RUN_SWEEP
     measure_engine(EngineRecord(out / "engine.json"), model, mode, args.run, full=depth != "half", sweep=sweep)
     return 0
 
 
 # ---- capacity under SLO --------------------------------------------------------------------------
 def capacity(args: argparse.Namespace) -> int:
+    """One policy's capacity search (`--policy`; each policy is its own part, so that one search
+    running long cannot cost the other its turn) into capacity-<policy>/, as `chariot bench capacity`
+    writes it."""
     from chariot.bench import capacity_cli as cc
     from chariot.bench.traces import TRACES
 
@@ -308,25 +324,22 @@ def capacity(args: argparse.Namespace) -> int:
     model = (read_json(out / "prepare.json") or {})["model"]
     plan = capacity_plan(read_json(out / "engine.json") or {})
     write_json(out / "capacity_plan.json", plan)
-    progress(f"capacity: SLO {plan['slo_ms']} ms, sarathi budget {plan['token_budget']}, "
-             f"probes from {plan['qps_low']} QPS")
+    pc = cc.PolicyConfig(args.policy, plan["token_budget"] if args.policy == "sarathi" else None)
+    progress(f"capacity {pc.label}: SLO {plan['slo_ms']} ms, probes from {plan['qps_low']} QPS")
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     load = cc.Load(TRACES[plan["trace"]], plan["requests"], plan["scale"], plan["max_len"], 0, vocab, plan["drain_s"])
     slos = tuple(sorted(plan["slo_ms"].values()))
     search = cc.Search(slos, plan["qps_low"], plan["qps_high"], plan["tolerance"], plan["max_probes"])
     setup = {**plan, "tbt_slo_ms": list(slos), "model": model, "model_name": Path(model).name, "plot_qps": None}
-    results = []
-    for pc in (cc.PolicyConfig("sarathi", plan["token_budget"]), cc.PolicyConfig("vllm")):
-        config = EngineConfig(model=model, policy=pc.policy, token_budget=pc.token_budget,
-                              max_batch_size=max(DECODE_BATCHES), max_model_len=plan["max_len"],
-                              kv_cache_tokens=KV_CACHE_TOKENS, device=args.device, dtype=dtype_for(args.device),
-                              prefix_caching=False)
-        results.append(cc.measure_policy(pc, config, load, search, None))
-        cc.write_results(out / "capacity", setup, results)
-        found = results[-1].capacity.items()
-        progress(f"capacity: {pc.label}: " + ", ".join(f"{q:.3f} QPS @ {s:g} ms" for s, q in found))
-    cc.write_plots(out / "capacity", setup, results)
-    print(cc.summary_table(results, slos, plan["qps_low"]))
+    config = EngineConfig(model=model, policy=pc.policy, token_budget=pc.token_budget,
+                          max_batch_size=max(DECODE_BATCHES), max_model_len=plan["max_len"],
+                          kv_cache_tokens=KV_CACHE_TOKENS, device=args.device, dtype=dtype_for(args.device),
+                          prefix_caching=False)
+    result = cc.measure_policy(pc, config, load, search, None)
+    folder = out / capacity_folder(args.policy)
+    cc.write_results(folder, setup, [result])
+    cc.write_plots(folder, setup, [result])
+    progress(f"capacity {pc.label}: " + ", ".join(f"{q:.3f} QPS @ {s:g} ms" for s, q in result.capacity.items()))
     return 0
 
 
@@ -402,8 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-root", required=True)
     p.add_argument("--layers", type=int, required=True, choices=range(1, FULL_LAYERS + 1), metavar="N")
     p.add_argument("--run", choices=ENGINE_RUNS, default="on", help="engine part: which run (graphs, depth)")
-    p.add_argument("--device", default="cuda", help="cuda; cpu runs the engine and capacity parts' code on a small "
-                                                    "checkpoint named in prepare.json (a dry run, no figures)")
+    p.add_argument("--policy", choices=CAPACITY_POLICIES, default="sarathi", help="capacity part: which policy")
+    p.add_argument("--device", default="cuda", help="cuda; cpu: a dry run of the part's code on the small preset "
+                                                    "(`gpu_check --dry-run`), no meaningful figures")
     args = p.parse_args(argv)
     return PARTS[args.part](args)
 

@@ -150,9 +150,11 @@ def test_capacity_plan_uses_the_graphs_run_and_derives_everything_from_it() -> N
 # ---- what the parts leave -----------------------------------------------------------------------
 def test_pytest_summary_counts() -> None:
     log = "....\n=== warnings ===\n1 failed, 20 passed, 262 deselected, 2 errors, 1 warning in 50.05s\n"
-    counts = {"passed": 20, "failed": 1, "errors": 2, "skipped": 0, "deselected": 262}
+    counts = {"passed": 20, "failed": 1, "errors": 2, "skipped": 0, "deselected": 262, "partial": False}
     assert gpu_check.parse_pytest_summary(log) == counts
-    assert gpu_check.parse_pytest_summary("killed")["passed"] == 0
+    stopped = "$ python -m pytest -q -m gpu\n....F.s.....   [ 40%]\n.....E\n"
+    assert gpu_check.parse_pytest_summary(stopped) == {"passed": 15, "failed": 1, "errors": 1, "skipped": 1,
+                                                       "deselected": 0, "partial": True}
 
 
 def test_gpu_test_files_are_those_with_the_marker(tmp_path: Path) -> None:
@@ -188,10 +190,11 @@ def write_fake_parts(out: Path) -> None:
     gpu_check.write_json(out / "engine.json", fake_engine())
     gpu_check.write_json(out / "gpu_tests.json", {"passed": 21, "failed": 0, "errors": 0})
     gpu_check.write_json(out / "capacity_plan.json", gpu_check.capacity_plan(fake_engine()))
-    (out / "capacity").mkdir()
-    gpu_check.write_json(out / "capacity" / "capacity.json", {"setup": {"qps_low": 0.5}, "policies": [
-        {"label": "sarathi:512", "capacity_qps": {"10.2": 2.0, "50.8": 4.0}},
-        {"label": "vllm", "capacity_qps": {"10.2": 0.0, "50.8": 2.5}}]})
+    for policy, label, capacity in (("sarathi", "sarathi:512", {"10.2": 2.0, "50.8": 4.0}),
+                                    ("vllm", "vllm", {"10.2": 0.0, "50.8": 2.5})):
+        (out / gpu_check.capacity_folder(policy)).mkdir()
+        gpu_check.write_json(out / gpu_check.capacity_folder(policy) / "capacity.json",
+                             {"setup": {"qps_low": 0.5}, "policies": [{"label": label, "capacity_qps": capacity}]})
     gpu_check.write_json(out / "vllm.json", {"skipped": "`import vllm` fails for python3"})
 
 
@@ -207,7 +210,7 @@ def test_summary_from_part_files(tmp_path: Path) -> None:
     head = summary["headline"]
     assert head["graphs"] == "on" and head["greedy_identical"] is True
     assert head["capacity_ratio"]["50.8"] == {"value": pytest.approx(1.6)}
-    assert head["capacity_ratio"]["10.2"]["at_least"] == pytest.approx(4.0)
+    assert head["capacity_ratio"]["10.2"]["at_least"] == pytest.approx(2.0 / summary["capacity"]["plan"]["qps_low"])
     assert head["gpu_tests"] == {"passed": 21, "failed": 0, "errors": 0}
     json.dumps(summary)  # everything in it is JSON
 
@@ -218,10 +221,21 @@ def test_report_renders_headline_sections_and_reasons(tmp_path: Path) -> None:
     report = gpu_check.render_report(summary)
     assert "**4 of 32 layers**" in report and "NVIDIA H100" in report
     assert "| capacity | timeout | 180 | stopped |" in report
-    assert "sarathi / vllm @ 50.8 ms: 1.60×" in report and "≥ 4.00×" in report
+    assert "sarathi / vllm @ 50.8 ms: 1.60×" in report and "sarathi / vllm @ 10.2 ms: ≥ " in report
     assert "Skipped: `import vllm` fails" in report
+    assert "`pytest -m gpu`: 21 passed, 0 failed, 0 errors, 0 skipped;" in report
     assert "2 prompts: identical" in report
     assert "`--layers 32`" in report
+
+
+def test_probes_of_a_search_stopped_at_its_limit_reach_the_report(tmp_path: Path) -> None:
+    line = ("            sarathi:64   0.200 QPS  P50 TTFT   32969 ms  P99 TBT     526 ms  median delay   0.00 s  "
+            "failed 29/32     86 s  (gave up: P99 TBT > 340.3 ms)")
+    (tmp_path / "capacity-sarathi.log").write_text(f"[replica 0 stage 0] loading\n{line}\n")
+    summary = gpu_check.summarize(tmp_path, 4, {})
+    assert summary["capacity_probes"] == {"sarathi": [line.strip()], "vllm": []}
+    report = gpu_check.render_report(summary)
+    assert "No search finished" in report and line.strip() in report
 
 
 def test_report_without_any_part_output_still_renders(tmp_path: Path) -> None:
@@ -239,11 +253,21 @@ def test_report_notes_a_build_without_graphs(tmp_path: Path) -> None:
     assert gpu_check.GRAPHS_UNAVAILABLE in gpu_check.render_report(summary)
 
 
-def test_decode_plot_is_written(tmp_path: Path) -> None:
+def test_plots_are_written(tmp_path: Path) -> None:
     write_fake_parts(tmp_path)
-    path = gpu_check.plot_decode(gpu_check.summarize(tmp_path, 4, {}), tmp_path / "decode.png")
-    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = gpu_check.summarize(tmp_path, 4, {})
+    for draw, name in ((gpu_check.plot_decode, "decode.png"), (gpu_check.plot_capacities, "capacity.png")):
+        path = draw(summary, tmp_path / name)
+        assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert gpu_check.plot_decode({"decode": []}, tmp_path / "none.png") is None
+    assert gpu_check.plot_capacities({"capacity": None}, tmp_path / "none.png") is None
+
+
+def test_capacity_ratio_is_a_value_a_bound_or_a_note() -> None:
+    assert gpu_check.capacity_ratio(3.0, 1.5, 0.5) == {"value": 2.0}
+    assert gpu_check.capacity_ratio(3.0, 0.0, 0.5)["at_least"] == 6.0
+    assert "neither" in gpu_check.capacity_ratio(0.0, 0.0, 0.5)["note"]
+    assert gpu_check.capacity_summary([None, None], None) is None
 
 
 # ---- running parts ------------------------------------------------------------------------------
@@ -269,8 +293,9 @@ def test_the_check_records_failures_timeouts_and_parts_it_had_no_time_for(tmp_pa
     check.started -= 90  # 10 s of the budget left: below MIN_PART_S
     assert check.run("engine-on", [sys.executable, "-c", "pass"]).status == "skipped"
     assert check.statuses["engine-on"]["note"].startswith("out of time")
-    assert set(gpu_check.PART_LIMITS_S) >= {"prepare", "gpu_tests", "capacity", "vllm",
-                                            *(f"engine-{r}" for r in gpu_check.ENGINE_RUNS)}
+    assert set(gpu_check.PART_LIMITS_S) == {"prepare", "gpu_tests", "vllm",
+                                            *(f"engine-{r}" for r in gpu_check.ENGINE_RUNS),
+                                            *(f"capacity-{p}" for p in gpu_check.CAPACITY_POLICIES)}
 
 
 def test_model_root_prefers_the_first_folder_with_room(tmp_path: Path) -> None:
@@ -342,3 +367,22 @@ def test_a_part_without_its_input_is_skipped_with_the_reason(tmp_path: Path) -> 
     assert gpu_check.missing_input("capacity", tmp_path) == "no engine measurements to derive the SLO from"
     gpu_check.write_json(tmp_path / "engine.json", fake_engine())
     assert gpu_check.missing_input("capacity", tmp_path) is None
+
+
+def test_exit_code_fails_only_for_what_went_wrong() -> None:
+    ok = {"status": "ok", "seconds": 1.0, "note": ""}
+    no_vllm = {"status": "skipped", "seconds": 0.0, "note": "`import vllm` fails for python3"}
+    assert gpu_check.exit_code({"prepare": ok, "vllm": no_vllm}) == 0
+    for bad in ({"status": "timeout", "note": ""}, {"status": "failed", "note": "exit code 1"},
+                {"status": "skipped", "note": "out of time (10 s of the budget left)"},
+                {"status": "skipped", "note": "no checkpoint: the prepare part did not finish"}):
+        assert gpu_check.exit_code({"prepare": ok, "engine-on": bad}) == 1
+
+
+def test_a_dry_run_report_says_its_figures_mean_nothing(tmp_path: Path) -> None:
+    write_fake_parts(tmp_path)
+    prepare = json.loads((tmp_path / "prepare.json").read_text())
+    gpu_check.write_json(tmp_path / "prepare.json", {**prepare, "preset": "small"})
+    summary = gpu_check.summarize(tmp_path, 4, {})
+    assert summary["dry_run"] and "A dry run on the CPU" in gpu_check.render_report(summary)
+    assert not gpu_check.summarize(tmp_path.parent / "absent", 4, {})["dry_run"]
