@@ -266,7 +266,10 @@ class SamplerOutput:
     top_ids: torch.Tensor | None = None  # [N, K] int64
 
     def to_host(self) -> SamplerOutput:
-        """This output on the host: one device-to-host copy per tensor, not one per row."""
+        """This output on the host: one device-to-host copy per tensor, not one per row (itself when
+        it is there already)."""
+        if self.token_ids.device.type == "cpu" and (self.logprobs is None or self.logprobs.device.type == "cpu"):
+            return self
         if self.logprobs is None or self.top_ids is None:
             return SamplerOutput(self.token_ids.cpu())
         return SamplerOutput(self.token_ids.cpu(), self.logprobs.cpu(), self.top_ids.cpu())
