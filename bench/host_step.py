@@ -147,7 +147,8 @@ def bench_batch(model: str, dtype: str, batch: int, steps: int, warmup: int) -> 
     finally:
         engine.shutdown()
     medians = {part: statistics.median(r[part] for r in rows) * 1e3 for part in PARTS}
-    p90 = statistics.quantiles([r["step"] for r in rows], n=10)[-1] * 1e3
+    steps_s = [r["step"] for r in rows]
+    p90 = (statistics.quantiles(steps_s, n=10)[-1] if len(steps_s) > 1 else steps_s[0]) * 1e3
     return {"batch": batch, "steps": steps, "median_ms": medians, "step_p90_ms": p90, "aten_ops_per_step": ops,
             "dtype": str(engine.dtype).removeprefix("torch.")}
 
