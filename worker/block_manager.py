@@ -145,6 +145,10 @@ class BlockManager:
         """Whether a new sequence of `num_tokens` (sharing `hit`) fits while keeping the watermark free."""
         return self.num_free_blocks - self._admission_cost(num_tokens, hit) >= self.watermark_blocks
 
+    def covers(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether the sequence's table already holds `num_tokens` tokens (growing it takes nothing)."""
+        return len(self._tables.get(seq_id, ())) * self.block_size >= num_tokens
+
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self._missing(seq_id, num_tokens) <= self.num_free_blocks
 

@@ -159,6 +159,8 @@ class Scheduler(ABC):
             builder.add(seq, 1, decode=True)
 
     def _reserve_decode_slot(self, seq: Sequence, builder: BatchBuilder) -> bool:
+        if self.blocks.covers(seq.seq_id, seq.num_tokens):  # room in its last block: most decode steps
+            return True
         while not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
             victim = self._preemption_victim(seq, builder)
             self._preempt(victim, builder)
