@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -213,13 +213,13 @@ class DataPlane:
         if outcome is not None:
             self.telemetry.record_admission(outcome)
 
-    async def tokenized(self, req: GenerateInput) -> GenerateInput:
-        """`req` with a text prompt replaced by its token ids, when the router has the tokenizer."""
-        if not isinstance(req.prompt, str) or self.tokenizer is None:
-            return req
-        if len(req.prompt) <= INLINE_TOKENIZE_CHARS:
-            return replace(req, prompt=self.tokenizer.encode(req.prompt))
-        return replace(req, prompt=await asyncio.to_thread(self.tokenizer.encode, req.prompt))
+    async def tokenize(self, prompt: Prompt) -> Prompt:
+        """A text prompt's token ids when the router has the tokenizer; otherwise `prompt` as it is."""
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            return prompt
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(prompt)
+        return await asyncio.to_thread(self.tokenizer.encode, prompt)
 
     def count_prompt_tokens(self, prompt: Prompt, max_tokens: int) -> int:
         """Prompt length in tokens: exact for token ids, else (text without a tokenizer) an estimate."""
@@ -280,7 +280,7 @@ class DataPlane:
         try:
             if req.model and req.model != self.served_model:
                 raise UnknownModelError(req.model, self.served_model)
-            prompt = (await self.tokenized(req)).prompt
+            prompt = await self.tokenize(req.prompt)
             prompt_tokens = self.count_prompt_tokens(prompt, req.params.max_tokens)
             decision = await self.admission.decide(
                 prompt_tokens,

@@ -269,7 +269,8 @@ class OpenAIFront:
     async def _generate_choices(self, request: Request, parsed: OpenAIRequest, req: GenerateInput,
                                 echo: str) -> Response:
         try:
-            inputs = choice_inputs(await self._dp.tokenized(req), parsed.n)  # n choices, one tokenisation
+            tokenized = replace(req, prompt=await self._dp.tokenize(req.prompt))  # n choices, one tokenisation
+            inputs = choice_inputs(tokenized, parsed.n)
         except InvalidRequestError as exc:
             self._dp.reject(exc)
             return error_response(exc)

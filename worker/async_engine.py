@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import Any, TypeVar
 
-from chariot.contracts.errors import EngineDeadError, InvalidRequestError
+from chariot.contracts.errors import EngineDeadError
 from chariot.contracts.outputs import EngineStats, RequestOutput
 from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
@@ -234,8 +234,6 @@ class AsyncEngine:
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str, stream: Stream) -> None:
         if self._failed is not None:
             raise EngineDeadError(self._failed)
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.core.add(prompt, params, request_id)
         self._streams[request_id] = stream
 

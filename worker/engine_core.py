@@ -348,11 +348,9 @@ class _CoreLoop:
 
     def close(self) -> None:
         """Live requests end with ABORT, any the abort missed with EngineDeadError."""
-        outputs = self.core.abort_all()
+        outputs = self.core.abort_all()  # what it could not abort is still live
         dead = EngineDeadError(self.failed or "engine is shut down")
-        ended = {out.request_id for out in outputs}
-        failures = tuple((rid, dead) for rid in sorted(self.core.live_requests - ended))
-        self.send(StepMessage(outputs, failures))
+        self.send(StepMessage(outputs, tuple((rid, dead) for rid in sorted(self.core.live_requests))))
 
     def send(self, message: object) -> None:
         with contextlib.suppress(OSError, EOFError):  # the front is gone: nobody listens
