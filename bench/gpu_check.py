@@ -824,8 +824,11 @@ def run_parts(check: Check) -> None:
 
 def missing_input(part: str, out: Path) -> str | None:
     """Why `part` cannot run with what the earlier parts left in `out` (None: it can)."""
-    if not (read_json(out / "prepare.json") or {}).get("model"):
+    model = (read_json(out / "prepare.json") or {}).get("model")
+    if not model:
         return "no checkpoint: the prepare part did not finish"
+    if not Path(model).is_dir():
+        return "checkpoint removed at the end of an earlier check: rerun the prepare part"
     if part == "capacity" and not (read_json(out / "engine.json") or {}).get("runs"):
         return "no engine measurements to derive the SLO from"
     if part == "vllm" and importlib.util.find_spec("vllm") is None:

@@ -38,6 +38,7 @@ def fused_on(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda" and tensor.dtype in _FUSED_DTYPES and _triton_installed()
 
 
+@cache
 def _triton() -> ModuleType:
     from chariot.kernels import triton_layer_ops
 

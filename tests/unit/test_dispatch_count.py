@@ -140,7 +140,9 @@ def kernels_per_layer(model_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPa
     """(kernels of a 4-layer step - kernels of a 2-layer step) / 2: the stage's own kernels cancel."""
     from chariot.kernels import layer_ops
 
-    monkeypatch.setattr(layer_ops, "fused_on", layer_ops.fused_on if fused else lambda _tensor: False)
+    monkeypatch.undo()  # the real dispatch, whatever an earlier call patched in
+    if not fused:
+        monkeypatch.setattr(layer_ops, "fused_on", lambda _tensor: False)
     counts = []
     for layers in (2, 4):
         stage = load_stage(model_dir, (0, layers), torch.bfloat16, device="cuda", progress=False)

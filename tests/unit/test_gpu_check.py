@@ -362,7 +362,9 @@ def test_kernel_profile_runs_on_the_cpu(tiny_model_dir: Path) -> None:
 
 def test_a_part_without_its_input_is_skipped_with_the_reason(tmp_path: Path) -> None:
     assert gpu_check.missing_input("engine", tmp_path) == "no checkpoint: the prepare part did not finish"
-    gpu_check.write_json(tmp_path / "prepare.json", {"model": "/m"})
+    gpu_check.write_json(tmp_path / "prepare.json", {"model": str(tmp_path / "model")})
+    assert "rerun the prepare part" in str(gpu_check.missing_input("engine", tmp_path))  # removed after a check
+    (tmp_path / "model").mkdir()
     assert gpu_check.missing_input("engine", tmp_path) is None
     assert gpu_check.missing_input("capacity", tmp_path) == "no engine measurements to derive the SLO from"
     gpu_check.write_json(tmp_path / "engine.json", fake_engine())
