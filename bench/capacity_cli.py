@@ -45,6 +45,7 @@ from chariot.bench.capacity import RunMetrics, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, DriverResult, GiveUp, drive, random_prompt
 from chariot.bench.peer import add_peer_parser
 from chariot.bench.traces import TRACES, TraceSpec
+from chariot.contracts.commands import build_parser, run
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.policies import POLICIES
 from chariot.contracts.proto_codec import request_to_proto
@@ -423,10 +424,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 def run_bench_command(argv: Sequence[str]) -> int:
     """`chariot bench ARGS`: the `chariot` command hands its remaining arguments here when `bench` runs,
     so nothing else it does imports the benchmarks."""
-    parser = argparse.ArgumentParser(prog="chariot")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return int(args.handler(args))
+    return run(build_parser("chariot", "", [add_bench_parser]), ["bench", *argv])
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Load, Search, list[PolicyConfig], Path]:

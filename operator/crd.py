@@ -29,7 +29,6 @@ SHORT_NAMES = ["mdep"]
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CHART_CRD_PATH = "charts/chariot/files/crds/modeldeployments.chariot.dev.yaml"
 
-DTYPES = list(settings.DTYPE.choices)
 MODEL_URI_PATTERN = (r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
                      r"|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names

@@ -74,8 +74,7 @@ async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
         stack.push_async_callback(state.aclose)
         state.start(upkeep_interval_s(config))
         admission = AdmissionController(config, registry, state)
-        dataplane = DataPlane(config, registry, admission, telemetry, tokenizer, config.served_model,
-                              stats_interval_s=config.stats_interval_s)
+        dataplane = DataPlane(config, registry, admission, telemetry, tokenizer)
         stack.push_async_callback(dataplane.aclose)
         dataplane.start()
         if config.replica_file:

@@ -55,7 +55,6 @@ from chariot.router.config import RouterConfig
 from chariot.router.registry import ReplicaRegistry, ReplicaView
 from chariot.router.state import StateHealth
 from chariot.router.upstream import (
-    DEFAULT_STATS_INTERVAL_S,
     ReplicaChannels,
     ReplicaUnavailable,
     StatsPoller,
@@ -160,18 +159,15 @@ class DataPlane:
         admission: AdmissionController,
         telemetry: Telemetry,
         tokenizer: Tokenizer | None,
-        served_model: str,
-        *,
-        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
     ) -> None:
         self.config = config
         self.registry = registry
         self.admission = admission
         self.telemetry = telemetry
         self.tokenizer = tokenizer
-        self.served_model = served_model
+        self.served_model = config.served_model
         self.channels = ReplicaChannels(registry)
-        self.poller = StatsPoller(registry, self.channels, stats_interval_s)
+        self.poller = StatsPoller(registry, self.channels, config.stats_interval_s)
         self._gauges: dict[str, Any] = {}
         registry.subscribe(lambda _change: self._sync_gauges())
 

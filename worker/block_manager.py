@@ -147,7 +147,7 @@ class BlockManager:
 
     def covers(self, seq_id: int, num_tokens: int) -> bool:
         """Whether the sequence's table already holds `num_tokens` tokens (growing it takes nothing)."""
-        return len(self._tables.get(seq_id, ())) * self.block_size >= num_tokens
+        return self._missing(seq_id, num_tokens) == 0
 
     def can_grow(self, seq_id: int, num_tokens: int) -> bool:
         return self._missing(seq_id, num_tokens) <= self.num_free_blocks

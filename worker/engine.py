@@ -251,14 +251,12 @@ class Engine:
         sampled = sampled.to_host()  # one copy back per tensor, not one per row
         tokens = sampled.token_ids.tolist()
         live = self.scheduler.seqs
-        sampling_chunks = batch.chunks if batch.num_decodes == len(batch.chunks) else [
-            c for c in batch.chunks if c.samples]
+        sampling_chunks = [c for c in batch.chunks if c.samples]
         for row, (chunk, token) in enumerate(zip(sampling_chunks, tokens, strict=True)):
             seq = live.get(chunk.seq_id)
             if seq is None:  # finished (aborted, stopped) while in flight
                 continue
-            logprob = None if seq.params.logprobs is None else sampled.logprobs_of(row, seq.params.logprobs)
-            outputs.append(self._append_token(seq, token, now, logprob))
+            outputs.append(self._append_token(seq, token, now, sampled.logprobs_of(row, seq.params.logprobs)))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, now: float, logprob: TokenLogprobs | None = None,

@@ -113,15 +113,13 @@ def choose_mode(setting: str, problem: str | None) -> GraphMode:
 @dataclass(frozen=True)
 class GraphPlan:
     """What one stage's graph runner serves: its mode, buckets, the widest block table (`max_model_len`
-    tokens) and the hidden states' dtype. `why_not_captured` says why `mode` is not `CAPTURE` (empty if
-    it is)."""
+    tokens) and the hidden states' dtype."""
 
     mode: GraphMode
     buckets: tuple[int, ...]
     max_model_len: int
     block_size: int
     dtype: torch.dtype
-    why_not_captured: str = ""
 
     def __post_init__(self) -> None:
         if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
@@ -140,7 +138,7 @@ class GraphPlan:
         if mode is GraphMode.EAGER:
             log.info("cuda_graphs=on: decode buckets run eagerly, nothing is captured (%s)", problem)
         return cls(mode, batch_buckets(resolved.engine.max_batch_size), resolved.max_model_len,
-                   resolved.engine.block_size, resolved.dtype, "" if problem is None else problem)
+                   resolved.engine.block_size, resolved.dtype)
 
     @property
     def table_width(self) -> int:

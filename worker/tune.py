@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chariot.contracts.commands import build_parser, run
 from chariot.contracts.errors import ConfigError
 from chariot.worker.budget import (
     FEATURES,
@@ -403,15 +404,8 @@ def format_report(prof: Profile, elapsed_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m chariot.worker.tune")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_tune_parser(sub)
-    args = parser.parse_args(["tune", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.handler(args))
-    except ConfigError as exc:
-        print(f"chariot tune: error: {exc}", file=sys.stderr)
-        return 2
+    parser = build_parser("python -m chariot.worker.tune", "", [add_tune_parser])
+    return run(parser, ["tune", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
