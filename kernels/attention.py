@@ -38,6 +38,11 @@ class AttentionMetadata:
     `query_len <= seq_len`; the first `num_decodes` sequences have query length 1;
     `block_tables` rows are padded with 0 past each sequence's blocks.
     `query_lens`/`seq_lens_list` are host copies so CPU code needs no device syncs.
+
+    `split_horizon` (decode-only batches; 0 = the batch's own longest context) is the context length
+    a split-KV backend lays its splits out for. A CUDA graph fixes it at `max_model_len`; eager
+    decodes of an engine set the same value, so a decode sums its context in the same order, and
+    gives the same bits, whether it is replayed or run eagerly.
     """
 
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
@@ -47,6 +52,7 @@ class AttentionMetadata:
     query_lens: tuple[int, ...]
     seq_lens_list: tuple[int, ...]
     num_decodes: int
+    split_horizon: int = 0
 
     @property
     def num_seqs(self) -> int:

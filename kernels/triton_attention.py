@@ -86,6 +86,10 @@ class TileConfig:
             raise ValueError(f"TileConfig.block_q must be >= 1, got {self.block_q}")
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -158,15 +162,18 @@ def decode_splits(
     Only batches whose every query length is 1 split (decodes; a single-token prompt attends the same
     way, so it may ride along); a prefill chunk of more tokens needs the varlen launch. The count is
     the largest power of two (<= `MAX_SPLITS`) that keeps num_seqs × num_kv_heads × splits within
-    `target_programs` and gives the longest context at least `MIN_SPLIT_POSITIONS` (and one KV tile)
-    per split. Batch 1 × 8 KV heads gets 64 splits (512 programs) at 8k context and 8 at 1k; at
-    255 positions, or once num_seqs × num_kv_heads exceeds half the target, it gets 1.
+    `target_programs` and gives the longest context (`max_seq_len`: a batch's, or the graphs'
+    `split_horizon`) at least `MIN_SPLIT_POSITIONS` (and one KV tile) per split. Batch 1 × 8 KV heads
+    gets 64 splits (512 programs) at 8k context and 8 at 1k; at 255 positions, or once num_seqs ×
+    num_kv_heads exceeds half the target, it gets 1. num_seqs counts as the next power of two: every
+    CUDA-graph bucket then gets the split count of the unpadded batches it serves, so a decode splits
+    alike replayed or eager.
     """
     if max_query_len != 1 or num_seqs < 1 or num_kv_heads < 1:
         return 1
     limit = min(
         MAX_SPLITS,
-        target_programs // (num_seqs * num_kv_heads),
+        target_programs // (_next_pow2(num_seqs) * num_kv_heads),
         max_seq_len // max(MIN_SPLIT_POSITIONS, block_n),
     )
     return 1 << (limit.bit_length() - 1) if limit >= 2 else 1
@@ -654,6 +661,9 @@ def _check_metadata(meta: AttentionMetadata, num_tokens: int, device: torch.devi
         raise ValueError(
             f"meta.block_tables must be [num_seqs, max_blocks], got shape {tuple(meta.block_tables.shape)}"
         )
+    if meta.split_horizon and meta.split_horizon < meta.max_seq_len:
+        raise ValueError(f"meta.split_horizon {meta.split_horizon} is shorter than the longest context "
+                         f"{meta.max_seq_len}: the splits would not cover it")
     shapes = {
         "meta.query_start_loc": (meta.query_start_loc, meta.num_seqs + 1),
         "meta.seq_lens": (meta.seq_lens, meta.num_seqs),
@@ -750,8 +760,9 @@ def paged_attention(
     tiles = tiles or choose_tiles(meta.max_query_len, group, head_dim, query.dtype)
     if tiles.block_q * group > tiles.block_m:
         raise ValueError(f"tiles.block_m {tiles.block_m} cannot hold block_q {tiles.block_q} × {group} heads")
+    horizon = meta.split_horizon or meta.max_seq_len
     if splits is None:
-        splits = decode_splits(meta.max_query_len, meta.num_seqs, kv_heads, meta.max_seq_len, tiles.block_n)
+        splits = decode_splits(meta.max_query_len, meta.num_seqs, kv_heads, horizon, tiles.block_n)
     dot_fp32 = _INTERPRETED and query.dtype == torch.bfloat16
     kernel_args = {
         "GROUP": group,
@@ -765,7 +776,7 @@ def paged_attention(
         "num_stages": tiles.num_stages,
     }
     if splits > 1:
-        chunk = split_chunk(meta.max_seq_len, splits, tiles.block_n)
+        chunk = split_chunk(horizon, splits, tiles.block_n)
         _split_kv_attention(out, query, k_cache, v_cache, meta, scale, splits, chunk, kernel_args)
         return out
     grid = attention_grid(num_tokens, meta.num_seqs, kv_heads, tiles.block_q)

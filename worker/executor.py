@@ -125,8 +125,10 @@ class ModelRunner:
     `run` on the leader first hands the micro-batch to the followers (`pipeline/tensor.py`)."""
 
     def __init__(self, stage: LlamaStage, kv_cache: KVCache, sampler: Sampler | None,
-                 device: torch.device, team: TensorTeam | None = None, graphs: GraphPlan | None = None) -> None:
+                 device: torch.device, team: TensorTeam | None = None, graphs: GraphPlan | None = None,
+                 split_horizon: int = 0) -> None:
         self.stage = stage
+        self.split_horizon = split_horizon  # max_model_len: eager decodes split as the graphs do
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
@@ -148,7 +150,7 @@ class ModelRunner:
 
     def decode(self, mb: MicroBatch) -> ModelInput:
         """This stage's device view of a micro-batch (sampling parameters only if it samples)."""
-        return decode_batch(mb, self.device, with_sampling=self.sampler is not None)
+        return decode_batch(mb, self.device, with_sampling=self.sampler is not None, split_horizon=self.split_horizon)
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,8 @@ tensor address and shape and every host value that sized a launch, so this runne
   dropped (only real rows are sampled, outside the graph);
 - fixes the attention launch per bucket: the captured metadata's host lists describe every row as one
   query token over `max_model_len` positions, so the Triton backend sizes its grid and split-KV count
-  for the longest context. Its kernels read each row's real length from the device `seq_lens`, and
+  for the longest context (`split_horizon`; eager decodes split the same way, so a decode gives the
+  same bits either way). Its kernels read each row's real length from the device `seq_lens`, and
   splits past it are empty (weight 0 in the reduce). Only backends that size launches from host
   totals alone may be captured (`GRAPH_SAFE_BACKENDS`).
 
@@ -225,9 +226,10 @@ class DecodeBuffers:
             self.block_tables[rows] = self.pad.block
         self.real_rows = first
 
-    def metadata(self, bucket: int, seq_lens_list: tuple[int, ...]) -> AttentionMetadata:
+    def metadata(self, bucket: int, seq_lens_list: tuple[int, ...], split_horizon: int = 0) -> AttentionMetadata:
         """Attention metadata over the first `bucket` rows; `seq_lens_list` is the host copy a backend sizes
-        its launch from (the real lengths when eager, the longest context for a capture)."""
+        its launch from (the real lengths when eager, the longest context for a capture), `split_horizon`
+        the context its split-KV layout is fixed for (`AttentionMetadata`)."""
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: bucket + 1],
             seq_lens=self.seq_lens[:bucket],
@@ -236,6 +238,7 @@ class DecodeBuffers:
             query_lens=(1,) * bucket,
             seq_lens_list=seq_lens_list,
             num_decodes=bucket,
+            split_horizon=split_horizon,
         )
 
 
@@ -324,7 +327,8 @@ class DecodeGraphRunner:
             return out[:n].clone()  # the graph's output is overwritten by the next replay
         self.eager_runs += 1
         lengths = inp.attn.seq_lens_list + (1,) * (bucket - n)
-        return self._forward_bucket(bucket, self.buffers.metadata(bucket, lengths))[:n]
+        meta = self.buffers.metadata(bucket, lengths, self.plan.max_model_len)
+        return self._forward_bucket(bucket, meta)[:n]
 
     def capture(self, graphs: GraphCapture) -> float:
         """Capture one graph per bucket, largest first, into one shared memory pool; returns the seconds
@@ -339,7 +343,7 @@ class DecodeGraphRunner:
         reserved = graphs.reserved_bytes()
         longest = self.plan.max_model_len
         for bucket in reversed(self.plan.buckets):
-            meta = self.buffers.metadata(bucket, (longest,) * bucket)
+            meta = self.buffers.metadata(bucket, (longest,) * bucket, longest)
             self._forward_bucket(bucket, meta)
             graphs.synchronize()
             self._graphs[bucket] = graphs.capture(functools.partial(self._forward_bucket, bucket, meta), pool)

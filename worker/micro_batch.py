@@ -101,11 +101,12 @@ def pack(layout: Layout, sections: Sequence[np.ndarray | Sequence[int]]) -> Micr
     return MicroBatch(layout, torch.from_numpy(buf))
 
 
-def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> ModelInput:
+def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool, split_horizon: int = 0) -> ModelInput:
     """Device tensors for one stage: one copy of the payload to `device` (none if it is there
     already; from pinned memory, asynchronously, onto a GPU), host facts from the host copy as
     numpy (no tensor operations); sampling columns only when `with_sampling`. Every device tensor,
-    the sampling ones included, is a view or conversion of that one copy."""
+    the sampling ones included, is a view or conversion of that one copy. A decode-only batch's
+    metadata carries `split_horizon` (`AttentionMetadata`)."""
     layout, sizes = mb.layout, mb.layout.sizes()
     host = _numpy_sections(mb.payload, sizes)
     dev = _to_device(mb.payload, device).split_with_sizes(sizes)
@@ -119,6 +120,7 @@ def decode_batch(mb: MicroBatch, device: torch.device, with_sampling: bool) -> M
         query_lens=(1,) * layout.num_seqs if decode_only else tuple(np.diff(host[3]).tolist()),
         seq_lens_list=tuple(host[4].tolist()),
         num_decodes=layout.num_decodes,
+        split_horizon=split_horizon if decode_only else 0,
     )
     sampled = with_sampling and layout.num_sampled > 0
     sampling = _sampling_batch(host[7:], dev[7:10]) if sampled else None

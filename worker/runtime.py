@@ -109,7 +109,8 @@ def build_stage_runtime(resolved: ResolvedConfig, topology: Topology | None, pro
     if team is not None:
         team.wait_for_peers()
     samples = rank == resolved.num_stages - 1 and place.is_leader
-    runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team, graphs)
+    runner = ModelRunner(stage, kv_cache, Sampler(engine.seed) if samples else None, resolved.device, team, graphs,
+                         split_horizon=resolved.max_model_len)
     warm_up(runner, resolved, rank)
     return StageRuntime(resolved, rank, runner, kv_cache, link, team)
 

@@ -5,6 +5,7 @@ hidden states as the unpadded eager one. Capture itself needs CUDA (the `gpu` te
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -195,10 +196,48 @@ def test_capture_metadata_gives_every_real_row_its_attention(triton_attention: M
     assert torch.isfinite(got[3]).all()  # the padded row attended to the scratch slot only
 
 
-def _on(inp: ModelInput, device: str) -> ModelInput:
+def test_an_eager_decode_splits_as_its_bucket_is_captured(triton_attention: ModuleType) -> None:
+    """Graphs on or off, a decode gives the same bits: an unpadded batch whose metadata carries the
+    graphs' `split_horizon` runs the split-KV launch its bucket was captured with, so each real row
+    sums its context in the same order as in the padded, captured-style launch."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    block_size, kv_heads, heads, head_dim, scratch, horizon = 16, 2, 4, 16, 12, 2048
+    shape = (scratch + 1, block_size, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device) for _ in range(2))
+    lengths, tables = (20, 3, 33), ([4, 7], [0], [9, 2, 5])
+    query = torch.randn(4, heads, head_dim, generator=gen).to(device)
+    real = decode_input([(1, n, t) for n, t in zip(lengths, tables, strict=True)], width=3)
+    # Without the horizon the unpadded batch would take the single varlen launch, not the bucket's 16 splits.
+    assert triton_attention.decode_splits(1, 3, kv_heads, max(lengths), 64) == 1
+    assert triton_attention.decode_splits(1, 3, kv_heads, horizon, 64) == 16
+    buffers = DecodeBuffers(rows=8, table_width=horizon // block_size, pad=PadTarget(scratch, block_size),
+                            device=torch.device(device))
+    buffers.fill(_on(real, device))
+    captured = triton_attention.paged_attention(query, k_cache, v_cache,
+                                                buffers.metadata(4, (horizon,) * 4, horizon), 0.25)
+    eager = triton_attention.paged_attention(query[:3], k_cache, v_cache, _on(real, device, horizon).attn, 0.25)
+    assert torch.equal(eager, captured[:3])
+    with pytest.raises(ValueError, match="split_horizon 32 is shorter than the longest context 33"):
+        triton_attention.paged_attention(query[:3], k_cache, v_cache, _on(real, device, 32).attn, 0.25)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 8])
+def test_every_batch_size_splits_as_its_bucket(triton_attention: ModuleType, kv_heads: int) -> None:
+    """The split count of an unpadded batch is its bucket's, at every size and horizon, also where
+    the largest bucket is not a multiple of the stride."""
+    for buckets, horizon in itertools.product((batch_buckets(100), batch_buckets(256)), (512, 4096, 131072)):
+        for n in range(1, buckets[-1] + 1):
+            bucket = bucket_for(n, buckets)
+            assert bucket is not None
+            assert (triton_attention.decode_splits(1, n, kv_heads, horizon, 64)
+                    == triton_attention.decode_splits(1, bucket, kv_heads, horizon, 64)), (n, bucket, horizon)
+
+
+def _on(inp: ModelInput, device: str, split_horizon: int = 0) -> ModelInput:
     a = inp.attn
     attn = AttentionMetadata(a.query_start_loc.to(device), a.seq_lens.to(device), a.block_tables.to(device),
-                             a.slot_mapping.to(device), a.query_lens, a.seq_lens_list, a.num_decodes)
+                             a.slot_mapping.to(device), a.query_lens, a.seq_lens_list, a.num_decodes, split_horizon)
     return ModelInput(inp.input_ids.to(device), inp.positions.to(device), attn, inp.sample_indices, None)
 
 

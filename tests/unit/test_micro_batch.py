@@ -45,7 +45,9 @@ def _decode_batch(seqs: dict[int, Sequence]) -> SchedulerOutput:
 def test_decode_rows_take_each_sequence_newest_token_and_its_blocks() -> None:
     blocks = BlockManager(64, BLOCK, watermark=0.0)
     seqs = _sequences(blocks, extra_tokens=3 * BLOCK)  # tables longer than this step needs
-    inp = decode_batch(InputBuilder(blocks).build(_decode_batch(seqs), seqs), CPU, with_sampling=True)
+    inp = decode_batch(InputBuilder(blocks).build(_decode_batch(seqs), seqs), CPU, with_sampling=True,
+                       split_horizon=4096)
+    assert inp.attn.split_horizon == 4096  # laid out as the graphs' decodes are
     assert inp.input_ids.tolist() == [100, 101, 102, 103]
     assert inp.positions.tolist() == [s.num_tokens - 1 for s in seqs.values()]
     assert inp.attn.query_lens == (1, 1, 1, 1)
@@ -66,7 +68,8 @@ def test_mixed_batch_slices_prefill_tokens_after_the_decodes() -> None:
     seqs[9] = prompt
     chunks = (ScheduledChunk(1, seqs[1].num_tokens - 1, 1, True), ScheduledChunk(9, 3, 5, False))
     mb = InputBuilder(blocks).build(SchedulerOutput(chunks, (), 1), seqs)
-    inp = decode_batch(mb, CPU, with_sampling=True)
+    inp = decode_batch(mb, CPU, with_sampling=True, split_horizon=4096)
+    assert inp.attn.split_horizon == 0  # a prefill chunk takes the varlen launch: no split layout
     assert inp.input_ids.tolist() == [101, 53, 54, 55, 56, 57]
     assert inp.attn.query_lens == (1, 5)
     assert inp.sample_indices.tolist() == [0]

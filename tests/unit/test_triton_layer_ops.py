@@ -127,6 +127,27 @@ def test_silu_and_mul_saturates_like_eager(tlo: ModuleType) -> None:
 # --- RoPE fused with the KV-cache write --------------------------------------------------------
 
 
+def assert_rotated_close(out: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, max_share: float = 0.01, ulps: float = 2.01) -> None:
+    """RoPE's outputs against the reference, each within two units in the last place of the larger of
+    the two products it sums (|x1·c1| or |x2·s1|; `ulps` of them): where those nearly cancel, one
+    product rounded one unit apart (a fused multiply-add, say) moves a small result by many of its
+    own units. At most `max_share` of the elements may differ at all."""
+    if out.dtype == torch.float32:
+        assert_close(out, expected)
+        return
+    half = x.shape[-1] // 2
+    xf, c, s = x.float(), cos.float().unsqueeze(1), sin.float().unsqueeze(1)
+    rotated = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
+    terms = torch.maximum((xf * c).abs(), (rotated * s).abs())
+    magnitude = torch.maximum(terms, expected.float().abs()).clamp_min(torch.finfo(out.dtype).tiny)
+    ulp = torch.finfo(out.dtype).eps * magnitude
+    diff = (out.float() - expected.float()).abs()
+    assert (diff <= ulps * ulp).all(), f"max error {diff.max().item():.3g} beyond {ulps:g} ulps of the products"
+    differing = int((diff > 0).sum())
+    assert differing <= max(1, int(out.numel() * max_share)), f"{differing} of {out.numel()} elements differ"
+
+
 def rope_case(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0
               ) -> tuple[torch.Tensor, ...]:
     """q, k, v as strided views of one fused projection, and the model's cos/sin rows [T, head_dim]."""
@@ -157,15 +178,15 @@ def test_rope_write_kv_rotates_as_reference_and_writes_as_write_kv(
     q, k, v, cos, sin = rope_case(tokens, heads, kv_heads, head_dim, dtype, seed=tokens)
     want_q, want_k = reference.rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), reference.rope(k, cos.unsqueeze(1),
                                                                                             sin.unsqueeze(1))
-    v_before = v.clone()
+    v_before, q_before, k_before = v.clone(), q.clone(), k.clone()
     slots = torch.tensor([17, 0, 23, 5, 4, 11, 12][:tokens], device=DEVICE)  # unordered, across blocks
     k_cache, v_cache = caches(kv_heads, head_dim, dtype)
     ref_k_cache, ref_v_cache = caches(kv_heads, head_dim, dtype)
 
     tlo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
 
-    assert_close(q, want_q)
-    assert_close(k, want_k)
+    assert_rotated_close(q, want_q, q_before, cos, sin)
+    assert_rotated_close(k, want_k, k_before, cos, sin)
     assert torch.equal(v, v_before)
     reference.write_kv(k, v, ref_k_cache, ref_v_cache, slots)  # what write_kv makes of the rotated k
     assert same_bits(k_cache, ref_k_cache) and same_bits(v_cache, ref_v_cache)
@@ -360,8 +381,12 @@ def test_llama3_8b_shapes_compiled_on_cuda(tlo: ModuleType, dtype: torch.dtype) 
     k_cache, v_cache = caches(kv_heads, head_dim, dtype, blocks=8, block_size=16)
     ref_k_cache, ref_v_cache = caches(kv_heads, head_dim, dtype, blocks=8, block_size=16)
     slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(25))[:tokens].to(DEVICE)
+    q_before, k_before = q.clone(), k.clone()
     tlo.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
-    assert_close(q, want_q)
-    assert_close(k, want_k)
+    # Compiled for the GPU, the kernel's products need not round as eager's separate multiplies do (the
+    # compiler may fuse a multiply into the add): one product unrounded, then the result rounded, is
+    # within three units of the larger product; any share of elements may differ by that much.
+    assert_rotated_close(q, want_q, q_before, cos, sin, max_share=1.0, ulps=3.01)
+    assert_rotated_close(k, want_k, k_before, cos, sin, max_share=1.0, ulps=3.01)
     reference.write_kv(k, v, ref_k_cache, ref_v_cache, slots)
     assert same_bits(k_cache, ref_k_cache) and same_bits(v_cache, ref_v_cache)
