@@ -126,9 +126,9 @@ class _Replica:
         return batch
 
     def _sample(self, seq: Seq) -> None:
-        seq.output_token_ids.append(FAKE_TOKEN)
+        seq.append_sampled(FAKE_TOKEN)
         self.tokens[seq.seq_id].append(self.now)
-        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             self.sched.finish(seq)
 
     def result(self, iterations: int, batches: list[SchedulerOutput]) -> SimResult:

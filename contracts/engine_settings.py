@@ -29,6 +29,7 @@ T = TypeVar("T")
 DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ENGINE_CORES: tuple[str, ...] = ("process", "thread")
 CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "on", "off")
+ASYNC_SCHEDULING_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -209,10 +210,17 @@ CUDA_GRAPHS: Setting[str] = Setting(
     "everywhere (run eagerly where nothing can be captured); off = every iteration eager, unpadded",
     flag="--cuda-graphs", choices=CUDA_GRAPH_MODES)
 
+ASYNC_SCHEDULING: Setting[str] = Setting(
+    "async_scheduling", str, "auto",
+    "build the next batch while the current one runs on the device (its sampled tokens feed the next decode "
+    "there, unseen by the host): auto = on for a single-rank engine on CUDA, where the device would otherwise "
+    "wait for the host between steps; on = for any single-rank engine (on a CPU nothing overlaps; tests); "
+    "off = every step waits for the last", flag="--async-scheduling", choices=ASYNC_SCHEDULING_MODES)
+
 ENGINE_SETTINGS: tuple[Setting[Any], ...] = (
     POLICY, TOKEN_BUDGET, MAX_BATCH_SIZE, PIPELINE_STAGES, TENSOR_PARALLEL_SIZE, DTYPE, BLOCK_SIZE,
     KV_CACHE_TOKENS, KV_CACHE_MEMORY_FRACTION, MAX_MODEL_LEN, WATERMARK, DEVICE, SEED, LAYER_SPLIT,
-    STAGE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, ATTENTION_AWARE_CHUNKS, PREFIX_CACHING, CUDA_GRAPHS,
+    STAGE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, ATTENTION_AWARE_CHUNKS, PREFIX_CACHING, CUDA_GRAPHS, ASYNC_SCHEDULING,
 )
 """The fields of `EngineConfig` beside `model`, in its order."""
 

@@ -189,6 +189,8 @@ class EngineConfig:
     `prefix_caching` lets a prompt reuse the KV of full blocks another request already computed for the
     same leading tokens (`block_manager`); benchmarks that measure compute cost turn it off.
     `cuda_graphs` routes decode-only iterations through the graph runner (`graph_runner.py`).
+    `async_scheduling` lets the engine build the next batch while the current one runs
+    (`engine.schedules_ahead`, `SchedulerConfig.ahead`).
     """
 
     model: str
@@ -211,6 +213,7 @@ class EngineConfig:
     attention_aware_chunks: bool = settings.ATTENTION_AWARE_CHUNKS.default
     prefix_caching: bool = settings.PREFIX_CACHING.default
     cuda_graphs: str = settings.CUDA_GRAPHS.default
+    async_scheduling: str = settings.ASYNC_SCHEDULING.default
 
     def __post_init__(self) -> None:
         """Every field against its declaration (`chariot.contracts.engine_settings`): type, bounds, choices."""

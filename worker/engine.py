@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
+import torch
+
 from chariot.contracts.errors import ConfigError, EngineDeadError, InvalidRequestError, PipelineError
 from chariot.contracts.outputs import EngineStats, IterationTimes, TokenLogprobs
 from chariot.contracts.requests import FinishReason, Prompt
@@ -28,7 +30,7 @@ from chariot.worker.block_manager import BlockManager
 from chariot.worker.config import EngineConfig, ResolvedConfig
 from chariot.worker.engine_output import NO_TIMES, EngineOutput, StageTime, StepResult
 from chariot.worker.executor import InputBuilder, LocalExecutor
-from chariot.worker.micro_batch import MicroBatch
+from chariot.worker.micro_batch import MicroBatch, TokenCarry
 from chariot.worker.pipeline.driver import PipelineExecutor
 from chariot.worker.pipeline.transport import PeerCheck, Topology
 from chariot.worker.runtime import build_stage_runtime
@@ -48,13 +50,33 @@ class Executor(Protocol):
     max_in_flight: int
     failed: str | None
 
-    def submit(self, inp: MicroBatch) -> None: ...
+    def submit(self, inp: MicroBatch, carry: TokenCarry | None = None) -> None:
+        """Run (or queue) a batch; `carry` rows take their input token from the previous batch's
+        sampled tokens on the device (only an executor that allows two batches of one engine
+        scheduling ahead is given one)."""
+        ...
 
     def wait(self) -> SamplerOutput: ...
 
     def bubble_fraction(self) -> float: ...
 
     def shutdown(self) -> None: ...
+
+
+def schedules_ahead(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the engine builds batch N+1 while batch N runs (`async_scheduling`): `auto` does on a
+    GPU, where the device would otherwise wait for the host between steps, for one rank alone (a
+    pipeline already keeps several micro-batches in flight; tensor-parallel followers receive the
+    micro-batch, not the device's tokens). `on` asks for it anywhere a single rank runs (on a CPU the
+    host does the model's work too: nothing overlaps, the schedule is the same)."""
+    single_rank = config.world_size == 1
+    if config.async_scheduling == "on" and not single_rank:
+        raise ConfigError("async_scheduling", f"'on' needs a single rank (pipeline_stages=1, tensor_parallel_size=1); "
+                                              f"got {config.pipeline_stages} stage(s) × {config.tensor_parallel_size}; "
+                                              f"use 'auto' or 'off'")
+    if config.async_scheduling == "auto":
+        return single_rank and device.type == "cuda"
+    return config.async_scheduling == "on"
 
 
 class Engine:
@@ -70,10 +92,13 @@ class Engine:
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
 
         self.executor, num_blocks = self._make_executor(topology, progress, peer_check)
+        self.ahead = schedules_ahead(config, self.device)
+        self._depth = 2 if self.ahead else self.executor.max_in_flight  # batches in flight at once
         self.blocks = BlockManager(num_blocks, config.block_size, config.watermark, config.prefix_caching)
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len,
-                            self.model_config.attention_cost if config.attention_aware_chunks else 0.0),
+                            self.model_config.attention_cost if config.attention_aware_chunks else 0.0,
+                            ahead=self.ahead),
             self.blocks,
         )
         self.inputs = InputBuilder(self.blocks, self.eos_token_ids)
@@ -82,6 +107,7 @@ class Engine:
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
         self.iterations = 0
+        self.carried_tokens = 0  # decode inputs taken on the device from the batch before (scheduling ahead)
         self._last_iteration_s = 0.0
         self._stage_reported = (0.0, 0.0)  # stage 0's busy/idle seconds up to the previous step result
 
@@ -179,23 +205,27 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Fill the pipeline (schedule → prepare → submit, up to `max_in_flight` batches), then
-        wait for the oldest batch and postprocess it. Returns the token deltas of the requests that
+        """Fill the pipeline (schedule → prepare → submit, up to `max_in_flight` batches; scheduling
+        ahead, the next batch goes in before the one in flight is awaited), then wait for the oldest
+        batch and postprocess it. Returns the token deltas of the requests that
         changed, with the completed batch, its times and the load after it."""
         if self.failed is not None:
             return self._result(())
         t0 = time.perf_counter()
         sched = prep = 0.0
         try:
-            while len(self._in_flight) < self.executor.max_in_flight:
+            while len(self._in_flight) < self._depth:
                 t = time.perf_counter()
                 batch = self.scheduler.schedule()
                 if batch.is_empty:
                     break
                 t1 = time.perf_counter()
-                inp = self.inputs.build(batch, self.scheduler.seqs)
+                seqs = self.scheduler.seqs
+                inp = self.inputs.build(batch, seqs)
+                carry = self.inputs.carry(batch, seqs, self._in_flight[-1] if self._in_flight else None)
                 sched, prep = sched + t1 - t, prep + time.perf_counter() - t1
-                self.executor.submit(inp)
+                self.carried_tokens += 0 if carry is None else len(carry.rows)
+                self.executor.submit(inp, carry)
                 self._in_flight.append(batch)
             if not self._in_flight:
                 return self._result(())
@@ -261,7 +291,7 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token: int, now: float, logprob: TokenLogprobs | None = None,
                       ) -> EngineOutput:
-        seq.output_token_ids.append(token)
+        seq.append_sampled(token)
         if seq.times.first_token is None:
             seq.times.first_token = now
         seq.times.token_times.append(now)
@@ -276,7 +306,7 @@ class Engine:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -32,6 +32,7 @@ from chariot.worker.micro_batch import (
     Layout,
     MicroBatch,
     ModelInput,
+    TokenCarry,
     decode_batch,
     pack,
     request_row,
@@ -77,17 +78,35 @@ class InputBuilder:
         sampled_seqs = [rows[i] for i in sampled]
         adjustments = self._adjustments(sampled_seqs)
         layout = Layout(num_tokens, len(chunks), tables.shape[1], batch.num_decodes, len(sampled), len(adjustments))
-        steps = np.fromiter((len(s.output_token_ids) for s in sampled_seqs), dtype=np.int64, count=len(sampled))
+        steps = np.fromiter((_sampled_index(s) for s in sampled_seqs), dtype=np.int64, count=len(sampled))
         index: list[np.ndarray | list[int]] = [self._input_ids(batch, rows), positions, slots, cu, seq_lens, tables,
                                                cu[1:][sampled] - 1]
         sampling = sampling_sections(self._request_rows(sampled_seqs, seqs), steps, adjustments)
         return pack(layout, [*index, *sampling])
 
     @staticmethod
+    def carry(batch: SchedulerOutput, seqs: Mapping[int, Sequence], previous: SchedulerOutput | None
+              ) -> TokenCarry | None:
+        """The decode rows whose input token `previous` (the batch in flight) samples, and where in
+        its output that token is; None when every input token is on the host."""
+        decodes = batch.chunks[: batch.num_decodes]
+        rows = [i for i, c in enumerate(decodes) if c.start >= seqs[c.seq_id].num_known_tokens]
+        if not rows:
+            return None
+        sampled = {} if previous is None else {c.seq_id: i for i, c in enumerate(c for c in previous.chunks
+                                                                                  if c.samples)}
+        missing = [decodes[r].seq_id for r in rows if decodes[r].seq_id not in sampled]
+        if missing:
+            raise RuntimeError(f"sequences {missing} decode a token that no batch in flight samples")
+        return TokenCarry(tuple(rows), tuple(sampled[decodes[r].seq_id] for r in rows))
+
+    @staticmethod
     def _input_ids(batch: SchedulerOutput, rows: list[Sequence]) -> list[int]:
-        """Token ids of every chunk: a decode's is its sequence's newest token, no slice needed."""
+        """Token ids of every chunk: a decode's is its sequence's newest token, no slice needed (0
+        where that token is still pending on the device: `carry` says where it comes from)."""
         decodes = batch.num_decodes
-        ids = [(s.output_token_ids or s.prompt_token_ids)[-1] for s in rows[:decodes]]
+        ids = [(s.output_token_ids or s.prompt_token_ids)[-1] if c.start < s.num_known_tokens else 0
+               for c, s in zip(batch.chunks[:decodes], rows[:decodes], strict=True)]
         for c, seq in zip(batch.chunks[decodes:], rows[decodes:], strict=True):
             ids.extend(seq.token_slice(c.start, c.start + c.num_tokens))
         return ids
@@ -117,6 +136,13 @@ class InputBuilder:
             table = self.blocks.block_table(chunk.seq_id)[:width]
             tables[row, : len(table)] = table
         return tables
+
+
+def _sampled_index(seq: Sequence) -> int:
+    """The output index of the token a batch samples for `seq` (seeded sampling draws by it). A
+    sequence the scheduler put in the batch counts that token as pending already; any other pending
+    one is an earlier batch's, still in flight."""
+    return len(seq.output_token_ids) + max(0, seq.num_pending - 1)
 
 
 class ModelRunner:
@@ -172,12 +198,28 @@ class ModelRunner:
         with torch.inference_mode():
             return self.graphs.capture(CudaGraphCapture(self.device))
 
-    def run(self, mb: MicroBatch, hidden_states: torch.Tensor | None = None) -> tuple[ModelInput, torch.Tensor]:
-        """Decode and run one micro-batch (a tensor-parallel leader shares it with its followers first)."""
+    def run(self, mb: MicroBatch, hidden_states: torch.Tensor | None = None, carry: TokenCarry | None = None,
+            carried: torch.Tensor | None = None) -> tuple[ModelInput, torch.Tensor]:
+        """Decode and run one micro-batch (a tensor-parallel leader shares it with its followers first).
+        `carry` rows take their input token from `carried`, the previous batch's sampled token ids."""
         if self.team is not None:
+            if carry is not None:
+                raise ValueError("a tensor-parallel stage cannot take input tokens from the device: its "
+                                 "followers receive the micro-batch alone")
             self.team.share(mb, hidden_states)
         inp = self.decode(mb)
+        if carry is not None:
+            if carried is None:
+                raise ValueError("a TokenCarry needs the previous batch's sampled token ids")
+            self._take_carried(inp, carry, carried)
         return inp, self.forward(inp, hidden_states)
+
+    def _take_carried(self, inp: ModelInput, carry: TokenCarry, carried: torch.Tensor) -> None:
+        """Write the pending tokens into the batch's input ids, device to device (no host sync)."""
+        index = torch.tensor((carry.rows, carry.sampled_rows), dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        inp.input_ids.index_copy_(0, index[0], carried.index_select(0, index[1]))
 
     @torch.inference_mode()
     def sample(self, inp: ModelInput, hidden_states: torch.Tensor) -> SamplerOutput:
@@ -193,14 +235,16 @@ class ModelRunner:
             return _NOTHING_SAMPLED
         return self.sampler(logits, inp.sampling)
 
-    def execute(self, mb: MicroBatch) -> SamplerOutput:
+    def execute(self, mb: MicroBatch, carry: TokenCarry | None = None, carried: torch.Tensor | None = None
+                ) -> SamplerOutput:
         """Single-stage path: all layers here (shared with the tensor-parallel followers, if any);
         returns the sampled tokens."""
-        return self.sample(*self.run(mb))
+        return self.sample(*self.run(mb, carry=carry, carried=carried))
 
 
 class LocalExecutor:
-    """Executor for a single-stage engine: one batch at a time, executed on submit. `on_shutdown`
+    """Executor for a single-stage engine: executed on submit (on a GPU, queued); results are awaited
+    in submission order. One batch in flight, or two when the engine schedules ahead. `on_shutdown`
     (tensor parallelism) releases the followers and leaves the process group."""
 
     max_in_flight = 1
@@ -211,8 +255,11 @@ class LocalExecutor:
         self.on_shutdown = on_shutdown
         self._results: deque[SamplerOutput] = deque()
 
-    def submit(self, mb: MicroBatch) -> None:
-        self._results.append(self.runner.execute(mb))
+    def submit(self, mb: MicroBatch, carry: TokenCarry | None = None) -> None:
+        """Run `mb` (on a GPU: queue its work) and start copying its sampled tokens back. `carry` rows
+        take their input tokens from the newest batch submitted before it."""
+        carried = self._results[-1].token_ids if carry is not None and self._results else None
+        self._results.append(self.runner.execute(mb, carry, carried).prefetch())
 
     def wait(self) -> SamplerOutput:
         return self._results.popleft()

@@ -93,6 +93,22 @@ class MicroBatch:
                              f"got {self.payload.dtype}{list(self.payload.shape)}")
 
 
+@dataclass(frozen=True)
+class TokenCarry:
+    """Decode rows whose input token is still on the device when their batch is built: scheduling
+    ahead, the previous batch, in flight, samples it. Row `rows[i]` of this batch takes token
+    `sampled_rows[i]` of that batch's `SamplerOutput.token_ids`; the payload holds 0 in its place.
+    Local to a single-rank stage 0: it never travels with the micro-batch."""
+
+    rows: tuple[int, ...]
+    sampled_rows: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.sampled_rows) or not self.rows:
+            raise ValueError(f"TokenCarry needs one sampled row per row, got {len(self.rows)} rows and "
+                             f"{len(self.sampled_rows)} sampled rows")
+
+
 def pack(layout: Layout, sections: Sequence[np.ndarray | Sequence[int]]) -> MicroBatch:
     """Pack every section, in payload order (the sampling ones as `sampling_sections` makes them),
     into one host buffer."""

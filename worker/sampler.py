@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -264,10 +265,30 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
     top_ids: torch.Tensor | None = None  # [N, K] int64
+    host_copy: SamplerOutput | None = field(default=None, repr=False, compare=False)
+    """Pinned host tensors a copy started by `prefetch` is writing (None: no copy started)."""
+    copied: Any = field(default=None, repr=False, compare=False)
+    """The CUDA event recorded after that copy."""
+
+    def prefetch(self) -> SamplerOutput:
+        """Start copying a CUDA output into pinned host memory, without waiting: `to_host` then waits
+        for this copy alone, not for work the device was given after it (the next batch, when the
+        engine schedules ahead). An output elsewhere is returned as it is."""
+        if self.token_ids.device.type != "cuda" or self.host_copy is not None:
+            return self
+        token_ids = _pinned_copy(self.token_ids)
+        logprobs = None if self.logprobs is None else _pinned_copy(self.logprobs)
+        top_ids = None if self.top_ids is None else _pinned_copy(self.top_ids)
+        event = torch.cuda.Event()
+        event.record()
+        return replace(self, host_copy=SamplerOutput(token_ids, logprobs, top_ids), copied=event)
 
     def to_host(self) -> SamplerOutput:
         """This output on the host: one device-to-host copy per tensor, not one per row (itself when
-        it is there already)."""
+        it is there already; the prefetched copy once it has landed)."""
+        if self.host_copy is not None:
+            self.copied.synchronize()
+            return self.host_copy
         if self.token_ids.device.type == "cpu" and (self.logprobs is None or self.logprobs.device.type == "cpu"):
             return self
         if self.logprobs is None or self.top_ids is None:
@@ -280,6 +301,12 @@ class SamplerOutput:
             return None
         lps, ids = self.logprobs[row].tolist(), self.top_ids[row, :wanted].tolist()
         return TokenLogprobs(int(self.token_ids[row]), lps[0], tuple(zip(ids, lps[1 : 1 + wanted], strict=True)))
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor the device is copying `tensor` into (asynchronously)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

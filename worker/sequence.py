@@ -29,8 +29,13 @@ class Sequence:
       sequence is in flight, will have) their KV in the cache.
     - A RUNNING sequence holds blocks covering at least `num_computed_tokens` tokens (its first blocks
       possibly shared with other sequences through the prefix cache, never written by it again).
-    - `in_flight` is True from the moment the scheduler puts the sequence in a batch until the engine
-      has processed that batch's output; an in-flight sequence is never scheduled again.
+    - `in_flight` counts the batches holding the sequence, from the moment the scheduler puts it in
+      one until the engine has processed that batch's output. Without scheduling ahead it is 0 or 1
+      and an in-flight sequence is never scheduled again; scheduling ahead
+      (`SchedulerConfig.ahead`) may put it in the next batch too, so it reaches 2.
+    - `num_pending` counts tokens sampled by scheduled batches whose output the engine has not yet
+      processed: placeholders, counted in `num_tokens` (their positions are taken) but not yet in
+      `output_token_ids`. A pending token's value lives on the device until then.
     """
 
     seq_id: int
@@ -41,7 +46,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    in_flight: bool = False
+    in_flight: int = 0
+    num_pending: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache instead of being computed (summed over
@@ -59,6 +65,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and pending tokens: the length the next scheduled chunk continues from."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose values the host holds (pending ones excluded)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -70,6 +82,13 @@ class Sequence:
     def is_decode(self) -> bool:
         """True once the whole context is cached and only the newest token is left to process."""
         return self.num_computed_tokens > 0 and self.num_remaining == 1
+
+    def append_sampled(self, token: int) -> None:
+        """The oldest pending token's value reached the host: it becomes the next output token."""
+        if self.num_pending < 1:
+            raise RuntimeError(f"sequence {self.seq_id} has no pending token for {token}")
+        self.num_pending -= 1
+        self.output_token_ids.append(token)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) across prompt and output, copying only that range."""

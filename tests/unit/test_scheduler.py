@@ -23,10 +23,11 @@ class FakeRun:
     """Drives a scheduler like the engine does, sampling token 7 for every sampling chunk."""
 
     def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1,
-                 attention_cost: float = 0.0, max_len: int = 64, prefix_caching: bool = False) -> None:
+                 attention_cost: float = 0.0, max_len: int = 64, prefix_caching: bool = False,
+                 ahead: bool = False) -> None:
         budget = budget if policy == "sarathi" else max(budget, max_len)
         self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0, prefix_caching=prefix_caching)
-        self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost)
+        self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost, ahead=ahead)
         self.sched = make_scheduler(self.config, self.blocks)
         self.in_flight: deque[SchedulerOutput] = deque()
         self.depth = in_flight
@@ -40,16 +41,23 @@ class FakeRun:
         self.sched.add(seq)
 
     def step(self) -> SchedulerOutput:
-        idle_decodes = {s.seq_id for s in self.sched.running if s.is_decode and not s.in_flight}
+        idle_decodes = {s.seq_id for s in self.sched.running if s.is_decode and self.may_join(s)}
+        # Scheduling ahead, an in-flight decode whose token needs a new block may wait a step (never preempted).
+        may_wait = {s.seq_id for s in self.sched.running
+                    if s.in_flight and not self.blocks.covers(s.seq_id, s.num_tokens)}
         before = {s.seq_id: s.num_computed_tokens for s in self.sched.seqs.values()}
         waiting = {s.seq_id for s in self.sched.waiting}
         out = self.sched.schedule()
-        self.check_batch(out, idle_decodes, before, waiting)
+        self.check_batch(out, idle_decodes, before, waiting, may_wait)
         if not out.is_empty:
             self.in_flight.append(out)
         if self.in_flight and (len(self.in_flight) >= self.depth or out.is_empty):
             self.complete(self.in_flight.popleft())
         return out
+
+    def may_join(self, seq: Sequence) -> bool:
+        """Whether the next batch may take `seq` at all: in no batch, or (ahead) in one and allowed to follow."""
+        return not seq.in_flight or (self.config.ahead and seq.in_flight == 1 and self.sched.ahead_ok(seq))
 
     def complete(self, out: SchedulerOutput) -> None:
         self.sched.complete(out)
@@ -57,7 +65,7 @@ class FakeRun:
             seq = self.sched.seqs.get(chunk.seq_id)
             if seq is None or not chunk.samples:
                 continue
-            seq.output_token_ids.append(7)
+            seq.append_sampled(7)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 self.sched.finish(seq)
                 self.finished.append(seq)
@@ -67,13 +75,16 @@ class FakeRun:
             self.complete(self.in_flight.popleft())
 
     def check_batch(self, out: SchedulerOutput, idle_decodes: set[int], before: dict[int, int],
-                    waiting: set[int]) -> None:
+                    waiting: set[int], may_wait: set[int] = frozenset()) -> None:
         ids = out.seq_ids
         assert len(ids) == len(set(ids)), "a sequence appears twice in one batch"
         assert out.num_tokens <= self.config.token_budget
         assert out.num_seqs <= self.config.max_batch_size
-        others = {c.seq_id for b in self.in_flight for c in b.chunks}
-        assert not others & set(ids), "a sequence is in two in-flight batches"
+        holders = [{c.seq_id for c in b.chunks} & set(ids) for b in self.in_flight]
+        if self.config.ahead:  # at most one batch in flight besides this one holds a sequence of it
+            assert all(sum(sid in h for h in holders) <= 1 for sid in ids), "a sequence is in three batches"
+        else:
+            assert not set().union(*holders), "a sequence is in two in-flight batches"
         for i, chunk in enumerate(out.chunks):
             assert chunk.num_tokens >= 1
             if chunk.seq_id in waiting or chunk.seq_id in out.preempted:  # admitted now: from its cached prefix
@@ -84,7 +95,7 @@ class FakeRun:
             assert (i < out.num_decodes) == (chunk.seq_id in idle_decodes and chunk.seq_id not in out.preempted
                                              and chunk.num_tokens == 1 and chunk.start > 0)
         if self.config.policy == "sarathi":
-            missing = idle_decodes - set(ids) - set(out.preempted)
+            missing = idle_decodes - set(ids) - set(out.preempted) - may_wait
             assert not missing, f"stall-free violated: decodes {missing} left out"
         self.check_blocks()
 
@@ -114,7 +125,48 @@ request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  
 )
 def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed,
                                       prefix_caching):
-    run = FakeRun(policy, budget, max_batch, num_blocks, in_flight, prefix_caching=prefix_caching)
+    random_load(FakeRun(policy, budget, max_batch, num_blocks, in_flight, prefix_caching=prefix_caching),
+                reqs, abort_seed)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(request, min_size=1, max_size=12),
+    budget=st.sampled_from([8, 16, 32, 64]),
+    max_batch=st.integers(1, 8),
+    num_blocks=st.integers(16, 60),
+    abort_seed=st.integers(0, 3),
+    prefix_caching=st.booleans(),
+)
+def test_invariants_scheduling_ahead(policy, reqs, budget, max_batch, num_blocks, abort_seed, prefix_caching):
+    """Two batches in flight whose sequences may overlap (`SchedulerConfig.ahead`): the same invariants,
+    no request past its max_tokens, no block leaked, and a decode scheduled ahead only continues a
+    sequence whose pending token its batch in flight samples."""
+    random_load(FakeRun(policy, budget, max_batch, num_blocks, 2, prefix_caching=prefix_caching, ahead=True),
+                reqs, abort_seed)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
+def test_scheduling_ahead_decodes_every_step_and_stops_at_max_tokens(policy: str) -> None:
+    """One request scheduled ahead: from its last prompt chunk on, each batch continues it while the
+    one before is still in flight (its token pending), and no batch decodes past max_tokens."""
+    run = FakeRun(policy, 16, 4, 32, 2, ahead=True)
+    run.add(0, 6, 5)
+    batches = []
+    while run.sched.has_unfinished or run.in_flight:
+        held = {c.seq_id for b in run.in_flight for c in b.chunks}
+        out = run.step()
+        if not out.is_empty:
+            batches.append((out, 0 in held))
+        assert len(batches) < 20
+    assert [b.num_tokens for b, _ in batches] == [6, 1, 1, 1, 1]  # the prompt, then one decode a token
+    assert all(ahead for _, ahead in batches[1:]), "a decode waited for the batch before it"
+    assert [c.start for b, _ in batches[1:] for c in b.chunks] == [6, 7, 8, 9]
+    assert run.finished[0].output_token_ids == [7] * 5 and run.finished[0].num_pending == 0
+
+
+def random_load(run: FakeRun, reqs: list[tuple[int, int, int]], abort_seed: int) -> None:
     pending = sorted(enumerate(reqs), key=lambda r: r[1][0])
     rng = random.Random(abort_seed)
     aborted: set[int] = set()

@@ -19,7 +19,7 @@ from typing import NoReturn, TypeVar
 import torch
 
 from chariot.contracts.errors import PipelineError
-from chariot.worker.micro_batch import MicroBatch
+from chariot.worker.micro_batch import MicroBatch, TokenCarry
 from chariot.worker.pipeline import protocol as wire
 from chariot.worker.pipeline.stage import StageClock
 from chariot.worker.runtime import StageRuntime
@@ -56,7 +56,9 @@ class PipelineExecutor:
         self._heartbeat.start()
 
     # ---- Executor --------------------------------------------------------------------------
-    def submit(self, mb: MicroBatch) -> None:
+    def submit(self, mb: MicroBatch, carry: TokenCarry | None = None) -> None:
+        if carry is not None:
+            raise ValueError("a pipeline does not schedule ahead: every micro-batch's input tokens are on the host")
         with self._lock:
             self._raise_if_failed()
             t0 = time.perf_counter()

@@ -30,6 +30,10 @@ class SchedulerConfig:
     attention_cost: float = 0.0
     """Token-equivalents of one (query, key) pair of a prefill chunk's attention (`ModelConfig.
     attention_cost`); 0 sizes chunks by their tokens alone. See `chunk_tokens`."""
+    ahead: bool = False
+    """Schedule ahead: a sequence in flight in one batch may join the next one too, which the engine
+    builds while the first still runs. Its next prompt chunk is known; its next decode takes the
+    token the first batch samples, still on the device (`ahead_ok` says when that is allowed)."""
 
     @property
     def max_running(self) -> int:
@@ -127,7 +131,8 @@ class Scheduler(ABC):
         for chunk in builder.chunks:
             seq = self.seqs[chunk.seq_id]
             seq.num_computed_tokens += chunk.num_tokens
-            seq.in_flight = True
+            seq.in_flight += 1
+            seq.num_pending += chunk.samples
             if seq.times.first_scheduled is None:
                 seq.times.first_scheduled = now
         return builder.build()
@@ -138,7 +143,7 @@ class Scheduler(ABC):
         for chunk in output.chunks:
             seq = self.seqs.get(chunk.seq_id)
             if seq is not None:
-                seq.in_flight = False
+                seq.in_flight -= 1
                 self.blocks.register_computed(seq.seq_id, seq.token_slice, chunk.start + chunk.num_tokens)
 
     @abstractmethod
@@ -147,7 +152,25 @@ class Scheduler(ABC):
 
     # ---- shared mechanics --------------------------------------------------------------------
     def _idle_running(self) -> list[Sequence]:
-        return [s for s in self.running if not s.in_flight]
+        """Running sequences this batch may take: those in no batch, and, scheduling ahead, those in
+        one batch whose next chunk may follow it at once."""
+        if not self.config.ahead:
+            return [s for s in self.running if not s.in_flight]
+        return [s for s in self.running if not s.in_flight or (s.in_flight == 1 and self.ahead_ok(s))]
+
+    def ahead_ok(self, seq: Sequence) -> bool:
+        """Whether an in-flight sequence's next chunk may go into the next batch before its output is
+        processed: always for a prompt chunk (its tokens are known); for a decode of the pending token,
+        only if its request needs no output token values on the host to sample (penalties and the
+        min_tokens ban read them), and that token cannot be its last by length (max_tokens,
+        max_model_len), which would make the decode a step past its end."""
+        if seq.num_pending == 0:
+            return True
+        params = seq.params
+        if params.penalized or params.min_tokens:
+            return False
+        outputs = len(seq.output_token_ids) + seq.num_pending
+        return outputs < params.max_tokens and seq.num_tokens < self.config.max_model_len
 
     def _schedule_decodes(self, builder: BatchBuilder) -> None:
         """Give every idle running decode one token, preempting the newest requests for room."""
@@ -160,6 +183,11 @@ class Scheduler(ABC):
 
     def _reserve_decode_slot(self, seq: Sequence, builder: BatchBuilder) -> bool:
         if self.blocks.covers(seq.seq_id, seq.num_tokens):  # room in its last block: most decode steps
+            return True
+        if seq.in_flight:  # scheduled ahead: a sequence in flight is never preempted; it waits a step
+            if not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
+                return False
+            self.blocks.grow(seq.seq_id, seq.num_tokens)
             return True
         while not self.blocks.can_grow(seq.seq_id, seq.num_tokens):
             victim = self._preemption_victim(seq, builder)
