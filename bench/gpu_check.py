@@ -12,18 +12,26 @@ after it still run, and the report says what is missing and why. Parts, in order
   per-layer fit); then the HBM bandwidth (a large device-to-device copy and a read-only reduction).
 - `engine`: decode iterations for 1, 16, 64 and 128 sequences (context 512) and prefill chunks of
   512 and 2,048 tokens, each with CUDA graphs on and off (`EngineConfig.cuda_graphs`); the kernels
-  per decode iteration (torch.profiler); greedy tokens of a few prompts under both settings. Per-layer
-  figures are scaled to 32 layers by a linear fit over the full and the half depth.
+  per decode iteration and the GPU's own busy time in it (torch.profiler), against the iteration's
+  wall time: what is left is the host's share; greedy tokens of a few prompts under both settings.
+  Per-layer figures are scaled to 32 layers by a linear fit over the full and the half depth.
 - `gpu_tests`: `pytest -m gpu` over the test files that carry the marker.
 - `capacity`: `sarathi` against `vllm` under the paper's strict SLO (P99 TBT <= 5x a lone decode
   iteration, measured by `engine`) and a relaxed one (25x), with the capacity search of `chariot
-  bench capacity` and few probes; each policy its own part, so one long search cannot cost the other.
+  bench capacity` and few probes. Sarathi-Serve derives its token budget from the TBT SLO, so each
+  SLO gets its own sarathi search with its own budget (`sarathi-strict`, `sarathi-relaxed`); vllm has
+  no budget and one search covers both SLOs. Each search is its own child process with its own limit,
+  so one long search cannot cost another its turn.
 - `vllm`: if this Python can `import vllm`, the same offline trace through vLLM and Chariot on the
   same weights; otherwise the reason it was skipped.
 
-Then `summary.json`, `report.md` and `decode_iterations.png` (iteration time against batch size,
+Then `summary.json`, `report.md`, `decode_iterations.png` (iteration time against batch size,
 graphs on and off, beside the weight+KV-read floor: bytes one decode iteration must read over the
-measured bandwidth).
+measured bandwidth) and `capacity.png` (each policy's capacity under each SLO; sarathi's bar under an
+SLO is the search with that SLO's budget). `capacity_plan.json` holds the SLOs, the token budget per
+SLO and the probe loads; the summary's capacity ratio under each SLO is the sarathi search for that
+SLO against vllm's. A dry run's capacity searches make fewer and shorter probes, to end within their
+limits on a CPU.
 
     make gpu-check OUT=build/gpu-check                   # = python -m chariot.bench.gpu_check --out build/gpu-check
     python -m chariot.bench.gpu_check --out /tmp/dry --dry-run    # every part's code on the CPU, before a GPU run
@@ -37,8 +45,8 @@ downloads what it lacks. The later GPU session passes the device's `run` tool
 which installs the wheels, runs this check into build/gpu-check and copies summary.json, report.md,
 the plot and an archive of the folder into the tool's `$OUT`. The check ends itself after
 `--budget-s` (450 s), leaving device time for one shorter rerun of some parts, e.g.
-`bash bench/gpu_check_device.sh --parts prepare,capacity --budget-s 200`. Without CUDA the check says
-so and exits 2.
+`bash bench/gpu_check_device.sh --parts prepare,capacity --budget-s 280` (`capacity` selects all three
+capacity searches). Without CUDA the check says so and exits 2.
 """
 
 from __future__ import annotations
@@ -64,9 +72,19 @@ from typing import Any
 PARTS = ("prepare", "engine", "gpu_tests", "capacity", "vllm")
 # Each engine run is its own process: a CUDA error in one (say, in graph capture) cannot cost the others.
 ENGINE_RUNS = ("on", "off", "on_half", "off_half")  # CUDA graphs on / off, at full and at half depth
-CAPACITY_POLICIES = ("sarathi", "vllm")  # each its own process and time limit: one long search cannot cost the other
+STRICT, RELAXED = "strict", "relaxed"
+# The capacity searches: name → (policy, the SLOs it searches). Sarathi's token budget follows from the
+# SLO, so sarathi runs once per SLO; vllm has no budget, so one search covers both. Each search is its
+# own process and time limit. Order: the strict comparison (sarathi-strict, vllm) completes before the
+# relaxed sarathi search, should the overall budget run out.
+CAPACITY_SEARCHES: dict[str, tuple[str, tuple[str, ...]]] = {
+    f"sarathi-{STRICT}": ("sarathi", (STRICT,)), "vllm": ("vllm", (STRICT, RELAXED)),
+    f"sarathi-{RELAXED}": ("sarathi", (RELAXED,))}
+# A single-SLO sarathi search makes at most CAPACITY_MAX_PROBES probes; both SLOs in one search took
+# 78 s on an H200 at 32 layers, vllm's two-SLO search 95 s.
 PART_LIMITS_S = {"prepare": 90, "engine-on": 90, "engine-off": 75, "engine-on_half": 45, "engine-off_half": 45,
-                 "gpu_tests": 120, "capacity-sarathi": 100, "capacity-vllm": 100, "vllm": 120}
+                 "gpu_tests": 120, f"capacity-sarathi-{STRICT}": 80, "capacity-vllm": 100,
+                 f"capacity-sarathi-{RELAXED}": 80, "vllm": 120}
 MIN_PART_S = 20.0  # a part is not started with less time than this left in the budget
 DEFAULT_BUDGET_S = 450.0
 MAX_BUDGET_S = 3600.0
@@ -79,9 +97,13 @@ PREFILL_TOKENS = (512, 2048)
 HEADLINE_BATCH = 64
 STRICT_SLO_FACTOR, RELAXED_SLO_FACTOR = 5.0, 25.0  # Sarathi-Serve §5: strict and relaxed TBT SLOs
 BUDGET_CANDIDATES = (64, 128, 256, 512, 1024, 2048)
-HYBRID_SHARE_OF_SLO = 0.8  # the share of the strict SLO a Sarathi hybrid iteration may take
+HYBRID_SHARE_OF_SLO = 0.8  # the share of its TBT SLO a Sarathi hybrid iteration may take
 CAPACITY_TRACE, CAPACITY_SCALE, CAPACITY_MAX_LEN, CAPACITY_REQUESTS = "chat", 1.0, 4096, 24
 CAPACITY_TOLERANCE, CAPACITY_MAX_PROBES, CAPACITY_DRAIN_S = 0.25, 3, 30.0
+# A dry run's capacity searches on the CPU, where the probe loads are low: fewer requests, probes and
+# seconds of drain, so that each search ends well within its limit (a probe lasts up to requests / QPS
+# plus the drain).
+DRY_RUN_CAPACITY: dict[str, Any] = {"requests": 4, "max_probes": 2, "drain_s": 10.0}
 # The router and the load generator share the host with the worker: past tens of QPS of streamed
 # tokens the host, not the GPU, would set the TBT, so the probes stay below this load.
 MAX_PROBE_QPS = 40.0
@@ -225,7 +247,7 @@ def slos_ms(lone_decode_ms: float) -> dict[str, float]:
     """The paper's TBT SLOs from the time of a decode iteration of one sequence."""
     if lone_decode_ms <= 0:
         raise ValueError(f"the lone decode iteration must take a positive time, got {lone_decode_ms}")
-    return {"strict": STRICT_SLO_FACTOR * lone_decode_ms, "relaxed": RELAXED_SLO_FACTOR * lone_decode_ms}
+    return {STRICT: STRICT_SLO_FACTOR * lone_decode_ms, RELAXED: RELAXED_SLO_FACTOR * lone_decode_ms}
 
 
 def prefill_ms_at(tokens: int, prefill_ms: Mapping[int, float]) -> float:
@@ -237,15 +259,31 @@ def prefill_ms_at(tokens: int, prefill_ms: Mapping[int, float]) -> float:
     return max(0.0, t1 + slope * (tokens - n1))
 
 
-def pick_token_budget(prefill_ms: Mapping[int, float], decode_ms: float, strict_slo_ms: float,
+def pick_token_budget(prefill_ms: Mapping[int, float], decode_ms: float, slo_ms: float,
                       candidates: Sequence[int] = BUDGET_CANDIDATES) -> int:
-    """Sarathi's token budget for the strict SLO: the largest candidate whose hybrid iteration (the
-    chunk's prefill beside a decode batch) stays within `HYBRID_SHARE_OF_SLO` of it; the smallest
-    candidate if none does."""
+    """Sarathi's token budget for a TBT SLO: the largest candidate whose hybrid iteration (the chunk's
+    prefill beside a decode batch) stays within `HYBRID_SHARE_OF_SLO` of it; the smallest candidate if
+    none does."""
     if not prefill_ms:
         raise ValueError("need at least one measured prefill chunk")
-    fitting = [c for c in candidates if decode_ms + prefill_ms_at(c, prefill_ms) <= HYBRID_SHARE_OF_SLO * strict_slo_ms]
+    fitting = [c for c in candidates if decode_ms + prefill_ms_at(c, prefill_ms) <= HYBRID_SHARE_OF_SLO * slo_ms]
     return max(fitting) if fitting else min(candidates)
+
+
+def token_budgets(prefill_ms: Mapping[int, float], decode_ms: float, slo_ms: Mapping[str, float]) -> dict[str, int]:
+    """Sarathi's token budget per SLO (name → budget), each from its own SLO: a looser SLO leaves room
+    for a larger chunk beside the decodes."""
+    return {name: pick_token_budget(prefill_ms, decode_ms, slo) for name, slo in slo_ms.items()}
+
+
+def capacity_search(name: str, plan: Mapping[str, Any]) -> tuple[str, int | None, tuple[float, ...]]:
+    """What capacity search `name` runs under `plan`: its policy, its token budget (sarathi: the budget
+    of the SLO it searches; vllm: none) and its SLOs in ms, strictest first."""
+    if name not in CAPACITY_SEARCHES:
+        raise ValueError(f"unknown capacity search {name!r}; choose from {', '.join(CAPACITY_SEARCHES)}")
+    policy, slo_names = CAPACITY_SEARCHES[name]
+    budget = int(plan["token_budgets"][slo_names[0]]) if policy == "sarathi" else None
+    return policy, budget, tuple(sorted(float(plan["slo_ms"][s]) for s in slo_names))
 
 
 def probe_qps_range(decode_batch_ms: float, batch: int, prefill_ms_per_token: float,
@@ -262,10 +300,11 @@ def probe_qps_range(decode_batch_ms: float, batch: int, prefill_ms_per_token: fl
     return round(low, 3), round(high, 3)
 
 
-def capacity_plan(engine: Mapping[str, Any]) -> dict[str, Any]:
-    """How the capacity part runs, from the engine part's measurements (graphs on where available, as
-    the served workers run): the SLOs from the lone decode iteration, Sarathi's token budget, the trace
-    and the probe loads."""
+def capacity_plan(engine: Mapping[str, Any], requests: int = CAPACITY_REQUESTS, max_probes: int = CAPACITY_MAX_PROBES,
+                  drain_s: float = CAPACITY_DRAIN_S) -> dict[str, Any]:
+    """How the capacity searches run, from the engine part's measurements (graphs on where available,
+    as the served workers run): the SLOs from the lone decode iteration, Sarathi's token budget per
+    SLO, the trace (`requests` per probe) and the probe loads (at most `max_probes` per SLO)."""
     from chariot.bench.traces import TRACES, make_trace
 
     runs = engine.get("runs", {})
@@ -276,18 +315,18 @@ def capacity_plan(engine: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"the engine part measured no lone decode iteration or no prefill (graphs {mode})")
     slo = {k: round(v, 1) for k, v in slos_ms(decode[1]).items()}
     batch = max(decode)
-    trace = make_trace(TRACES[CAPACITY_TRACE], CAPACITY_REQUESTS, None, seed=0, scale=CAPACITY_SCALE,
+    trace = make_trace(TRACES[CAPACITY_TRACE], requests, None, seed=0, scale=CAPACITY_SCALE,
                        max_len=CAPACITY_MAX_LEN)
     mean_prompt = statistics.mean(r.prompt_len for r in trace)
     mean_decode = statistics.mean(r.decode_len for r in trace)
     per_token = prefill_ms_at(max(prefill), prefill) / max(prefill)
     low, high = probe_qps_range(decode[batch], batch, per_token, mean_prompt, mean_decode)
     return {"graphs": mode, "lone_decode_ms": decode[1], "slo_ms": slo,
-            "token_budget": pick_token_budget(prefill, decode.get(HEADLINE_BATCH, decode[batch]), slo["strict"]),
+            "token_budgets": token_budgets(prefill, decode.get(HEADLINE_BATCH, decode[batch]), slo),
             "trace": CAPACITY_TRACE, "scale": CAPACITY_SCALE, "max_len": CAPACITY_MAX_LEN,
-            "requests": CAPACITY_REQUESTS, "mean_prompt": mean_prompt, "mean_decode": mean_decode,
-            "qps_low": low, "qps_high": high, "tolerance": CAPACITY_TOLERANCE, "max_probes": CAPACITY_MAX_PROBES,
-            "drain_s": CAPACITY_DRAIN_S}
+            "requests": requests, "mean_prompt": mean_prompt, "mean_decode": mean_decode,
+            "qps_low": low, "qps_high": high, "tolerance": CAPACITY_TOLERANCE, "max_probes": max_probes,
+            "drain_s": drain_s}
 
 
 # ---- reading the parts' output -------------------------------------------------------------------
@@ -335,6 +374,61 @@ def kernel_counts(device_events: Sequence[str], host_events: Sequence[str], iter
     graphs = sum(name.startswith(("cudaGraphLaunch", "cuGraphLaunch")) for name in host_events)
     return {"kernels_per_iteration": kernels / iterations, "launch_calls_per_iteration": launches / iterations,
             "graph_launches_per_iteration": graphs / iterations}
+
+
+# A profiler event's own device time in µs; torch has named it differently across versions (the
+# `cuda_*` names are the older, deprecated ones).
+DEVICE_TIME_FIELDS = ("device_time_total", "self_device_time_total", "device_time", "cuda_time_total",
+                      "self_cuda_time_total", "cuda_time")
+
+
+def is_cuda_event(event: Any) -> bool:
+    return str(getattr(event, "device_type", "")).endswith("CUDA")
+
+
+def event_device_us(event: Any) -> float:
+    """µs a device event (a kernel) ran: its device-time field where this torch has one that is
+    positive, else the length of its time range."""
+    for field in DEVICE_TIME_FIELDS:
+        try:
+            value = getattr(event, field)
+        except (AttributeError, AssertionError):  # absent here, or not defined for this event type
+            continue
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    span = getattr(event, "time_range", None)
+    return max(0.0, float(span.end - span.start)) if span is not None else 0.0
+
+
+def union_us(spans: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: time during which at least one ran."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def kernel_busy(events: Sequence[Any], iterations: int) -> dict[str, float | None]:
+    """The GPU's own time per iteration, from a profile of `iterations` steps (torch.profiler's
+    FunctionEvents, or anything with their `name`, `device_type`, device-time and `time_range`
+    attributes): `device_ms_per_iteration`, the kernels' durations summed, and
+    `device_busy_ms_per_iteration`, the union of their time ranges (overlapping kernels counted once).
+    Copies and memsets are not kernels and are left out. None where the profile has no kernels (no
+    CUDA), or no time ranges for the union."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    kernels = [e for e in events if is_cuda_event(e) and not str(e.name).startswith(NOT_KERNELS)]
+    if not kernels:
+        return {"device_ms_per_iteration": None, "device_busy_ms_per_iteration": None}
+    total = sum(event_device_us(e) for e in kernels)
+    spans = [(float(e.time_range.start), float(e.time_range.end)) for e in kernels
+             if getattr(e, "time_range", None) is not None]
+    busy = union_us(spans) if len(spans) == len(kernels) else None
+    return {"device_ms_per_iteration": total / iterations / 1e3,
+            "device_busy_ms_per_iteration": None if busy is None else busy / iterations / 1e3}
 
 
 def compare_greedy(first: Sequence[Sequence[int]], second: Sequence[Sequence[int]]) -> dict[str, Any]:
@@ -415,27 +509,35 @@ def prefill_rows(engine: Mapping[str, Any], layers: int) -> list[dict[str, Any]]
     return rows
 
 
-def capacity_folder(policy: str) -> str:
-    """Where a policy's capacity search leaves `chariot bench capacity`'s files, under the check's folder."""
-    return f"capacity-{policy}"
+def capacity_folder(search: str) -> str:
+    """Where a capacity search leaves `chariot bench capacity`'s files, under the check's folder."""
+    return f"capacity-{search}"
 
 
-def capacity_summary(runs: Sequence[Mapping[str, Any] | None], plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Capacity per policy and SLO (from each policy's capacity.json), and the sarathi/vllm ratio under
-    each SLO (a bound when `vllm` did not pass even the lowest probe)."""
-    found = [run for run in runs if run is not None]
-    if not found:
+def capacity_summary(results: Mapping[str, Mapping[str, Any] | None],
+                     plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Each capacity search's result (search name → its capacity.json), the capacity per policy and SLO
+    (sarathi's under each SLO from the search with that SLO's budget), and the sarathi/vllm ratio under
+    each SLO, naming the sarathi budget it used (a bound when `vllm` did not pass even the lowest probe)."""
+    searches = {name: {"policy": p.get("policy", name.partition("-")[0]), "label": p["label"],
+                       "token_budget": p.get("token_budget"), "capacity_qps": dict(p["capacity_qps"])}
+                for name, doc in results.items() if doc is not None for p in doc.get("policies", [])[:1]}
+    if not searches:
         return None
-    by_label = {p["label"]: p["capacity_qps"] for run in found for p in run.get("policies", [])}
-    sarathi = next((v for k, v in by_label.items() if k.startswith("sarathi")), None)
-    vllm = by_label.get("vllm")
-    out: dict[str, Any] = {"capacity_qps": by_label, "plan": dict(plan or {}), "ratio": {}}
-    if sarathi is None or vllm is None:
-        return out
+    by_policy: dict[str, dict[str, float]] = {}
+    sarathi_label: dict[str, str] = {}  # SLO → the label of the sarathi search that measured it
+    for s in searches.values():
+        by_policy.setdefault(s["policy"], {}).update(s["capacity_qps"])
+        if s["policy"] == "sarathi":
+            sarathi_label.update(dict.fromkeys(s["capacity_qps"], s["label"]))
+    out: dict[str, Any] = {"capacity_qps": {p: dict(sorted(c.items(), key=lambda kv: float(kv[0])))
+                                            for p, c in by_policy.items()},
+                           "searches": searches, "plan": dict(plan or {}), "ratio": {}}
+    sarathi, vllm = out["capacity_qps"].get("sarathi", {}), out["capacity_qps"].get("vllm", {})
     low = float((plan or {}).get("qps_low", 0.0))
-    for slo, cap in sarathi.items():
-        if slo in vllm:
-            out["ratio"][slo] = capacity_ratio(cap, vllm[slo], low)
+    for slo, cap in vllm.items():
+        if slo in sarathi:
+            out["ratio"][slo] = {**capacity_ratio(sarathi[slo], cap, low), "sarathi": sarathi_label[slo]}
     return out
 
 
@@ -445,6 +547,22 @@ def probe_lines(log: Path) -> list[str]:
     if not log.is_file():
         return []
     return [line.strip() for line in log.read_text(errors="replace").splitlines() if " QPS  P50 TTFT " in line]
+
+
+def kernel_rows(kernels: Mapping[str, Mapping[str, Any]], decode: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The kernel profile of each graphs setting beside the median wall time of the same decode batch
+    (`wall_ms`), and the share of that wall time the GPU was not busy (`host_bound_share`, 1 - busy /
+    wall; from the union of kernel time ranges where recorded, else from the summed durations; None
+    without a GPU figure)."""
+    wall = {r["graphs"]: r["median_ms"] for r in decode if r["batch"] == HEADLINE_BATCH}
+    rows: dict[str, Any] = {}
+    for mode, k in kernels.items():
+        busy = k.get("device_busy_ms_per_iteration")
+        busy = k.get("device_ms_per_iteration") if busy is None else busy
+        ms = wall.get(mode)
+        rows[mode] = {**k, "wall_ms": ms,
+                      "host_bound_share": 1 - busy / ms if busy is not None and ms else None}
+    return rows
 
 
 def capacity_ratio(sarathi: float, vllm: float, qps_low: float) -> dict[str, Any]:
@@ -470,11 +588,12 @@ def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]])
         "dry_run": prepare.get("preset", PRESET) != PRESET, "decode_context": engine.get("decode_context"),
         "model": prepare.get("model"), "bandwidth": prepare.get("bandwidth"), "parts": dict(statuses),
         "graphs_available": engine.get("graphs_available"), "graphs_note": engine.get("graphs_note"),
-        "decode": decode, "prefill": prefill_rows(engine, layers), "kernels": engine.get("kernels", {}),
+        "decode": decode, "prefill": prefill_rows(engine, layers),
+        "kernels": kernel_rows(engine.get("kernels", {}), decode),
         "greedy": greedy, "gpu_tests": read_json(out / "gpu_tests.json"),
-        "capacity": capacity_summary([read_json(out / capacity_folder(p) / "capacity.json") for p in CAPACITY_POLICIES],
-                                     read_json(out / "capacity_plan.json")),
-        "capacity_probes": {p: probe_lines(out / f"capacity-{p}.log") for p in CAPACITY_POLICIES},
+        "capacity": capacity_summary({s: read_json(out / capacity_folder(s) / "capacity.json")
+                                      for s in CAPACITY_SEARCHES}, read_json(out / "capacity_plan.json")),
+        "capacity_probes": {s: probe_lines(out / f"capacity-{s}.log") for s in CAPACITY_SEARCHES},
         "vllm": read_json(out / "vllm.json"),
     }
     summary["headline"] = headline(summary)
@@ -498,9 +617,9 @@ def headline(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ---- report -------------------------------------------------------------------------------------
-def _num(value: Any, digits: int = 2) -> str:
+def _num(value: Any, digits: int = 2, missing: str = "–") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "–"
+        return missing
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
@@ -581,11 +700,21 @@ def _report_kernels(s: Mapping[str, Any]) -> str:
     if not kernels:
         return ""
     lines = [f"## Kernels per decode iteration ({HEADLINE_BATCH} sequences, torch.profiler)", "",
-             "| graphs | kernels executed | launch calls | graph launches |", "|---|---:|---:|---:|"]
+             "| graphs | kernels executed | launch calls | graph launches | kernel ms (sum) | GPU busy ms | "
+             "wall ms (median) | host-bound share |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, k in kernels.items():
+        busy = k.get("device_busy_ms_per_iteration")
+        busy = k.get("device_ms_per_iteration") if busy is None else busy
+        share = k.get("host_bound_share")
         lines.append(f"| {mode} | {_num(k.get('kernels_per_iteration'), 1)} | "
                      f"{_num(k.get('launch_calls_per_iteration'), 1)} | "
-                     f"{_num(k.get('graph_launches_per_iteration'), 1)} |")
+                     f"{_num(k.get('graph_launches_per_iteration'), 1)} | "
+                     f"{_num(k.get('device_ms_per_iteration'), 3, '—')} | {_num(busy, 3, '—')} | "
+                     f"{_num(k.get('wall_ms'), 3)} | {'—' if share is None else f'{share:.0%}'} |")
+    lines += ["", "Kernel ms: the kernels' device durations summed; GPU busy: the union of their time ranges "
+              "(overlaps counted once), both per profiled iteration; wall: the median of the same batch's timed "
+              "iterations; host-bound share: 1 − busy / wall, the part of an iteration the GPU waits for the host "
+              "(— without CUDA kernels in the profile)."]
     return "\n".join(lines)
 
 
@@ -604,16 +733,20 @@ def _report_capacity(s: Mapping[str, Any]) -> str:
     if not cap:
         return "\n".join(["## Capacity under SLO", "", "No search finished (see the capacity parts).", *seen])
     plan = cap.get("plan") or {}
-    slos = plan.get("slo_ms") or {}
+    slos, budgets = plan.get("slo_ms") or {}, plan.get("token_budgets") or {}
     lines = ["## Capacity under SLO (`sarathi` against `vllm`)", "",
-             f"Lone decode iteration {_num(plan.get('lone_decode_ms'))} ms: strict SLO {_num(slos.get('strict'))} ms "
-             f"(5×), relaxed {_num(slos.get('relaxed'))} ms (25×); sarathi token budget {plan.get('token_budget')}; "
-             f"trace {plan.get('trace')} ×{plan.get('scale')}, {plan.get('requests')} requests per probe, probes "
-             f"from {plan.get('qps_low')} QPS.", "", "| policy | capacity (QPS) by SLO (ms) |", "|---|---|"]
-    for label, by_slo in (cap.get("capacity_qps") or {}).items():
-        lines.append(f"| {label} | " + ", ".join(f"{_num(q, 3)} @ {slo}" for slo, q in by_slo.items()) + " |")
+             f"Lone decode iteration {_num(plan.get('lone_decode_ms'))} ms: strict SLO {_num(slos.get(STRICT))} ms "
+             f"(5×), relaxed {_num(slos.get(RELAXED))} ms (25×); sarathi token budget per SLO (the largest chunk "
+             f"whose hybrid iteration fits {HYBRID_SHARE_OF_SLO:.0%} of it): {budgets.get(STRICT)} strict, "
+             f"{budgets.get(RELAXED)} relaxed, each SLO its own sarathi search; trace {plan.get('trace')} "
+             f"×{plan.get('scale')}, {plan.get('requests')} requests per probe, probes from {plan.get('qps_low')} QPS.",
+             "", "| search | policy | capacity (QPS) by SLO (ms) |", "|---|---|---|"]
+    searches = (cap.get("searches") or {}).items()
+    for name, search in sorted(searches, key=lambda item: item[1]["policy"] != "sarathi"):  # sarathi's first
+        lines.append(f"| {name} | {search['label']} | "
+                     + ", ".join(f"{_num(q, 3)} @ {slo}" for slo, q in search["capacity_qps"].items()) + " |")
     for slo, ratio in (cap.get("ratio") or {}).items():
-        lines.append(f"\nsarathi / vllm @ {slo} ms: {_ratio_text(ratio)}")
+        lines.append(f"\n{ratio.get('sarathi', 'sarathi')} / vllm @ {slo} ms: {_ratio_text(ratio)}")
     lines += seen
     if s.get("layers") != FULL_LAYERS:
         lines.append(f"\nAt {s.get('layers')} layers the LM head and the host are a larger share of a decode "
@@ -675,14 +808,26 @@ def plot_decode(summary: Mapping[str, Any], path: Path) -> Path | None:
 
 
 def plot_capacities(summary: Mapping[str, Any], path: Path) -> Path | None:
-    """Capacity per policy under each SLO, both policies' searches in one figure."""
-    capacity = (summary.get("capacity") or {}).get("capacity_qps") or {}
-    if not capacity:
+    """Capacity per policy under each SLO, every search in one figure: sarathi's bar under each SLO
+    is the search with that SLO's token budget (named in the legend)."""
+    capacity = summary.get("capacity") or {}
+    per_policy = capacity.get("capacity_qps") or {}
+    if not per_policy:
         return None
     from chariot.bench.plots import plot_capacity
 
-    per_policy = {label: {float(slo): float(q) for slo, q in by_slo.items()} for label, by_slo in capacity.items()}
-    return plot_capacity(per_policy, path, f"{summary.get('layers')} Llama-3-8B-shaped layers, {summary.get('gpu')}")
+    budgets = {slo: s["token_budget"] for s in (capacity.get("searches") or {}).values() if s["policy"] == "sarathi"
+               for slo in s["capacity_qps"]}
+
+    def legend(policy: str) -> str:
+        if policy != "sarathi" or not budgets:
+            return policy
+        per_slo = ", ".join(f"{budgets[slo]} @ {slo} ms" for slo in sorted(budgets, key=float))
+        return f"sarathi (token budget {per_slo})"
+
+    bars = {legend(policy): {float(slo): float(q) for slo, q in by_slo.items()}
+            for policy, by_slo in per_policy.items()}
+    return plot_capacity(bars, path, f"{summary.get('layers')} Llama-3-8B-shaped layers, {summary.get('gpu')}")
 
 
 # ---- running the parts --------------------------------------------------------------------------
@@ -810,8 +955,8 @@ def run_parts(check: Check) -> None:
             for run in engine_runs(graphs_in_this_build(), args.layers):
                 check.run(f"engine-{run}", check.part_cmd("engine", *model_args, "--run", run))
         elif name == "capacity" and why is None:
-            for policy in CAPACITY_POLICIES:
-                check.run(f"capacity-{policy}", check.part_cmd("capacity", *model_args, "--policy", policy))
+            for search in CAPACITY_SEARCHES:
+                check.run(f"capacity-{search}", check.part_cmd("capacity", *model_args, "--search", search))
         elif why is not None:
             check.skip(name, why)
             if name == "vllm":

@@ -27,9 +27,10 @@ import torch
 
 from chariot.bench.engine_bench import prefill_all
 from chariot.bench.gpu_check import (
-    CAPACITY_POLICIES,
+    CAPACITY_SEARCHES,
     DECODE_BATCHES,
     DECODE_CONTEXT,
+    DRY_RUN_CAPACITY,
     ENGINE_RUNS,
     FULL_LAYERS,
     GRAPHS_UNAVAILABLE,
@@ -37,10 +38,14 @@ from chariot.bench.gpu_check import (
     PREFILL_TOKENS,
     PRESET,
     PROGRESS,
+    STRICT,
     capacity_folder,
     capacity_plan,
+    capacity_search,
     graphs_in_this_build,
     half_depth,
+    is_cuda_event,
+    kernel_busy,
     kernel_counts,
     read_json,
     write_json,
@@ -205,7 +210,9 @@ def measure_decode(engine: Engine, batch: int, context: int, profile: bool) -> d
     return row
 
 
-def profile_kernels(engine: Engine) -> dict[str, float]:
+def profile_kernels(engine: Engine) -> dict[str, float | None]:
+    """Kernels and launch calls per decode iteration over `PROFILED_STEPS` steps, and the GPU's own
+    time in them (`kernel_busy`; None on the CPU, where the profile has no CUDA events)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -215,9 +222,9 @@ def profile_kernels(engine: Engine) -> dict[str, float]:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     events = list(prof.events())
-    device = [e.name for e in events if str(e.device_type).endswith("CUDA")]
+    device = [e.name for e in events if is_cuda_event(e)]
     host = [e.name for e in events if str(e.device_type).endswith("CPU")]
-    return kernel_counts(device, host, PROFILED_STEPS)
+    return {**kernel_counts(device, host, PROFILED_STEPS), **kernel_busy(events, PROFILED_STEPS)}
 
 
 def measure_prefill(engine: Engine, tokens: int) -> dict[str, Any]:
@@ -314,32 +321,36 @@ def engine(args: argparse.Namespace) -> int:
 
 # ---- capacity under SLO --------------------------------------------------------------------------
 def capacity(args: argparse.Namespace) -> int:
-    """One policy's capacity search (`--policy`; each policy is its own part, so that one search
-    running long cannot cost the other its turn) into capacity-<policy>/, as `chariot bench capacity`
-    writes it."""
+    """One capacity search (`--search`: sarathi under one SLO with that SLO's token budget, or vllm
+    under both; each search is its own part, so that one running long cannot cost another its turn)
+    into capacity-<search>/, as `chariot bench capacity` writes it."""
     from chariot.bench import capacity_cli as cc
     from chariot.bench.traces import TRACES
 
     out = Path(args.out)
     model = (read_json(out / "prepare.json") or {})["model"]
-    plan = capacity_plan(read_json(out / "engine.json") or {})
+    dry_run: dict[str, Any] = {} if args.device.startswith("cuda") else DRY_RUN_CAPACITY
+    plan = capacity_plan(read_json(out / "engine.json") or {}, **dry_run)
     write_json(out / "capacity_plan.json", plan)
-    pc = cc.PolicyConfig(args.policy, plan["token_budget"] if args.policy == "sarathi" else None)
-    progress(f"capacity {pc.label}: SLO {plan['slo_ms']} ms, probes from {plan['qps_low']} QPS")
+    policy, budget, slos = capacity_search(args.search, plan)
+    pc = cc.PolicyConfig(policy, budget)
+    progress(f"capacity {args.search} ({pc.label}): SLO {', '.join(f'{s:g}' for s in slos)} ms, "
+             f"probes from {plan['qps_low']} QPS")
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     load = cc.Load(TRACES[plan["trace"]], plan["requests"], plan["scale"], plan["max_len"], 0, vocab, plan["drain_s"])
-    slos = tuple(sorted(plan["slo_ms"].values()))
     search = cc.Search(slos, plan["qps_low"], plan["qps_high"], plan["tolerance"], plan["max_probes"])
-    setup = {**plan, "tbt_slo_ms": list(slos), "model": model, "model_name": Path(model).name, "plot_qps": None}
+    setup = {**plan, "search": args.search, "tbt_slo_ms": list(slos), "model": model, "model_name": Path(model).name,
+             "plot_qps": None}
     config = EngineConfig(model=model, policy=pc.policy, token_budget=pc.token_budget,
                           max_batch_size=max(DECODE_BATCHES), max_model_len=plan["max_len"],
                           kv_cache_tokens=KV_CACHE_TOKENS, device=args.device, dtype=dtype_for(args.device),
                           prefix_caching=False)
     result = cc.measure_policy(pc, config, load, search, None)
-    folder = out / capacity_folder(args.policy)
+    folder = out / capacity_folder(args.search)
     cc.write_results(folder, setup, [result])
     cc.write_plots(folder, setup, [result])
-    progress(f"capacity {pc.label}: " + ", ".join(f"{q:.3f} QPS @ {s:g} ms" for s, q in result.capacity.items()))
+    found = ", ".join(f"{q:.3f} QPS @ {s:g} ms" for s, q in result.capacity.items())
+    progress(f"capacity {args.search} ({pc.label}): {found}")
     return 0
 
 
@@ -390,7 +401,8 @@ def run_vllm_offline(model: str, prompts: list[list[int]], outputs: list[int], b
 def vllm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     model = (read_json(out / "prepare.json") or {})["model"]
-    budget = int((read_json(out / "capacity_plan.json") or {}).get("token_budget", 512))
+    # both systems chunk prefills at sarathi's budget for the strict SLO
+    budget = int(((read_json(out / "capacity_plan.json") or {}).get("token_budgets") or {}).get(STRICT, 512))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts, outputs = offline_workload(vocab)
     record: dict[str, Any] = {"token_budget": budget, "systems": {}}
@@ -415,7 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model-root", required=True)
     p.add_argument("--layers", type=int, required=True, choices=range(1, FULL_LAYERS + 1), metavar="N")
     p.add_argument("--run", choices=ENGINE_RUNS, default="on", help="engine part: which run (graphs, depth)")
-    p.add_argument("--policy", choices=CAPACITY_POLICIES, default="sarathi", help="capacity part: which policy")
+    p.add_argument("--search", choices=tuple(CAPACITY_SEARCHES), default=next(iter(CAPACITY_SEARCHES)),
+                   help="capacity part: which search (sarathi under one SLO with its budget, or vllm under both)")
     p.add_argument("--device", default="cuda", help="cuda; cpu: a dry run of the part's code on the small preset "
                                                     "(`gpu_check --dry-run`), no meaningful figures")
     args = p.parse_args(argv)

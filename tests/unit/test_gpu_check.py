@@ -1,7 +1,8 @@
 """`make gpu-check`'s CPU-testable parts: argument validation, the refusal without CUDA, the
 weight+KV-read floor, the per-layer scaling, the SLO / budget / probe-load derivation, the parsing of
-what the parts leave (pytest summary, profiler events, greedy tokens), the summary and report from
-fake part files, the part runner's time limit, and the engine part's measurements on a tiny model."""
+what the parts leave (pytest summary, profiler events and the GPU's busy time in them, greedy tokens),
+the summary and report from fake part files (sarathi's capacity searched once per SLO, each with that
+SLO's token budget), the part runner's time limit, and the engine part's measurements on a tiny model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -114,6 +116,19 @@ def test_budget_is_the_largest_chunk_whose_hybrid_iteration_fits_the_strict_slo(
         gpu_check.pick_token_budget({}, 5.0, 50.0)
 
 
+def test_each_slo_gets_its_own_token_budget() -> None:
+    prefill = {512: 10.0, 2048: 40.0}
+    # strict: 0.8 × 20 ms leaves 11 ms beside the decodes (~563 tokens: 512); relaxed: 75 ms (~3,840: 2,048)
+    assert gpu_check.token_budgets(prefill, 5.0, {"strict": 20.0, "relaxed": 100.0}) == {"strict": 512,
+                                                                                         "relaxed": 2048}
+    plan = {"slo_ms": {"strict": 20.0, "relaxed": 100.0}, "token_budgets": {"strict": 512, "relaxed": 2048}}
+    assert gpu_check.capacity_search("sarathi-strict", plan) == ("sarathi", 512, (20.0,))
+    assert gpu_check.capacity_search("sarathi-relaxed", plan) == ("sarathi", 2048, (100.0,))
+    assert gpu_check.capacity_search("vllm", plan) == ("vllm", None, (20.0, 100.0))  # no budget: one search
+    with pytest.raises(ValueError, match="unknown capacity search"):
+        gpu_check.capacity_search("sarathi", plan)
+
+
 def test_probe_loads_bracket_the_estimate_within_the_host_limit() -> None:
     low, high = gpu_check.probe_qps_range(decode_batch_ms=12.8, batch=128, prefill_ms_per_token=0.02,
                                    mean_prompt=1000, mean_decode=400)  # 40 + 20 ms per request: ~16.7 QPS
@@ -133,14 +148,23 @@ def fake_engine(graphs: bool = True, layers_scale: float = 1.0) -> dict[str, Any
         runs.update(on=run(1.0), on_half=run(0.75))
     return {"graphs_available": graphs, "graphs_note": None if graphs else gpu_check.GRAPHS_UNAVAILABLE, "runs": runs,
             "kernels": {"on": {"kernels_per_iteration": 300.0, "launch_calls_per_iteration": 2.0,
-                               "graph_launches_per_iteration": 1.0}}}
+                               "graph_launches_per_iteration": 1.0, "device_ms_per_iteration": 3.1,
+                               "device_busy_ms_per_iteration": 3.0},
+                        "off": {"kernels_per_iteration": 300.0, "launch_calls_per_iteration": 300.0,
+                                "graph_launches_per_iteration": 0.0, "device_ms_per_iteration": None,
+                                "device_busy_ms_per_iteration": None}}}
 
 
 def test_capacity_plan_uses_the_graphs_run_and_derives_everything_from_it() -> None:
     plan = gpu_check.capacity_plan(fake_engine())
     assert plan["graphs"] == "on" and plan["lone_decode_ms"] == pytest.approx(2.03125)
     assert plan["slo_ms"] == {"strict": 10.2, "relaxed": 50.8}
-    assert plan["token_budget"] in gpu_check.BUDGET_CANDIDATES
+    budgets = plan["token_budgets"]
+    assert set(budgets) == {"strict", "relaxed"} and set(budgets.values()) <= set(gpu_check.BUDGET_CANDIDATES)
+    assert budgets["relaxed"] > budgets["strict"]  # the looser SLO leaves room for a larger chunk
+    assert plan["requests"] == gpu_check.CAPACITY_REQUESTS
+    dry_run = gpu_check.capacity_plan(fake_engine(), **gpu_check.DRY_RUN_CAPACITY)
+    assert {k: dry_run[k] for k in gpu_check.DRY_RUN_CAPACITY} == gpu_check.DRY_RUN_CAPACITY
     assert 0 < plan["qps_low"] < plan["qps_high"] <= gpu_check.MAX_PROBE_QPS
     assert gpu_check.capacity_plan(fake_engine(graphs=False))["graphs"] == "off"
     with pytest.raises(ValueError, match="lone decode"):
@@ -175,6 +199,56 @@ def test_kernel_counts_per_iteration() -> None:
         gpu_check.kernel_counts([], [], 0)
 
 
+def event(name: str, start: float, end: float, device: str = "DeviceType.CUDA", **fields: float) -> SimpleNamespace:
+    """A stand-in for torch.profiler's FunctionEvent: name, device type, time range (µs) and the
+    device-time field(s) a given torch version has."""
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end), **fields)
+
+
+def test_gpu_busy_time_sums_kernel_durations_and_unites_their_ranges() -> None:
+    events = [event("gemm", 0.0, 100.0, device_time_total=100.0),
+              event("attention", 50.0, 150.0, device_time_total=100.0),  # overlaps the gemm by 50 µs
+              event("rmsnorm", 300.0, 320.0, device_time_total=20.0),
+              event("Memcpy HtoD (Pageable -> Device)", 150.0, 300.0, device_time_total=150.0),  # not a kernel
+              event("aten::mm", 0.0, 1000.0, device="DeviceType.CPU", device_time_total=220.0)]  # host op
+    busy = gpu_check.kernel_busy(events, iterations=2)
+    # summed: (100 + 100 + 20) / 2 µs; busy: the union, (150 + 20) / 2 µs
+    assert busy == {"device_ms_per_iteration": pytest.approx(0.11),
+                    "device_busy_ms_per_iteration": pytest.approx(0.085)}
+    assert gpu_check.union_us([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.8)]) == pytest.approx(4.0)
+    assert gpu_check.union_us([]) == 0.0
+
+
+def test_gpu_busy_time_reads_the_device_time_field_of_any_torch_version() -> None:
+    assert gpu_check.event_device_us(event("k", 0.0, 9.0, device_time_total=7.0)) == 7.0
+    assert gpu_check.event_device_us(event("k", 0.0, 9.0, self_device_time_total=6.0)) == 6.0
+    assert gpu_check.event_device_us(event("k", 0.0, 9.0, device_time=5.0)) == 5.0
+    assert gpu_check.event_device_us(event("k", 0.0, 9.0, cuda_time=4.0)) == 4.0  # an older torch
+    assert gpu_check.event_device_us(event("k", 2.0, 9.0)) == 7.0  # no field: the time range
+    assert gpu_check.event_device_us(event("k", 2.0, 9.0, device_time_total=0)) == 7.0  # zero: not recorded
+
+
+def test_gpu_busy_time_is_none_without_cuda_kernels() -> None:
+    host_only = [event("aten::mm", 0.0, 10.0, device="DeviceType.CPU"), event("Memset (Device)", 0.0, 1.0)]
+    assert gpu_check.kernel_busy(host_only, 5) == {"device_ms_per_iteration": None,
+                                                   "device_busy_ms_per_iteration": None}
+    no_ranges = [SimpleNamespace(name="gemm", device_type="DeviceType.CUDA", device_time_total=500.0)]
+    assert gpu_check.kernel_busy(no_ranges, 1) == {"device_ms_per_iteration": 0.5, "device_busy_ms_per_iteration": None}
+    with pytest.raises(ValueError):
+        gpu_check.kernel_busy([], 0)
+
+
+def test_kernel_rows_set_gpu_busy_beside_the_wall_time_of_the_same_batch() -> None:
+    decode = [{"graphs": "on", "batch": 64, "median_ms": 4.0}, {"graphs": "on", "batch": 1, "median_ms": 1.0},
+              {"graphs": "off", "batch": 64, "median_ms": 12.0}]
+    rows = gpu_check.kernel_rows(fake_engine()["kernels"], decode)
+    assert rows["on"]["wall_ms"] == 4.0 and rows["on"]["host_bound_share"] == pytest.approx(0.25)  # 1 - 3 / 4
+    assert rows["off"]["wall_ms"] == 12.0 and rows["off"]["host_bound_share"] is None  # no GPU figure
+    summed_only = {"on": {"device_ms_per_iteration": 2.0, "device_busy_ms_per_iteration": None}}
+    assert gpu_check.kernel_rows(summed_only, decode)["on"]["host_bound_share"] == pytest.approx(0.5)
+    assert gpu_check.kernel_rows(summed_only, [])["on"]["host_bound_share"] is None  # no wall time
+
+
 def test_greedy_comparison_names_the_first_difference() -> None:
     assert gpu_check.compare_greedy([[1, 2], [3]], [[1, 2], [3]])["identical"]
     different = gpu_check.compare_greedy([[1, 2, 3], [3]], [[1, 9, 3], [3]])
@@ -190,11 +264,15 @@ def write_fake_parts(out: Path) -> None:
     gpu_check.write_json(out / "engine.json", fake_engine())
     gpu_check.write_json(out / "gpu_tests.json", {"passed": 21, "failed": 0, "errors": 0})
     gpu_check.write_json(out / "capacity_plan.json", gpu_check.capacity_plan(fake_engine()))
-    for policy, label, capacity in (("sarathi", "sarathi:512", {"10.2": 2.0, "50.8": 4.0}),
-                                    ("vllm", "vllm", {"10.2": 0.0, "50.8": 2.5})):
-        (out / gpu_check.capacity_folder(policy)).mkdir()
-        gpu_check.write_json(out / gpu_check.capacity_folder(policy) / "capacity.json",
-                             {"setup": {"qps_low": 0.5}, "policies": [{"label": label, "capacity_qps": capacity}]})
+    for search, budget, capacity in (("sarathi-strict", 256, {"10.2": 2.0}), ("sarathi-relaxed", 2048, {"50.8": 4.0}),
+                                     ("vllm", None, {"10.2": 0.0, "50.8": 2.5})):
+        policy = search.partition("-")[0]
+        label = f"{policy}:{budget}" if budget else policy
+        (out / gpu_check.capacity_folder(search)).mkdir()
+        gpu_check.write_json(out / gpu_check.capacity_folder(search) / "capacity.json",
+                             {"setup": {"qps_low": 0.5}, "policies": [{"label": label, "policy": policy,
+                                                                       "token_budget": budget,
+                                                                       "capacity_qps": capacity}]})
     gpu_check.write_json(out / "vllm.json", {"skipped": "`import vllm` fails for python3"})
 
 
@@ -209,8 +287,14 @@ def test_summary_from_part_files(tmp_path: Path) -> None:
     assert row["scaled_32_ms"] == pytest.approx(4.0 + 28 * (4.0 - 3.0) / 2)
     head = summary["headline"]
     assert head["graphs"] == "on" and head["greedy_identical"] is True
-    assert head["capacity_ratio"]["50.8"] == {"value": pytest.approx(1.6)}
+    # each SLO's ratio is the sarathi search with that SLO's budget against vllm's
+    assert head["capacity_ratio"]["50.8"] == {"value": pytest.approx(1.6), "sarathi": "sarathi:2048"}
     assert head["capacity_ratio"]["10.2"]["at_least"] == pytest.approx(2.0 / summary["capacity"]["plan"]["qps_low"])
+    assert head["capacity_ratio"]["10.2"]["sarathi"] == "sarathi:256"
+    assert summary["capacity"]["capacity_qps"] == {"sarathi": {"10.2": 2.0, "50.8": 4.0},
+                                                   "vllm": {"10.2": 0.0, "50.8": 2.5}}
+    assert summary["kernels"]["on"]["wall_ms"] == pytest.approx(4.0)
+    assert summary["kernels"]["on"]["host_bound_share"] == pytest.approx(0.25)
     assert head["gpu_tests"] == {"passed": 21, "failed": 0, "errors": 0}
     json.dumps(summary)  # everything in it is JSON
 
@@ -221,7 +305,14 @@ def test_report_renders_headline_sections_and_reasons(tmp_path: Path) -> None:
     report = gpu_check.render_report(summary)
     assert "**4 of 32 layers**" in report and "NVIDIA H100" in report
     assert "| capacity | timeout | 180 | stopped |" in report
-    assert "sarathi / vllm @ 50.8 ms: 1.60×" in report and "sarathi / vllm @ 10.2 ms: ≥ " in report
+    assert "sarathi:2048 / vllm @ 50.8 ms: 1.60×" in report and "sarathi:256 / vllm @ 10.2 ms: ≥ " in report
+    assert "| sarathi-strict | sarathi:256 | 2.000 @ 10.2 |" in report
+    assert "| sarathi-relaxed | sarathi:2048 | 4.000 @ 50.8 |" in report
+    assert "| vllm | vllm | 0.000 @ 10.2, 2.500 @ 50.8 |" in report
+    budgets = summary["capacity"]["plan"]["token_budgets"]
+    assert f"{budgets['strict']} strict, {budgets['relaxed']} relaxed, each SLO its own sarathi search" in report
+    assert "GPU busy ms" in report and "| on | 300.0 | 2.0 | 1.0 | 3.100 | 3.000 | 4.000 | 25% |" in report
+    assert "| off | 300.0 | 300.0 | 0.0 | — | — | 12.000 | — |" in report
     assert "Skipped: `import vllm` fails" in report
     assert "`pytest -m gpu`: 21 passed, 0 failed, 0 errors, 0 skipped;" in report
     assert "2 prompts: identical" in report
@@ -231,9 +322,9 @@ def test_report_renders_headline_sections_and_reasons(tmp_path: Path) -> None:
 def test_probes_of_a_search_stopped_at_its_limit_reach_the_report(tmp_path: Path) -> None:
     line = ("            sarathi:64   0.200 QPS  P50 TTFT   32969 ms  P99 TBT     526 ms  median delay   0.00 s  "
             "failed 29/32     86 s  (gave up: P99 TBT > 340.3 ms)")
-    (tmp_path / "capacity-sarathi.log").write_text(f"[replica 0 stage 0] loading\n{line}\n")
+    (tmp_path / "capacity-sarathi-strict.log").write_text(f"[replica 0 stage 0] loading\n{line}\n")
     summary = gpu_check.summarize(tmp_path, 4, {})
-    assert summary["capacity_probes"] == {"sarathi": [line.strip()], "vllm": []}
+    assert summary["capacity_probes"] == {"sarathi-strict": [line.strip()], "vllm": [], "sarathi-relaxed": []}
     report = gpu_check.render_report(summary)
     assert "No search finished" in report and line.strip() in report
 
@@ -267,7 +358,47 @@ def test_capacity_ratio_is_a_value_a_bound_or_a_note() -> None:
     assert gpu_check.capacity_ratio(3.0, 1.5, 0.5) == {"value": 2.0}
     assert gpu_check.capacity_ratio(3.0, 0.0, 0.5)["at_least"] == 6.0
     assert "neither" in gpu_check.capacity_ratio(0.0, 0.0, 0.5)["note"]
-    assert gpu_check.capacity_summary([None, None], None) is None
+    assert gpu_check.capacity_summary({"sarathi-strict": None, "vllm": None}, None) is None
+
+
+def capacity_doc(policy: str, budget: int | None, capacity: dict[str, float]) -> dict[str, Any]:
+    label = f"{policy}:{budget}" if budget else policy
+    return {"policies": [{"label": label, "policy": policy, "token_budget": budget, "capacity_qps": capacity}]}
+
+
+def test_capacity_ratio_per_slo_compares_that_slos_sarathi_search() -> None:
+    runs = {"sarathi-strict": capacity_doc("sarathi", 128, {"26.6": 5.665}),
+            "vllm": capacity_doc("vllm", None, {"26.6": 1.133, "133.2": 11.328}),
+            "sarathi-relaxed": capacity_doc("sarathi", 2048, {"133.2": 22.656})}
+    summary = gpu_check.capacity_summary(runs, {"qps_low": 1.133})
+    assert summary is not None
+    assert summary["ratio"] == {"26.6": {"value": pytest.approx(5.0), "sarathi": "sarathi:128"},
+                                "133.2": {"value": pytest.approx(2.0), "sarathi": "sarathi:2048"}}
+    assert summary["searches"]["sarathi-relaxed"]["token_budget"] == 2048
+    # the relaxed search did not finish: no relaxed ratio, rather than the strict budget's figure
+    partial = gpu_check.capacity_summary({**runs, "sarathi-relaxed": None}, {"qps_low": 1.133})
+    assert partial is not None and list(partial["ratio"]) == ["26.6"]
+    assert (gpu_check.capacity_summary({"vllm": runs["vllm"]}, None) or {})["ratio"] == {}
+
+
+def test_the_capacity_plot_names_each_slos_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chariot.bench import plots
+
+    drawn: dict[str, Any] = {}
+    original = plots.plot_capacity
+
+    def record(capacity: dict[str, Any], path: Path, title: str = "") -> Path:
+        drawn.update(capacity)
+        return original(capacity, path, title)
+
+    runs = {"sarathi-strict": capacity_doc("sarathi", 128, {"26.6": 5.0}),
+            "vllm": capacity_doc("vllm", None, {"26.6": 1.0, "133.2": 11.0}),
+            "sarathi-relaxed": capacity_doc("sarathi", 2048, {"133.2": 22.0})}
+    summary = {"capacity": gpu_check.capacity_summary(runs, {}), "layers": 4, "gpu": "H200"}
+    monkeypatch.setattr(plots, "plot_capacity", record)
+    assert gpu_check.plot_capacities(summary, tmp_path / "capacity.png") is not None
+    assert drawn == {"sarathi (token budget 128 @ 26.6 ms, 2048 @ 133.2 ms)": {26.6: 5.0, 133.2: 22.0},
+                     "vllm": {26.6: 1.0, 133.2: 11.0}}
 
 
 # ---- running parts ------------------------------------------------------------------------------
@@ -295,7 +426,21 @@ def test_the_check_records_failures_timeouts_and_parts_it_had_no_time_for(tmp_pa
     assert check.statuses["engine-on"]["note"].startswith("out of time")
     assert set(gpu_check.PART_LIMITS_S) == {"prepare", "gpu_tests", "vllm",
                                             *(f"engine-{r}" for r in gpu_check.ENGINE_RUNS),
-                                            *(f"capacity-{p}" for p in gpu_check.CAPACITY_POLICIES)}
+                                            *(f"capacity-{s}" for s in gpu_check.CAPACITY_SEARCHES)}
+    # three capacity searches within 60 s more than the two of one search per policy (100 s each)
+    assert sum(v for k, v in gpu_check.PART_LIMITS_S.items() if k.startswith("capacity-")) <= 260
+
+
+def test_the_capacity_part_runs_every_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model").mkdir()
+    gpu_check.write_json(tmp_path / "prepare.json", {"model": str(tmp_path / "model")})
+    gpu_check.write_json(tmp_path / "engine.json", fake_engine())
+    args = gpu_check.parse_args(["--out", str(tmp_path), "--parts", "capacity", "--model-root", str(tmp_path)])
+    started: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(gpu_check.Check, "run", lambda self, name, cmd, cwd=None: started.append((name, cmd)))
+    gpu_check.run_parts(gpu_check.Check(args))
+    assert [name for name, _ in started] == ["capacity-sarathi-strict", "capacity-vllm", "capacity-sarathi-relaxed"]
+    assert [cmd[cmd.index("--search") + 1] for _, cmd in started] == list(gpu_check.CAPACITY_SEARCHES)
 
 
 def test_model_root_prefers_the_first_folder_with_room(tmp_path: Path) -> None:
@@ -357,6 +502,7 @@ def test_kernel_profile_runs_on_the_cpu(tiny_model_dir: Path) -> None:
     finally:
         engine.shutdown()
     assert row["kernels"]["kernels_per_iteration"] == 0.0  # no CUDA: no kernels, and no failure
+    assert row["kernels"]["device_ms_per_iteration"] is None and row["kernels"]["device_busy_ms_per_iteration"] is None
     assert not engine.has_unfinished
 
 
