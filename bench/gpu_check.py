@@ -71,7 +71,10 @@ from typing import Any
 
 PARTS = ("prepare", "engine", "gpu_tests", "capacity", "vllm")
 # Each engine run is its own process: a CUDA error in one (say, in graph capture) cannot cost the others.
-ENGINE_RUNS = ("on", "off", "on_half", "off_half")  # CUDA graphs on / off, at full and at half depth
+# CUDA graphs on / off, at full and at half depth; `sync`: graphs on with async scheduling off (its share).
+ENGINE_RUNS = ("on", "off", "sync", "on_half", "off_half")
+RUN_LABELS = {"on": "on", "off": "off", "sync": "on, async scheduling off"}
+DECODE_MODES = ("on", "sync", "off")
 STRICT, RELAXED = "strict", "relaxed"
 # The capacity searches: name → (policy, the SLOs it searches). Sarathi's token budget follows from the
 # SLO, so sarathi runs once per SLO; vllm has no budget, so one search covers both. Each search is its
@@ -82,8 +85,8 @@ CAPACITY_SEARCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     f"sarathi-{RELAXED}": ("sarathi", (RELAXED,))}
 # A single-SLO sarathi search makes at most CAPACITY_MAX_PROBES probes; both SLOs in one search took
 # 78 s on an H200 at 32 layers, vllm's two-SLO search 95 s.
-PART_LIMITS_S = {"prepare": 90, "engine-on": 90, "engine-off": 75, "engine-on_half": 45, "engine-off_half": 45,
-                 "gpu_tests": 120, f"capacity-sarathi-{STRICT}": 80, "capacity-vllm": 100,
+PART_LIMITS_S = {"prepare": 90, "engine-on": 90, "engine-off": 75, "engine-sync": 45, "engine-on_half": 45,
+                 "engine-off_half": 45, "gpu_tests": 120, f"capacity-sarathi-{STRICT}": 80, "capacity-vllm": 100,
                  f"capacity-sarathi-{RELAXED}": 80, "vllm": 120}
 MIN_PART_S = 20.0  # a part is not started with less time than this left in the budget
 DEFAULT_BUDGET_S = 450.0
@@ -170,7 +173,7 @@ def engine_runs(graphs: bool, layers: int) -> list[str]:
     """The engine runs to make: graphs on and off where the build has them, each also at half depth
     where the per-layer fit needs it."""
     modes = ["on", "off"] if graphs else ["off"]
-    return modes + ([f"{m}_half" for m in modes] if half_depth(layers) else [])
+    return modes + (["sync"] if graphs else []) + ([f"{m}_half" for m in modes] if half_depth(layers) else [])
 
 
 def cuda_problem() -> str | None:
@@ -472,7 +475,7 @@ def decode_rows(engine: Mapping[str, Any], layers: int, bandwidth_gbs: float | N
     runs = engine.get("runs", {})
     half = half_depth(layers)
     rows = []
-    for mode in ("on", "off"):
+    for mode in DECODE_MODES:
         full = {r["batch"]: r for r in runs.get(mode, {}).get("decode", [])}
         halves = {r["batch"]: r for r in runs.get(f"{mode}_half", {}).get("decode", [])}
         for batch, r in sorted(full.items()):
@@ -581,8 +584,9 @@ def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]])
     bandwidth = prepare.get("bandwidth", {}).get("floor_gbs")
     decode = decode_rows(engine, layers, bandwidth)
     runs = engine.get("runs", {})
-    on, off = runs.get("on", {}).get("greedy"), runs.get("off", {}).get("greedy")
+    on, off, sync = (runs.get(m, {}).get("greedy") for m in ("on", "off", "sync"))
     greedy = compare_greedy(on, off) if on is not None and off is not None else None
+    greedy_sync = compare_greedy(on, sync) if on is not None and sync is not None else None
     summary = {
         "gpu": prepare.get("gpu"), "torch": prepare.get("torch"), "layers": layers, "full_layers": FULL_LAYERS,
         "dry_run": prepare.get("preset", PRESET) != PRESET, "decode_context": engine.get("decode_context"),
@@ -590,7 +594,7 @@ def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]])
         "graphs_available": engine.get("graphs_available"), "graphs_note": engine.get("graphs_note"),
         "decode": decode, "prefill": prefill_rows(engine, layers),
         "kernels": kernel_rows(engine.get("kernels", {}), decode),
-        "greedy": greedy, "gpu_tests": read_json(out / "gpu_tests.json"),
+        "greedy": greedy, "greedy_async": greedy_sync, "gpu_tests": read_json(out / "gpu_tests.json"),
         "capacity": capacity_summary({s: read_json(out / capacity_folder(s) / "capacity.json")
                                       for s in CAPACITY_SEARCHES}, read_json(out / "capacity_plan.json")),
         "capacity_probes": {s: probe_lines(out / f"capacity-{s}.log") for s in CAPACITY_SEARCHES},
@@ -612,6 +616,7 @@ def headline(summary: Mapping[str, Any]) -> dict[str, Any]:
             "decode_32_ms": best.get("scaled_32_ms"), "floor_32_ms": best.get("floor_32_ms"),
             "x_floor_32": best.get("x_floor_32"),
             "greedy_identical": (summary.get("greedy") or {}).get("identical"),
+            "greedy_identical_async": (summary.get("greedy_async") or {}).get("identical"),
             "capacity_ratio": capacity.get("ratio", {}),
             "gpu_tests": {k: tests.get(k) for k in ("passed", "failed", "errors")} if tests else None}
 
@@ -676,7 +681,8 @@ def _report_decode(s: Mapping[str, Any]) -> str:
              f"| graphs | batch | ms at {s.get('layers')} layers | floor ms | × floor | ms at 32 layers | "
              "floor ms (32) | × floor (32) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['graphs']} | {r['batch']} | {_num(r['median_ms'])} | {_num(r.get('floor_ms'))} | "
+        label = RUN_LABELS.get(r["graphs"], r["graphs"])
+        lines.append(f"| {label} | {r['batch']} | {_num(r['median_ms'])} | {_num(r.get('floor_ms'))} | "
                      f"{_num(r.get('x_floor'))} | {_num(r.get('scaled_32_ms'))} | {_num(r.get('floor_32_ms'))} | "
                      f"{_num(r.get('x_floor_32'))} |")
     if s.get("graphs_note"):
@@ -706,7 +712,7 @@ def _report_kernels(s: Mapping[str, Any]) -> str:
         busy = k.get("device_busy_ms_per_iteration")
         busy = k.get("device_ms_per_iteration") if busy is None else busy
         share = k.get("host_bound_share")
-        lines.append(f"| {mode} | {_num(k.get('kernels_per_iteration'), 1)} | "
+        lines.append(f"| {RUN_LABELS.get(mode, mode)} | {_num(k.get('kernels_per_iteration'), 1)} | "
                      f"{_num(k.get('launch_calls_per_iteration'), 1)} | "
                      f"{_num(k.get('graph_launches_per_iteration'), 1)} | "
                      f"{_num(k.get('device_ms_per_iteration'), 3, '—')} | {_num(busy, 3, '—')} | "
@@ -719,11 +725,15 @@ def _report_kernels(s: Mapping[str, Any]) -> str:
 
 
 def _report_greedy(s: Mapping[str, Any]) -> str:
-    greedy = s.get("greedy")
-    if not greedy:
-        return "## Greedy tokens, graphs on and off\n\nNot compared (see the engine part)."
-    verdict = "identical" if greedy["identical"] else "DIFFERENT: " + "; ".join(greedy["differences"])
-    return f"## Greedy tokens, graphs on and off\n\n{greedy['prompts']} prompts: {verdict}."
+    lines = ["## Greedy tokens", ""]
+    for key, what in (("greedy", "graphs on and off"), ("greedy_async", "async scheduling on and off (graphs on)")):
+        greedy = s.get(key)
+        if not greedy:
+            lines.append(f"- {what}: not compared (see the engine part).")
+            continue
+        verdict = "identical" if greedy["identical"] else "DIFFERENT: " + "; ".join(greedy["differences"])
+        lines.append(f"- {what}: {greedy['prompts']} prompts, {verdict}.")
+    return "\n".join(lines)
 
 
 def _report_capacity(s: Mapping[str, Any]) -> str:
@@ -792,10 +802,10 @@ def plot_decode(summary: Mapping[str, Any], path: Path) -> Path | None:
               ("scaled_32_ms", "floor_32_ms", "32 layers (scaled)")]
     for i, (key, floor_key, title) in enumerate(panels):
         ax = fig.add_subplot(1, 2, i + 1)
-        for mode, style in (("on", "o-"), ("off", "s--")):
+        for mode, style in (("on", "o-"), ("sync", "^-."), ("off", "s--")):
             pts = [(r["batch"], r[key]) for r in rows if r["graphs"] == mode and r.get(key) is not None]
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label=f"graphs {mode}")
+                ax.plot(*zip(*pts, strict=True), style, label=f"graphs {RUN_LABELS[mode]}")
         floor = sorted({(r["batch"], r[floor_key]) for r in rows if r.get(floor_key) is not None})
         if floor:
             ax.plot(*zip(*floor, strict=True), ":", color="black", label="weight+KV-read floor")

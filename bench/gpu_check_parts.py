@@ -159,8 +159,11 @@ class Sweep:
 
     def engine_config(self, model: str, mode: str) -> EngineConfig:
         """Budget of the largest prefill chunk, batches up to the largest decode batch; `mode` is the
-        CUDA-graphs setting, left out where this build has none."""
-        graphs: dict[str, Any] = {"cuda_graphs": mode} if graphs_in_this_build() else {}
+        CUDA-graphs setting (left out where this build has none), or `sync`: graphs on, the engine
+        not scheduling ahead."""
+        graphs: dict[str, Any] = {}
+        if graphs_in_this_build():
+            graphs = {"cuda_graphs": "on", "async_scheduling": "off"} if mode == "sync" else {"cuda_graphs": mode}
         return EngineConfig(model=model, policy="sarathi", token_budget=max(self.prefill_tokens),
                             max_batch_size=max(self.batches), max_model_len=self.max_model_len,
                             kv_cache_tokens=self.kv_cache_tokens, device=self.device, dtype=self.dtype,
@@ -296,7 +299,7 @@ def measure_engine(record: EngineRecord, model: str, mode: str, key: str, full: 
             run["decode"].append(row)
             record.save()
             progress(f"{key}: decode {batch}: {row['median_ms']:.2f} ms")
-        for tokens in sweep.prefill_tokens:
+        for tokens in sweep.prefill_tokens if key != "sync" else ():  # a lone prefill has nothing to overlap
             run["prefill"].append(measure_prefill(engine, tokens))
             record.save()
             progress(f"{key}: prefill {tokens}: {run['prefill'][-1]['median_ms']:.2f} ms")

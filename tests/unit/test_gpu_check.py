@@ -315,7 +315,7 @@ def test_report_renders_headline_sections_and_reasons(tmp_path: Path) -> None:
     assert "| off | 300.0 | 300.0 | 0.0 | — | — | 12.000 | — |" in report
     assert "Skipped: `import vllm` fails" in report
     assert "`pytest -m gpu`: 21 passed, 0 failed, 0 errors, 0 skipped;" in report
-    assert "2 prompts: identical" in report
+    assert "2 prompts, identical" in report
     assert "`--layers 32`" in report
 
 
@@ -475,9 +475,9 @@ def test_engine_part_measures_and_records_on_a_tiny_model(tmp_path: Path, tiny_m
 
 
 def test_engine_runs_follow_the_build_and_the_depth() -> None:
-    assert gpu_check.engine_runs(True, 4) == ["on", "off", "on_half", "off_half"]
+    assert gpu_check.engine_runs(True, 4) == ["on", "off", "sync", "on_half", "off_half"]
     assert gpu_check.engine_runs(False, 4) == ["off", "off_half"]
-    assert gpu_check.engine_runs(True, 32) == ["on", "off"]
+    assert gpu_check.engine_runs(True, 32) == ["on", "off", "sync"]
 
 
 def test_an_engine_run_replaces_its_own_record_and_keeps_the_others(tmp_path: Path) -> None:
