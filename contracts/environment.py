@@ -9,10 +9,10 @@ readers, or when the doc is stale).
 Why in `chariot.contracts`: the registry is a shared contract, and the contracts package is torch-free
 and imports nothing of Chariot but `chariot.proto`, so every package at or above it (the worker, the
 router, the operator, which reads `CHARIOT_IMAGE` and must start without torch, the benchmarks, the
-CLI and the tests) reads its knobs through this module. The attention kernels are the exception: they
-read three of these knobs (`CHARIOT_ATTENTION_BACKEND`, `CHARIOT_KERNEL_CACHE`,
-`CHARIOT_CPU_LAYER_OPS`) but sit below `chariot.contracts` in the stack, so they cannot import it;
-`kernels/knobs.py` reads those three with the same semantics (standard library only). They are still
+CLI and the tests) reads its knobs through this module. The kernels are the exception: they read five
+of these knobs (`CHARIOT_ATTENTION_BACKEND`, `CHARIOT_KERNEL_CACHE`, `CHARIOT_KERNEL_BASELINE`,
+`CHARIOT_KERNEL_BUILD`, `CHARIOT_CPU_LAYER_OPS`) but sit below `chariot.contracts` in the stack, so they
+cannot import it; `kernels/knobs.py` reads those five with the same semantics (standard library only). They are still
 declared here, and `tests/unit/test_environment.py` checks that its names and defaults equal these
 declarations, so the two cannot drift. This module imports nothing but the standard library.
 
@@ -72,8 +72,21 @@ ATTENTION_BACKEND = Knob(
     ("kernels/__init__.py",))
 KERNEL_CACHE = Knob(
     "CHARIOT_KERNEL_CACHE", "directory", "~/.cache/chariot/kernels",
-    "where the C++ CPU kernels are built on first use and cached (one build per source, flags, torch and CPU)",
+    "where the C++ CPU kernels are built for this CPU (`-march=native`) and cached, one build per source, "
+    "flags, torch and CPU flags; a volume here keeps them across restarts (docs/kernels.md)",
     ("kernels/cpu_build.py",))
+KERNEL_BASELINE = Knob(
+    "CHARIOT_KERNEL_BASELINE", "directory", "/opt/chariot/kernels-baseline",
+    "read-only portable (x86-64-v3: AVX2, FMA) builds of the C++ CPU kernels, as the image carries them "
+    "(`python -m chariot.kernels.cpu_build prebuild --baseline DIR`); loaded when the cache has no build "
+    "for this CPU and this CPU has every flag they need",
+    ("kernels/cpu_build.py",))
+KERNEL_BUILD = Knob(
+    "CHARIOT_KERNEL_BUILD", "`auto` \\| `native` \\| `baseline`", "auto",
+    "which build of the C++ CPU kernels loads: `auto` this CPU's cached build, else a baseline build it can "
+    "run, else a compile for this CPU; `native` always this CPU's build (compiled when not cached: "
+    "benchmarks); `baseline` only the baseline build (an error when none fits)",
+    ("kernels/cpu_build.py",), choices=("auto", "native", "baseline"))
 CPU_LAYER_OPS = Knob(
     "CHARIOT_CPU_LAYER_OPS", "`0` \\| `1`", "1",
     "`0` runs RMSNorm, RoPE, SiLU-and-mul and the KV write in PyTorch instead of the fused C++ kernels (A/B runs)",
@@ -118,8 +131,9 @@ E2E_COMMAND = Knob(
     ("tests/e2e/test_local_e2e.py",))
 
 KNOBS: tuple[Knob, ...] = (
-    ATTENTION_BACKEND, KERNEL_CACHE, CPU_LAYER_OPS, CPU_KEEP_FREED_MEMORY, CPU_PACKED_LINEAR, CPU_SKINNY_LINEAR,
-    CPU_SKINNY_MAX_ROWS, CPU_PANEL_LINEAR, STAGE_CPUS, IMAGE, REDIS_URL, REDIS_SERVER, E2E_COMMAND,
+    ATTENTION_BACKEND, KERNEL_CACHE, KERNEL_BASELINE, KERNEL_BUILD, CPU_LAYER_OPS, CPU_KEEP_FREED_MEMORY,
+    CPU_PACKED_LINEAR, CPU_SKINNY_LINEAR, CPU_SKINNY_MAX_ROWS, CPU_PANEL_LINEAR, STAGE_CPUS, IMAGE, REDIS_URL,
+    REDIS_SERVER, E2E_COMMAND,
 )
 
 

@@ -10,7 +10,8 @@ and cache on a CPU with AVX512-BF16, both products run on bf16 dot products inst
 several query tokens and in decodes of whole GQA groups (`bf16_dot_tiles`), with fp32 accumulation.
 
 It is compiled on first use against the installed torch and cached (`cpu_build.py`: keyed by the
-source, flags, torch and this CPU; later processes load it without a compiler). `write_kv` is the
+source, flags, torch and this CPU; later processes load it without a compiler), or loaded from the
+portable build an image carries where the cache has none for this CPU. `write_kv` is the
 one-pass copy of `cpu_layer_ops.py` (the reference's `index_put_` by block and slot took 1 ms per
 layer for a 512-token chunk, single-threaded). It is the default attention backend on a machine
 without CUDA whenever it builds (`kernels/__init__.py`).

@@ -31,6 +31,7 @@ from chariot.kernels.cpu_build import load_ops
 __all__ = ["PANEL", "PanelWeight", "build_problem", "pack", "panel_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
+STEM = "cpu_panel_linear"
 PANEL = 16  # outputs per panel
 
 KernelFn = Callable[..., None]
@@ -39,7 +40,7 @@ KernelFn = Callable[..., None]
 @cache
 def load_kernels(source: Path = SOURCE) -> tuple[KernelFn, KernelFn]:
     """(pack_panels, panel_linear), loaded from the cache or built first; raises when they cannot be built."""
-    ops = load_ops(source, "cpu_panel_linear", "CPU panel linear kernel")
+    ops = load_ops(source, STEM, "CPU panel linear kernel")
     return ops("pack_panels"), ops("panel_linear")
 
 

@@ -27,6 +27,7 @@ from chariot.kernels.cpu_build import load_ops
 __all__ = ["MAX_ROWS", "bf16_rows", "build_problem", "load_kernel", "skinny_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+STEM = "cpu_linear"
 LANES = 8
 BF16_STEP = 32  # bf16 values of K per step of the AVX512-BF16 path (one cache line of a weight row)
 MAX_ROWS = 32
@@ -41,7 +42,7 @@ KernelFn = Callable[..., None]
 @cache
 def load_kernel(source: Path = SOURCE) -> KernelFn:
     """The compiled op (loaded from the cache, else built first); raises when it cannot be built."""
-    return load_ops(source, "cpu_linear", "CPU linear kernel")("skinny_linear")
+    return load_ops(source, STEM, "CPU linear kernel")("skinny_linear")
 
 
 @cache
@@ -54,7 +55,7 @@ def build_problem() -> str | None:
 def bf16_rows(source: Path = SOURCE) -> bool:
     """Whether this build multiplies bf16 rows: on AVX512-BF16 dot products, which it has when the CPU
     it was built for does (elsewhere a bf16 model keeps oneDNN for every row count)."""
-    return bool(load_ops(source, "cpu_linear", "CPU linear kernel")("bf16_rows")())
+    return bool(load_ops(source, STEM, "CPU linear kernel")("bf16_rows")())
 
 
 def supports(weight: torch.Tensor) -> bool:

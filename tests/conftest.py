@@ -25,6 +25,9 @@ if not torch.cuda.is_available():
 # One compiled CPU attention kernel for the whole session, pods of the e2e test kubelet included (it
 # gives each pod its own HOME, which would otherwise mean one ~25 s compile per pod).
 os.environ.setdefault("CHARIOT_KERNEL_CACHE", str(Path.home() / ".cache" / "chariot" / "kernels"))
+# The kernel tests check the build for this CPU (its AVX-512 paths where it has them), also where an
+# image carries the portable baseline build that `auto` would load instead.
+os.environ.setdefault("CHARIOT_KERNEL_BUILD", "native")
 
 from chariot.worker.model.make_model import make_model
 

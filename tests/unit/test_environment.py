@@ -1,7 +1,7 @@
 """The `CHARIOT_*` environment knobs: every one the source names is declared in
 `chariot.contracts.environment`, read through its readers (never `os.environ` directly), and read where
 the registry says; the registry imports only the standard library and its readers behave as declared.
-The kernels sit below `chariot.contracts`, so they read their three knobs through `chariot.kernels.knobs`
+The kernels sit below `chariot.contracts`, so they read their five knobs through `chariot.kernels.knobs`
 (standard library only), whose names and defaults must equal the registry's declarations."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from chariot.kernels import knobs as kernel_knobs
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("cli", "bench", "worker", "router", "operator", "contracts", "kernels", "proto", "tests")
 REGISTRY = ROOT / "contracts" / "environment.py"
-KERNEL_KNOBS = ROOT / "kernels" / "knobs.py"  # the only other reader: the kernels' three knobs
-KERNEL_KNOB_NAMES = {kernel_knobs.ATTENTION_BACKEND, kernel_knobs.KERNEL_CACHE, kernel_knobs.CPU_LAYER_OPS}
+KERNEL_KNOBS = ROOT / "kernels" / "knobs.py"  # the only other reader: the kernels' five knobs
+KERNEL_KNOB_NAMES = {kernel_knobs.ATTENTION_BACKEND, kernel_knobs.KERNEL_CACHE, kernel_knobs.KERNEL_BASELINE,
+                     kernel_knobs.KERNEL_BUILD, kernel_knobs.CPU_LAYER_OPS}
 # Names that look like knobs but are C preprocessor macros of the kernels' builds, not environment variables.
 MACROS = {"CHARIOT_OPS_NAMESPACE", "CHARIOT_VECTOR_256"}
 NAME = re.compile(r"\bCHARIOT_[A-Z0-9_]*[A-Z0-9]\b")  # a `CHARIOT_CPU_*` family is not a name
@@ -71,7 +72,7 @@ def environment_reads(tree: ast.AST) -> list[ast.AST]:
 def test_nothing_reads_a_knob_around_the_registry() -> None:
     """Code reads a knob with `chariot.contracts.environment.read` / `is_on` / `read_path` (writes, which
     set a knob for a child process or a test, may name it); the kernels' reader module is the only other
-    one, and only for the kernels' three knobs."""
+    one, and only for the kernels' five knobs."""
     bypassing = [f"{path.relative_to(ROOT)}:{node.lineno}"  # type: ignore[attr-defined]
                  for path in python_files() if path not in (REGISTRY, KERNEL_KNOBS)
                  for node in environment_reads(ast.parse(path.read_text()))]
@@ -79,7 +80,7 @@ def test_nothing_reads_a_knob_around_the_registry() -> None:
 
 
 def test_the_kernel_reader_reads_only_the_kernel_knobs() -> None:
-    """`kernels/knobs.py` names no knob but the three the registry says the kernels read, and nothing
+    """`kernels/knobs.py` names no knob but the five the registry says the kernels read, and nothing
     outside the kernels reads a knob through it (the worker and everything above use the registry)."""
     kernel_side = {k.name for k in env.KNOBS if all(r.startswith("kernels/") for r in k.readers)}
     assert kernel_side == KERNEL_KNOB_NAMES
@@ -91,14 +92,18 @@ def test_the_kernel_reader_reads_only_the_kernel_knobs() -> None:
 
 
 def test_the_kernel_side_names_and_defaults_equal_the_registry() -> None:
-    """The kernels read their three knobs without the registry (they sit below `chariot.contracts`); what
+    """The kernels read their five knobs without the registry (they sit below `chariot.contracts`); what
     they read must be what the registry declares, so the two cannot drift."""
     pairs = [(env.ATTENTION_BACKEND, kernel_knobs.ATTENTION_BACKEND, kernel_knobs.ATTENTION_BACKEND_DEFAULT),
              (env.KERNEL_CACHE, kernel_knobs.KERNEL_CACHE, kernel_knobs.KERNEL_CACHE_DEFAULT),
+             (env.KERNEL_BASELINE, kernel_knobs.KERNEL_BASELINE, kernel_knobs.KERNEL_BASELINE_DEFAULT),
+             (env.KERNEL_BUILD, kernel_knobs.KERNEL_BUILD, kernel_knobs.KERNEL_BUILD_DEFAULT),
              (env.CPU_LAYER_OPS, kernel_knobs.CPU_LAYER_OPS, kernel_knobs.CPU_LAYER_OPS_DEFAULT)]
     for declared, name, default in pairs:
         assert (name, default) == (declared.name, declared.default)
     assert env.ATTENTION_BACKEND.values == " \\| ".join(f"`{c}`" for c in kernel_knobs.ATTENTION_BACKENDS)
+    assert env.KERNEL_BUILD.values == " \\| ".join(f"`{c}`" for c in kernel_knobs.KERNEL_BUILDS)
+    assert env.KERNEL_BUILD.choices == kernel_knobs.KERNEL_BUILDS
 
 
 def test_the_kernel_readers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,6 +112,8 @@ def test_the_kernel_readers(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, "")
     assert kernel_knobs.attention_backend() is None
     assert kernel_knobs.kernel_cache() == env.read_path(env.KERNEL_CACHE)
+    assert kernel_knobs.kernel_baseline() == env.read_path(env.KERNEL_BASELINE)
+    assert kernel_knobs.kernel_build() == env.read(env.KERNEL_BUILD) == "auto"
     assert kernel_knobs.cpu_layer_ops() is env.is_on(env.CPU_LAYER_OPS) is True
     monkeypatch.setenv(kernel_knobs.ATTENTION_BACKEND, " Triton ")
     assert kernel_knobs.attention_backend() == "triton"
@@ -117,6 +124,12 @@ def test_the_kernel_readers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernel_knobs.kernel_cache() == Path.home() / "k"
     monkeypatch.setenv(kernel_knobs.CPU_LAYER_OPS, "0")
     assert not kernel_knobs.cpu_layer_ops()
+    monkeypatch.setenv(kernel_knobs.KERNEL_BUILD, "native")
+    assert kernel_knobs.kernel_build() == env.read(env.KERNEL_BUILD) == "native"
+    monkeypatch.setenv(kernel_knobs.KERNEL_BUILD, "fast")
+    for reader in (kernel_knobs.kernel_build, lambda: env.read(env.KERNEL_BUILD)):
+        with pytest.raises(ValueError, match="CHARIOT_KERNEL_BUILD must be auto, native or baseline, got 'fast'"):
+            reader()
 
 
 def test_a_direct_read_is_caught() -> None:
