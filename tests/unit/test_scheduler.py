@@ -113,7 +113,7 @@ request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  
 
 
 @pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=12),
     budget=st.sampled_from([8, 16, 32, 64]),
@@ -122,28 +122,16 @@ request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  
     in_flight=st.integers(1, 3),
     abort_seed=st.integers(0, 3),
     prefix_caching=st.booleans(),
+    ahead=st.booleans(),
 )
 def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed,
-                                      prefix_caching):
-    random_load(FakeRun(policy, budget, max_batch, num_blocks, in_flight, prefix_caching=prefix_caching),
-                reqs, abort_seed)
-
-
-@pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    reqs=st.lists(request, min_size=1, max_size=12),
-    budget=st.sampled_from([8, 16, 32, 64]),
-    max_batch=st.integers(1, 8),
-    num_blocks=st.integers(16, 60),
-    abort_seed=st.integers(0, 3),
-    prefix_caching=st.booleans(),
-)
-def test_invariants_scheduling_ahead(policy, reqs, budget, max_batch, num_blocks, abort_seed, prefix_caching):
-    """Two batches in flight whose sequences may overlap (`SchedulerConfig.ahead`): the same invariants,
-    no request past its max_tokens, no block leaked, and a decode scheduled ahead only continues a
-    sequence whose pending token its batch in flight samples."""
-    random_load(FakeRun(policy, budget, max_batch, num_blocks, 2, prefix_caching=prefix_caching, ahead=True),
+                                      prefix_caching, ahead):
+    """Every batch within budget and batch size, stall-free for sarathi, no starvation, no request past
+    its max_tokens, no block leaked. Scheduling ahead (`SchedulerConfig.ahead`, two batches in flight
+    whose sequences may overlap), a decode scheduled ahead only continues a sequence whose pending
+    token its batch in flight samples."""
+    depth = 2 if ahead else in_flight
+    random_load(FakeRun(policy, budget, max_batch, num_blocks, depth, prefix_caching=prefix_caching, ahead=ahead),
                 reqs, abort_seed)
 
 
