@@ -18,6 +18,7 @@ import yaml
 
 from chariot.contracts import engine_settings as settings
 from chariot.contracts.engine_settings import Setting
+from chariot.operator.podtemplate import KERNEL_CACHE_DIR
 
 GROUP = "chariot.dev"
 VERSION = "v1alpha1"
@@ -117,6 +118,24 @@ def _model() -> Schema:
     }, required=["uri"])
 
 
+def _kernel_cache() -> Schema:
+    s = _obj(f"A volume the stage pods keep the C++ CPU kernels' builds on, mounted at `{KERNEL_CACHE_DIR}` with "
+             "`CHARIOT_KERNEL_CACHE` pointing at it and `CHARIOT_KERNEL_BUILD=native`: the first stage pod on a "
+             "node compiles the builds for its CPU into it (about 25 s per kernel), every later one there loads "
+             "them. Builds are keyed by the CPU's feature flags and the kernel source, so nodes of different CPUs "
+             "can share one volume. Set exactly one of `claimName` and `hostPath`; unset: the image's portable "
+             "build, or a build in the pod's /tmp that goes with the pod.", {
+                 "claimName": _str("PersistentVolumeClaim holding the cache (ReadWriteMany when stage pods run on "
+                                   "several nodes).", pattern=DNS_SUBDOMAIN_PATTERN),
+                 "hostPath": _str("Absolute directory on each node (created if missing, as `DirectoryOrCreate`); "
+                                  "it must be writable by uid 10001, and Pod Security `baseline`/`restricted` "
+                                  "namespaces refuse hostPath volumes.", pattern=r"^/.*$", maxLength=4096),
+             })
+    s["minProperties"] = 1
+    s["maxProperties"] = 1
+    return s
+
+
 def _scheduler() -> Schema:
     return _obj("Batching policy and its knobs (every stage of a group gets the same).", {
         **_engine(settings.POLICY, settings.TOKEN_BUDGET),
@@ -153,10 +172,10 @@ def _quantities(description: str) -> Schema:
 TEMPLATE_OWNED = ("Operator-owned, and rejected with an error naming the field: the labels and annotations the "
                   "operator sets (`app.kubernetes.io/*` of its own, `prometheus.io/*`, anything under "
                   "`chariot.dev/`), `restartPolicy`, `hostname`, `subdomain`, the volume names `model`, `tmp`, "
-                  "`shm`, `config`, and in the operator's containers `image` (use `spec.image`), `command`, "
-                  "`args`, `ports`, probes, the rendezvous env vars (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, "
+                  "`shm`, `config`, `kernel-cache`, and in the operator's containers `image` (use `spec.image`), "
+                  "`command`, `args`, `ports`, probes, the rendezvous env vars (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, "
                   "`MASTER_PORT`), `nvidia.com/gpu` resources (use `spec.resources.gpusPerStage`) and mount "
-                  "paths `/models` (and below), `/tmp`, `/dev/shm`, `/etc/chariot`.")
+                  "paths `/models` (and below), `/tmp`, `/dev/shm`, `/etc/chariot`, `/var/cache/chariot/kernels`.")
 
 
 def _container(description: str) -> Schema:
@@ -193,9 +212,11 @@ def _pod_template(pods: str, container: str) -> Schema:
                           "securityContext, ...) except the operator-owned ones.", {
             "containers": _array(f"Merged by name: {named} receive these fields; others are sidecars.",
                                  _container("A Container (partial for the operator's).")),
-            "initContainers": _array("Merged by name, after the operator's (`make-model` for `preset://`).",
+            "initContainers": _array("Merged by name, after the operator's (`make-model`, which makes or fetches "
+                                     "the model for `preset://` and `hf://`).",
                                      _container("A Container (partial for the operator's).")),
-            "volumes": _array("Added to the operator's volumes (`model`, `tmp`, `shm`, `config` are its own).",
+            "volumes": _array("Added to the operator's volumes (`model`, `tmp`, `shm`, `config`, `kernel-cache` "
+                              "are its own).",
                               _open_obj("A Volume.", {"name": _str("Volume name.")}, required=["name"])),
             "imagePullSecrets": _array("Merged by name.", _obj("A LocalObjectReference.", {
                 "name": _str("Secret name.")}, required=["name"])),
@@ -211,7 +232,8 @@ def _pod_template(pods: str, container: str) -> Schema:
             "nodeSelector": _string_map("Node labels the pods must match."),
             "affinity": _open_obj("Node and pod (anti-)affinity."),
             "serviceAccountName": _str("ServiceAccount the pods run as."),
-            "runtimeClassName": _str("RuntimeClass of the pods (e.g. `nvidia`)."),
+            "runtimeClassName": _str("RuntimeClass of the pods (e.g. `nvidia`); for the stage pods "
+                                     "`spec.runtimeClassName` says the same, and the two must agree."),
             "priorityClassName": _str("PriorityClass of the pods."),
             "schedulerName": _str("Scheduler that places the pods."),
         }),
@@ -244,7 +266,17 @@ def spec_schema() -> Schema:
                                  "on CPU.", minimum=0, maximum=16, default=1),
             "cpu": _quantity("CPU request (and limit) per stage pod.", "2"),
             "memory": _quantity("Memory request (and limit) per stage pod.", "8Gi"),
+            "shmSize": _quantity("Size limit of `/dev/shm` in each stage pod, a memory-backed emptyDir: NCCL "
+                                 "and torch.distributed pass tensors between the processes of a pod (its "
+                                 "tensor-parallel ranks) through it, and its pages count against the pod's "
+                                 "memory limit. 1Gi is the usual advice for NCCL (a 64 MiB /dev/shm, a container "
+                                 "runtime's default, fails NCCL with `failed to extend /dev/shm`).", "1Gi"),
         }, default={}),
+        "runtimeClassName": _str("RuntimeClass of the stage pods, e.g. `nvidia` where the NVIDIA container runtime "
+                                 "is installed as a RuntimeClass rather than as the nodes' default runtime (the "
+                                 "NVIDIA GPU operator's `nvidia` RuntimeClass); unset: the nodes' default runtime.",
+                                 pattern=DNS_SUBDOMAIN_PATTERN, maxLength=253),
+        "kernelCache": _kernel_cache(),
         "image": _str("Container image for workers and routers; default: the operator's own image."),
         "router": _obj("The request router in front of the replicas.", {
             "replicas": _int("Router pods.", minimum=0, default=1),

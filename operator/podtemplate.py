@@ -53,8 +53,10 @@ OWNED_POD_FIELDS: dict[str, str] = {
     "subdomain": "the headless stages Service",
 }
 OWNED_RESOURCES = frozenset({"nvidia.com/gpu"})
-OWNED_VOLUMES = frozenset({"model", "tmp", "shm", "config"})
-OWNED_MOUNT_PATHS = frozenset({"/tmp", "/dev/shm", "/etc/chariot"})
+KERNEL_CACHE_VOLUME = "kernel-cache"  # `spec.kernelCache`, in stage pods
+KERNEL_CACHE_DIR = "/var/cache/chariot/kernels"  # its mount point, `CHARIOT_KERNEL_CACHE` in the worker
+OWNED_VOLUMES = frozenset({"model", "tmp", "shm", "config", KERNEL_CACHE_VOLUME})
+OWNED_MOUNT_PATHS = frozenset({"/tmp", "/dev/shm", "/etc/chariot", KERNEL_CACHE_DIR})
 MODELS_DIR = "/models"  # the model volume's mount point (and below it, `pvc://CLAIM` mounts)
 OWNED_LABELS = frozenset({"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
                           "app.kubernetes.io/managed-by", "app.kubernetes.io/component"})

@@ -16,8 +16,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from chariot.contracts import environment
 from chariot.operator import crd
-from chariot.operator.podtemplate import MAKE_MODEL, MODELS_DIR, ROUTER, WORKER, merge_pod
+from chariot.operator.podtemplate import (
+    KERNEL_CACHE_DIR,
+    KERNEL_CACHE_VOLUME,
+    MAKE_MODEL,
+    MODELS_DIR,
+    ROUTER,
+    WORKER,
+    merge_pod,
+)
 from chariot.operator.spec import Spec
 
 Manifest = dict[str, Any]
@@ -159,17 +168,22 @@ def model_source(spec: Spec) -> ModelSource:
     return ModelSource(path=uri.removeprefix("file://"))
 
 
-def make_model_container(spec: Spec, image: str, source: ModelSource) -> list[Manifest]:
-    """An init container that puts the model directory in place: `chariot make-model` writes a
-    `preset://` model into the pod's emptyDir (same seed → same weights in every pod, so all stages and
-    the router agree); `chariot fetch-model` downloads an `hf://` model into the model volume (an
-    emptyDir, or the cache claim, where a completed download is not repeated), with `HF_TOKEN` from
-    `spec.model.tokenSecret`."""
+def make_model_container(spec: Spec, image: str, source: ModelSource, stage: int | None = None) -> list[Manifest]:
+    """An init container that puts what the pod reads of the model in place: for a stage pod (`stage`
+    given) the config, tokenizer and that stage's weights; for a router pod (`stage` None) the config
+    and tokenizer only. `chariot make-model` writes a `preset://` model into the pod's emptyDir (same
+    seed → same weights and tokenizer in every pod, so all stages and the router agree; routers get
+    no weights); `chariot fetch-model` downloads an `hf://` model into the model volume (an emptyDir,
+    or the cache claim, where files already fetched are not fetched again) — for a stage only the
+    safetensors shards holding its layers (`--stage S --stages P`, split as the worker splits them),
+    for a router no weights — with `HF_TOKEN` from `spec.model.tokenSecret`."""
     env = base_env()
+    no_weights = ["--no-weights"] if stage is None else []
     if source.preset is not None:
-        command = ["chariot", "make-model", source.path, "--preset", source.preset]
+        command = ["chariot", "make-model", source.path, "--preset", source.preset, *no_weights]
     elif source.fetch is not None:
-        command = ["chariot", "fetch-model", source.fetch, source.path]
+        part = no_weights if stage is None else ["--stage", str(stage), "--stages", str(spec.pipeline)]
+        command = ["chariot", "fetch-model", source.fetch, source.path, *part]
         secret = spec.model.token_secret
         if secret is not None:
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}}})
@@ -196,13 +210,44 @@ def base_env() -> list[Manifest]:
     return [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUNBUFFERED", "value": "1"}]
 
 
-def scratch_volumes() -> list[Manifest]:
-    """/tmp for caches (the root filesystem is read-only) and a RAM-backed /dev/shm for torch.distributed."""
-    return [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": {"medium": "Memory"}}]
+def scratch_volumes(shm_size: str | None = None) -> list[Manifest]:
+    """/tmp for caches (the root filesystem is read-only) and a RAM-backed /dev/shm for torch.distributed
+    and NCCL, limited to `shm_size` (stage pods: `spec.resources.shmSize`; its pages count against the
+    pod's memory)."""
+    shm: Manifest = {"medium": "Memory"}
+    if shm_size is not None:
+        shm["sizeLimit"] = shm_size
+    return [{"name": "tmp", "emptyDir": {}}, {"name": "shm", "emptyDir": shm}]
 
 
 def scratch_mounts() -> list[Manifest]:
     return [{"name": "tmp", "mountPath": "/tmp"}, {"name": "shm", "mountPath": "/dev/shm"}]
+
+
+def kernel_cache_volumes(spec: Spec) -> list[Manifest]:
+    """`spec.kernelCache`: the volume the C++ CPU kernel builds are cached on, across pod restarts."""
+    cache = spec.kernel_cache
+    if cache is None:
+        return []
+    if cache.claim_name is not None:
+        return [{"name": KERNEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.claim_name}}]
+    return [{"name": KERNEL_CACHE_VOLUME, "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}]
+
+
+def kernel_cache_mounts(spec: Spec) -> list[Manifest]:
+    return [{"name": KERNEL_CACHE_VOLUME, "mountPath": KERNEL_CACHE_DIR}] if spec.kernel_cache else []
+
+
+def kernel_cache_env(spec: Spec) -> list[Manifest]:
+    """With `spec.kernelCache`: `CHARIOT_KERNEL_CACHE` pointing at its volume, and `CHARIOT_KERNEL_BUILD=native`,
+    so the first start on a node (per CPU model) compiles this CPU's builds into it and every later
+    start there loads them — under the default `auto` a worker whose image carries the portable
+    baseline build would load that and never fill the volume (docs/kernels.md). Without a cache the
+    builds go under `HOME=/tmp`, an emptyDir that goes with the pod, and `auto` applies."""
+    if spec.kernel_cache is None:
+        return []
+    return [{"name": environment.KERNEL_CACHE.name, "value": KERNEL_CACHE_DIR},
+            {"name": environment.KERNEL_BUILD.name, "value": "native"}]
 
 
 # --- stage pods ----------------------------------------------------------------------------------
@@ -283,10 +328,10 @@ def stage_container(owner: Owner, spec: Spec, image: str, group: int, stage: int
     return {
         "name": WORKER, "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["chariot", "worker"], "args": worker_args(owner, spec, source),
-        "env": [*rendezvous_env(owner, spec, group, stage), *base_env()],
+        "env": [*rendezvous_env(owner, spec, group, stage), *base_env(), *kernel_cache_env(spec)],
         "ports": stage_ports(stage), "resources": stage_resources(spec), **stage_probes(stage),
         "securityContext": container_security(),
-        "volumeMounts": [*source.mounts, *scratch_mounts()],
+        "volumeMounts": [*source.mounts, *scratch_mounts(), *kernel_cache_mounts(spec)],
         # A worker that exits with an error (a failed warm-up, a bad checkpoint) leaves its last log
         # lines as the termination message; the operator quotes it in status.groups[].lastFailure.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -305,12 +350,14 @@ def stage_pod(owner: Owner, spec: Spec, image: str, group: int, stage: int, conf
         "restartPolicy": "Never", "hostname": name, "subdomain": stages_service_name(owner),
         "automountServiceAccountToken": False, "enableServiceLinks": False, "terminationGracePeriodSeconds": 30,
         "securityContext": pod_security(),
-        "initContainers": make_model_container(spec, image, source),
+        "initContainers": make_model_container(spec, image, source, stage),
         "containers": [stage_container(owner, spec, image, group, stage)],
-        "volumes": [*source.volumes, *scratch_volumes()],
+        "volumes": [*source.volumes, *scratch_volumes(spec.resources.shm_size), *kernel_cache_volumes(spec)],
     }
     if spec.resources.gpus_per_stage > 0:
         pod_spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    if spec.runtime_class_name is not None:
+        pod_spec["runtimeClassName"] = spec.runtime_class_name
     return merge_pod({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}, spec.template.body())
 
 

@@ -83,6 +83,15 @@ class ResourceSpec:
     gpus_per_stage: int = 1
     cpu: str = "2"
     memory: str = "8Gi"
+    shm_size: str = "1Gi"  # sizeLimit of the stage pods' memory-backed /dev/shm
+
+
+@dataclass(frozen=True)
+class KernelCacheSpec:
+    """`spec.kernelCache`: the volume of the CPU kernels' build cache (exactly one of the two)."""
+
+    claim_name: str | None = None
+    host_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,8 @@ class Spec:
     router: RouterSpec = RouterSpec()
     otlp_endpoint: str | None = None
     template: PodTemplate = field(default_factory=PodTemplate)
+    runtime_class_name: str | None = None
+    kernel_cache: KernelCacheSpec | None = None
 
 
 # --- the CRD schema, applied locally -------------------------------------------------------------
@@ -185,6 +196,12 @@ def _value_errors(schema: dict[str, Any], value: Any, path: str) -> list[FieldEr
         errors.append(FieldError(path, f"{value!r} does not match {schema['pattern']}"))
     if "maxLength" in schema and isinstance(value, str) and len(value) > schema["maxLength"]:
         errors.append(FieldError(path, f"must be at most {schema['maxLength']} characters"))
+    if isinstance(value, dict) and ("minProperties" in schema or "maxProperties" in schema):
+        low, high = schema.get("minProperties", 0), schema.get("maxProperties", len(value))
+        if not low <= len(value) <= high:
+            names = ", ".join(schema.get("properties", {}))
+            count = f"exactly {low}" if low == high else f"between {low} and {high}"
+            errors.append(FieldError(path, f"must set {count} of {names}, got {len(value)}"))
     return errors
 
 
@@ -201,7 +218,41 @@ def semantic_errors(spec: Spec, name: str) -> list[FieldError]:
         errors.append(FieldError("spec.scheduler.tokenBudget",
                                  f"{problem} (spec.model.maxModelLen = {max_len}), got {s.token_budget}"))
     return (errors + tune_profile_errors(spec) + preset_errors(spec) + name_errors(name, spec) + template_errors(spec)
-            + hf_errors(spec))
+            + hf_errors(spec) + pod_errors(spec))
+
+
+def pod_errors(spec: Spec) -> list[FieldError]:
+    """Stage pod settings the schema cannot check: a `/dev/shm` of no size, a `..` in a hostPath
+    (the API server refuses it only when the pod is created), and a RuntimeClass set twice with
+    different values (which one would the pods get?)."""
+    errors = []
+    shm = spec.resources.shm_size
+    if quantity_bytes(shm) <= 0:
+        errors.append(FieldError("spec.resources.shmSize", f"must be a positive size (e.g. 1Gi), got {shm!r}"))
+    cache = spec.kernel_cache
+    if cache is not None and cache.host_path is not None and ".." in cache.host_path.split("/"):
+        errors.append(FieldError("spec.kernelCache.hostPath", f"must not contain '..', got {cache.host_path!r}"))
+    templated = (spec.template.body().get("spec") or {}).get("runtimeClassName")
+    if spec.runtime_class_name is not None and templated is not None and templated != spec.runtime_class_name:
+        errors.append(FieldError("spec.template.spec.runtimeClassName",
+                                 f"is {templated!r} but spec.runtimeClassName is {spec.runtime_class_name!r}; "
+                                 "set one of them"))
+    return errors
+
+
+QUANTITY_SUFFIXES = {"": 1, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+                     "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """The value of a resource.Quantity that has passed the CRD's pattern (`1Gi`, `512M`, `1e9`, `0`)."""
+    match = re.fullmatch(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))([eE][+-]?\d+|[KMGTPE]i|[numkMGTPE])?", quantity.strip())
+    if match is None:
+        raise ValueError(f"not a quantity: {quantity!r}")
+    number, suffix = float(match[1]), match[2] or ""
+    if suffix[:1] in ("e", "E"):
+        return number * 10 ** int(suffix[1:])
+    return number * QUANTITY_SUFFIXES[suffix]
 
 
 def hf_errors(spec: Spec) -> list[FieldError]:
@@ -299,10 +350,14 @@ def _from_dict(v: dict[str, Any]) -> Spec:
                                 max_batch_size=s["maxBatchSize"], block_size=s["blockSize"],
                                 tune_profile=s.get("tuneProfile")),
         ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
-        resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"])),
+        resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"]),
+                               shm_size=str(r["shmSize"])),
         image=v.get("image"),
         router=RouterSpec(replicas=router["replicas"], redis_url=(router.get("redis") or {}).get("url"),
                           template=PodTemplate.of(router.get("template"))),
         otlp_endpoint=v["observability"].get("otlpEndpoint"),
         template=PodTemplate.of(v.get("template")),
+        runtime_class_name=v.get("runtimeClassName"),
+        kernel_cache=KernelCacheSpec(claim_name=v["kernelCache"].get("claimName"),
+                                     host_path=v["kernelCache"].get("hostPath")) if v.get("kernelCache") else None,
     )

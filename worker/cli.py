@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chariot.contracts.engine_settings import ENGINE_CORE
+from chariot.contracts.engine_settings import ENGINE_CORE, LAYER_SPLIT
 from chariot.contracts.errors import ConfigError
 from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from chariot.contracts.sampling_params import SamplingParams
     from chariot.contracts.telemetry import Telemetry
     from chariot.worker.config import EngineConfig
+    from chariot.worker.model.fetch import StagePart
     from chariot.worker.pipeline.transport import Topology
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
@@ -36,31 +37,62 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=PRESET_NAMES, default="tiny")
     p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="write the config and tokenizer only (what a router reads), no weights")
     p.set_defaults(handler=_run_make_model)
 
 
 def _run_make_model(args: argparse.Namespace) -> int:
     from chariot.worker.model.make_model import make_model
 
-    make_model(args.dir, args.preset, seed=args.seed, arch=args.arch)
-    print(f"wrote {args.preset} {args.arch} model to {args.dir}")
+    make_model(args.dir, args.preset, seed=args.seed, arch=args.arch, weights=args.weights)
+    what = "model" if args.weights else "config and tokenizer (no weights)"
+    print(f"wrote {args.preset} {args.arch} {what} to {args.dir}")
     return 0
 
 
 def _add_fetch_model(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("fetch-model", help="download an hf:// model's config, safetensors and tokenizer",
+    p = sub.add_parser("fetch-model", help="download an hf:// model's config, tokenizer and the weights a pod needs",
                        description="Download hf://<org>/<name>[@<revision>] into DIR (what the operator's init "
-                                   "container runs). HF_TOKEN authenticates, HF_ENDPOINT picks a mirror; a "
-                                   "completed download of the same revision is not repeated.")
+                                   "container runs): the config and tokenizer files, and the weights — all of them, "
+                                   "only the shards one pipeline stage loads (--stage/--stages), or none "
+                                   "(--no-weights). HF_TOKEN authenticates, HF_ENDPOINT picks a mirror; files "
+                                   "already fetched into DIR for the same revision are not downloaded again.")
     p.add_argument("uri", help="hf://<org>/<name>[@<revision>]")
     p.add_argument("dir", help="output directory")
+    p.add_argument("--stage", type=int, default=None, help="fetch only the weights of this pipeline stage (0-based)")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages the model is split into (with --stage)")
+    add_setting_flag(p, LAYER_SPLIT)
+    p.add_argument("--no-weights", dest="weights", action="store_false",
+                   help="fetch the config and tokenizer files only (what a router reads)")
     p.set_defaults(handler=_run_fetch_model)
+
+
+def fetch_part(args: argparse.Namespace) -> StagePart | None:
+    """The pipeline stage `fetch-model`'s flags name (None: every weight file, or none with --no-weights)."""
+    from chariot.worker.model.fetch import StagePart
+
+    if (args.stage is None) != (args.stages is None):
+        raise ConfigError("--stage", "--stage and --stages go together")
+    if args.stage is None:
+        if args.layer_split is not None:
+            raise ConfigError("--layer-split", "only applies with --stage and --stages")
+        return None
+    if not args.weights:
+        raise ConfigError("--no-weights", "fetches no weights, so it takes no --stage")
+    if not 0 <= args.stage < args.stages:
+        raise ConfigError("--stage", f"must be in [0, {args.stages}) (--stages), got {args.stage}")
+    return StagePart(args.stage, args.stages, args.layer_split)
 
 
 def _run_fetch_model(args: argparse.Namespace) -> int:
     from chariot.worker.model.fetch import fetch_model
 
-    path = fetch_model(args.uri, args.dir, token=os.environ.get("HF_TOKEN"), endpoint=os.environ.get("HF_ENDPOINT"))
+    # What is fetched, its sizes and progress; not every HTTP request huggingface_hub makes.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("chariot").setLevel(logging.INFO)
+    path = fetch_model(args.uri, args.dir, token=os.environ.get("HF_TOKEN"), endpoint=os.environ.get("HF_ENDPOINT"),
+                       part=fetch_part(args), weights=args.weights)
     print(f"fetched {args.uri} into {path}")
     return 0
 

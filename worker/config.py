@@ -284,7 +284,7 @@ class ResolvedConfig:
         ModelLoadError naming the field)."""
         import torch
 
-        from chariot.worker.model.loader import split_layers
+        from chariot.contracts.parallelism import split_layers
         from chariot.worker.model.parallel import Shard
 
         model = ModelConfig.from_dir(config.model)

@@ -3,8 +3,9 @@
 Each test applies its own ModelDeployment (a renamed copy of examples/modeldeployment.yaml) and
 watches the operator drive it through the API alone — what docs/architecture.md §6 promises: objects owned by
 the deployment, Ready status, gang restarts, scaling by group, rollouts (with and without a surge group), pod
-templates merged onto the stage and router pods, invalid specs reported by field with nothing applied,
-cleanup through the finalizer, node drains released one group at a time.
+templates merged onto the stage and router pods, what each pod's init container fetches and the stage pods'
+/dev/shm, RuntimeClass and kernel cache, invalid specs reported by field with nothing applied, cleanup through
+the finalizer, node drains released one group at a time.
 """
 
 from __future__ import annotations
@@ -268,6 +269,41 @@ def test_pod_templates_reach_the_stage_pods_and_the_router(cluster: Cluster) -> 
     deployment = cluster.get("Deployment", "tmpl-router")
     assert deployment is not None
     assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+
+
+def test_each_pod_fetches_what_it_needs_and_stage_pods_get_their_device_settings(cluster: Cluster) -> None:
+    """`kubectl apply` of an `hf://` model with a cache claim, `resources.shmSize`, `runtimeClassName` and
+    `kernelCache`: each stage pod's init container fetches its own stage's shards, the router's fetches no
+    weights, and the stage pods carry the sized /dev/shm, the RuntimeClass and the kernel-cache volume.
+    (The shard selection and download run against a fake hub in tests/integration/test_fetch_model.py.)"""
+    manifest = example("fetch", runtimeClassName="nvidia", kernelCache={"claimName": "kernels"})
+    manifest["spec"]["model"] = {"uri": "hf://org/llama@v1", "cacheClaim": "hf-cache"}
+    manifest["spec"]["resources"] = {**manifest["spec"]["resources"], "shmSize": "2Gi"}
+    cluster.apply(manifest)
+    cluster.wait_ready("fetch")
+    stage_pods = pods(cluster, "fetch")
+    assert sorted(stage_pods) == ["fetch-g0-s0", "fetch-g0-s1"]
+    for name, pod in stage_pods.items():
+        spec, stage = pod["spec"], name[-1]
+        (init,) = spec["initContainers"]
+        assert init["command"] == ["chariot", "fetch-model", "hf://org/llama@v1", "/models/hf/org/llama",
+                                   "--stage", stage, "--stages", "2"], name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "hf-cache"}, name
+        assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}, name
+        assert volumes["kernel-cache"]["persistentVolumeClaim"] == {"claimName": "kernels"}, name
+        assert spec["runtimeClassName"] == "nvidia", name
+        (worker,) = spec["containers"]
+        assert {"name": "CHARIOT_KERNEL_CACHE", "value": "/var/cache/chariot/kernels"} in worker["env"], name
+        assert {"name": "CHARIOT_KERNEL_BUILD", "value": "native"} in worker["env"], name
+    deployment = cluster.get("Deployment", "fetch-router")
+    assert deployment is not None
+    router = deployment["spec"]["template"]["spec"]
+    (init,) = router["initContainers"]
+    assert init["command"] == ["chariot", "fetch-model", "hf://org/llama@v1", "/models/hf/org/llama", "--no-weights"]
+    assert "runtimeClassName" not in router
+    cluster.kubectl("delete", "mdep", "fetch", "-n", cluster.namespace, "--wait=false")
+    cluster.wait_for("fetch deleted", lambda: cluster.get(crd.KIND, "fetch") is None)
 
 
 def test_two_stages_of_two_tensor_parallel_ranks_make_two_pods_of_two_gpus(cluster: Cluster) -> None:

@@ -91,7 +91,7 @@ def test_every_default_satisfies_its_own_schema() -> None:
     defaulted = apply_defaults(schema, {"model": {"uri": "preset://tiny"}})
     assert schema_errors(schema, defaulted, "spec") == []
     assert defaulted["scheduler"] == {"policy": "sarathi", "maxBatchSize": 128, "blockSize": 16}
-    assert defaulted["resources"] == {"gpusPerStage": 1, "cpu": "2", "memory": "8Gi"}
+    assert defaulted["resources"] == {"gpusPerStage": 1, "cpu": "2", "memory": "8Gi", "shmSize": "1Gi"}
 
 
 def test_crd_validates_as_a_kubernetes_object() -> None:
@@ -114,7 +114,10 @@ def test_example_passes_the_schema_and_the_operator() -> None:
                                  {"router": {"template": {"spec": {"tolerations": [{"effect": "Sometimes"}]}}}},
                                  {"parallelism": {"rendezvousTimeoutSeconds": 5}}, {"rollout": {"maxSurge": -1}},
                                  {"model": {"uri": "hf://no-org"}}, {"model": {"uri": "hf://a/b@"}},
-                                 {"model": {"uri": "hf://a/b", "tokenSecret": {"key": "t"}}}])
+                                 {"model": {"uri": "hf://a/b", "tokenSecret": {"key": "t"}}},
+                                 {"resources": {"shmSize": "lots"}}, {"runtimeClassName": "Not_A_Name"},
+                                 {"kernelCache": {}}, {"kernelCache": {"claimName": "a", "hostPath": "/a"}},
+                                 {"kernelCache": {"hostPath": "relative/dir"}}])
 def test_schema_rejects_what_it_can(bad: dict[str, Any]) -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"model": {"uri": "preset://tiny"}, **bad}, crd.spec_schema())

@@ -37,6 +37,15 @@ def test_same_seed_gives_identical_files(tmp_path: Path, tiny_model_dir: Path) -
         assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
 
 
+def test_without_weights_a_router_gets_the_same_config_and_tokenizer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """What a router's init container makes (`chariot make-model --no-weights`): the same files as a stage's,
+    for the same seed, minus the weights."""
+    router = make_model(tmp_path / "router", "tiny", seed=0, progress=False, weights=False)
+    assert sorted(p.name for p in router.iterdir()) == sorted(FILES[:-1])
+    for name in FILES[:-1]:
+        assert (router / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
 def test_different_seed_gives_different_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
     other = make_model(tmp_path / "other", "tiny", seed=1, progress=False)
     a, b = load_file(str(tiny_model_dir / "model.safetensors")), load_file(str(other / "model.safetensors"))

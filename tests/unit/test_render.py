@@ -137,12 +137,15 @@ def test_disruption_budgets_keep_every_stage_of_a_group_and_all_but_one_router()
 
 
 def test_an_hf_model_is_fetched_by_an_init_container_in_every_pod() -> None:
+    """Each stage pod fetches its own stage's weights, a router pod the config and tokenizer only."""
     spec = spec_of(2, model={"uri": "hf://meta-llama/Llama-3.1-8B@v2", "tokenSecret": {"name": "hf-token"}})
-    for pod in [render.stage_pod(OWNER, spec, "img", 0, s) for s in (0, 1)] + [render.router_deployment(
-            OWNER, spec, "img")["spec"]["template"]]:
+    fetch = ["chariot", "fetch-model", "hf://meta-llama/Llama-3.1-8B@v2", "/models/hf/meta-llama/Llama-3.1-8B"]
+    pods = [render.stage_pod(OWNER, spec, "img", 0, s) for s in (0, 1)]
+    router = render.router_deployment(OWNER, spec, "img")["spec"]["template"]
+    for pod, part in [(pods[0], ["--stage", "0", "--stages", "2"]), (pods[1], ["--stage", "1", "--stages", "2"]),
+                      (router, ["--no-weights"])]:
         (init,) = pod["spec"]["initContainers"]
-        assert init["command"] == ["chariot", "fetch-model", "hf://meta-llama/Llama-3.1-8B@v2",
-                                   "/models/hf/meta-llama/Llama-3.1-8B"]
+        assert init["command"] == [*fetch, *part]
         token = next(e for e in init["env"] if e["name"] == "HF_TOKEN")
         assert token["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
         (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "model"]

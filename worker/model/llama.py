@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chariot.contracts.errors import ConfigError, ModelLoadError
+from chariot.contracts.parallelism import layer_prefix, stage_weight_names
 from chariot.kernels import AttentionMetadata, empty_kv_cache, paged_attention
 from chariot.kernels.layer_ops import add_rms_norm, rms_norm, rope_write_kv, silu_and_mul
 from chariot.worker.config import ModelConfig, RopeScaling
@@ -263,16 +264,9 @@ class LlamaStage(nn.Module):
 
     def weight_names(self) -> list[str]:
         """The checkpoint (Hugging Face) tensor names this stage needs, in load order."""
-        names = ["model.embed_tokens.weight"] if self.embed_tokens is not None else []
-        for i in range(self.start, self.end):
-            names += _layer_weight_names(i, self.config)
-        if self.lm_head is not None:
-            names.append("model.norm.weight")
-            if not self.config.tie_word_embeddings:
-                names.append("lm_head.weight")
-            elif self.embed_tokens is None:
-                names.append("model.embed_tokens.weight")
-        return names
+        cfg = self.config
+        return stage_weight_names(self.start, self.end, cfg.num_layers, cfg.tie_word_embeddings,
+                                  lambda i: _layer_weight_names(i, cfg))
 
     @torch.no_grad()
     def load_weight(self, name: str, source: torch.Tensor | TensorSlice) -> None:
@@ -395,7 +389,7 @@ def _fused_slices(layer: nn.Module) -> dict[str, tuple[str, int, int]]:
 
 
 def _layer_weight_names(i: int, config: ModelConfig) -> list[str]:
-    p = f"model.layers.{i}."
+    p = layer_prefix(i)
     names = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
     if config.qkv_bias:
         names += [p + f"self_attn.{n}_proj.bias" for n in ("q", "k", "v")]

@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from chariot.contracts.errors import ConfigError, ModelLoadError
+from chariot.contracts.errors import ModelLoadError
+from chariot.contracts.parallelism import split_layers as split_layers  # re-exported: its old home
 from chariot.worker.config import ModelConfig
 from chariot.worker.model import cpu_linear
 from chariot.worker.model.llama import LlamaStage
@@ -55,33 +56,6 @@ def load_stage(
     if cpu_linears:
         cpu_linear.cpu_linears(stage, torch.device(device), dtype)
     return stage.eval()
-
-
-def split_layers(num_layers: int, num_stages: int, override: list[int] | None = None) -> list[tuple[int, int]]:
-    """Layer ranges per pipeline stage: an even split (earlier stages take the remainder), or the
-    explicit per-stage layer counts in `override`."""
-    if num_stages < 1 or num_stages > num_layers:
-        raise ConfigError("pipeline_stages", f"must be in [1, {num_layers}] (the number of layers), got {num_stages}")
-    if override is None:
-        base, rem = divmod(num_layers, num_stages)
-        counts = [base + (1 if i < rem else 0) for i in range(num_stages)]
-    else:
-        counts = _check_override(num_layers, num_stages, override)
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append((start, start + count))
-        start += count
-    return ranges
-
-
-def _check_override(num_layers: int, num_stages: int, override: list[int]) -> list[int]:
-    if len(override) != num_stages:
-        raise ConfigError("layer_split", f"needs one layer count per stage ({num_stages}), got {len(override)}")
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in override):
-        raise ConfigError("layer_split", f"every stage needs at least 1 layer, got {override}")
-    if sum(override) != num_layers:
-        raise ConfigError("layer_split", f"counts must sum to num_layers ({num_layers}), got {sum(override)}")
-    return list(override)
 
 
 def _plan_reads(path: Path, names: list[str]) -> dict[Path, list[str]]:

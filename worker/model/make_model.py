@@ -91,6 +91,7 @@ def make_model(
     num_layers: int | None = None,
     device: str = "cpu",
     tokenizer: str = "trained",
+    weights: bool = True,
 ) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return its path.
 
@@ -99,6 +100,8 @@ def make_model(
     `num_layers` overrides the preset's layer count (same layer shapes); `device` is where the
     weights are drawn (other values than on the CPU for the same seed); `tokenizer` is "trained"
     (BPE trained on a synthetic corpus) or "synthetic" (`synthetic_tokenizer`: no training).
+    `weights=False` writes the config and tokenizer files only (what a router reads: the same files as
+    with weights, for the same seed).
     """
     if tokenizer not in TOKENIZER_KINDS:
         raise ConfigError("tokenizer", f"must be one of {', '.join(TOKENIZER_KINDS)}, got {tokenizer!r}")
@@ -112,6 +115,8 @@ def make_model(
     make_tokenizer = train_tokenizer if tokenizer == "trained" else synthetic_tokenizer
     make_tokenizer(config["vocab_size"], seed).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
+    if not weights:
+        return out
     tensors = random_weights(config, seed, progress, device)
     save_sharded(out, tensors, max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, progress)
     return out
