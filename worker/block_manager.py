@@ -5,8 +5,9 @@ Only stage 0 owns this state; other pipeline stages get block tables and slot ma
 micro-batch's metadata. No tensors here: the cache itself lives with the executor.
 
 Prefix caching: once a block is full of computed tokens it is registered under a hash of its tokens
-chained with the hash of every block before it, so equal hashes mean equal token prefixes and
-therefore equal KV (the model is fixed for the engine's life). A new sequence whose prompt starts
+chained with the hash of every block before it (`contracts/prefix_hash.py`, the chain the router's
+prefix index uses too), so equal hashes mean equal token prefixes and therefore equal KV (the model
+is fixed for the engine's life). A new sequence whose prompt starts
 with registered blocks shares them (reference counts) and skips that part of its prefill. A block
 nobody references any more keeps its KV and its registration until its room is needed: fresh
 allocations take never-registered blocks first, then evict registered ones least recently freed
@@ -15,11 +16,11 @@ first, the tail blocks of a sequence before its head.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from chariot.contracts.prefix_hash import ROOT, block_hash, iter_block_hashes, max_cached_blocks
 
 TokenSlice = Callable[[int, int], Sequence[int]]
 """Tokens [start, stop) of a sequence (`Sequence.token_slice`)."""
@@ -43,15 +44,6 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit()
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Hash of one full block chained to its predecessors' (`parent`, b"" for the first block).
-
-    A keyed cryptographic hash, not Python's `hash`: a crafted prompt must not collide with another
-    user's prefix and read its KV.
-    """
-    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16, key=parent).digest()
 
 
 class BlockManager:
@@ -107,17 +99,15 @@ class BlockManager:
         """The longest run of registered blocks that starts `tokens` (leaving at least one token)."""
         if not self.prefix_caching:
             return NO_HIT
-        bs, parent = self.block_size, b""
+        bs = self.block_size
         blocks: list[int] = []
         hashes: list[bytes] = []
-        for i in range((len(tokens) - 1) // bs):
-            h = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+        for h in iter_block_hashes(tokens, bs, max_cached_blocks(len(tokens), bs)):
             block = self._registry.get(h)
             if block is None:
                 break
             blocks.append(block)
             hashes.append(h)
-            parent = h
         return PrefixHit(tuple(blocks), tuple(hashes), bs) if blocks else NO_HIT
 
     def register_computed(self, seq_id: int, token_slice: TokenSlice, num_computed: int) -> None:
@@ -127,7 +117,7 @@ class BlockManager:
             return
         hashes, table, bs = self._seq_hashes[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(hashes), min(num_computed // bs, len(table))):
-            h = block_hash(hashes[-1] if hashes else b"", token_slice(i * bs, (i + 1) * bs))
+            h = block_hash(hashes[-1] if hashes else ROOT, token_slice(i * bs, (i + 1) * bs))
             hashes.append(h)
             block = table[i]
             if h not in self._registry and block not in self._hash_of:
