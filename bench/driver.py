@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics
-from chariot.bench.traces import TraceRequest, TraceSpec, make_trace
+from chariot.bench.traces import TraceRequest, TraceSpec, fold_symbols, make_trace
 from chariot.contracts.proto_codec import finish_reason_from_proto, request_to_proto
 from chariot.contracts.requests import FinishReason
 from chariot.contracts.sampling_params import SamplingParams
@@ -132,6 +132,14 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(LOW_TOKEN_ID, vocab_size) for _ in range(length)]
 
 
+def prompt_ids(rng: random.Random, r: TraceRequest, vocab_size: int) -> list[int]:
+    """The request's prompt: the trace's own contents folded into the vocabulary where it has them
+    (shared prefixes stay shared), else random tokens of its length."""
+    if r.prompt_ids is not None:
+        return fold_symbols(r.prompt_ids, vocab_size, LOW_TOKEN_ID)
+    return random_prompt(rng, r.prompt_len, vocab_size)
+
+
 def trace_requests(spec: TraceSpec, qps: float, num_requests: int, seed: int = 0, scale: float = 1.0,
                    max_len: int | None = None) -> list[TraceRequest]:
     """The arrivals and lengths of one run (deterministic per seed)."""
@@ -189,7 +197,7 @@ def _metrics(qps: float, traces: Sequence[RequestTrace], wall: float, cut_short:
 
 def _request(rng: random.Random, r: TraceRequest, vocab_size: int, model: str) -> Any:
     params = SamplingParams(max_tokens=r.decode_len, temperature=0.0, ignore_eos=True)
-    return request_to_proto(random_prompt(rng, r.prompt_len, vocab_size), params, model=model)
+    return request_to_proto(prompt_ids(rng, r, vocab_size), params, model=model)
 
 
 async def _monitor(tasks: list[asyncio.Task[None]], lives: Sequence[_Live], clock: Callable[[], float],

@@ -1,14 +1,17 @@
 """Workload traces (bench/traces.py): deterministic per seed, the paper's medians × scale, Poisson
-arrivals at the requested rate, and the length cap."""
+arrivals at the requested rate, and the length cap; the multi-turn trace's conversations (history
+resent, shared system prompts per tenant, think time between turns)."""
 
 from __future__ import annotations
 
+import collections
 import itertools
+import random
 import statistics
 
 import pytest
 
-from chariot.bench.traces import TRACES, make_trace
+from chariot.bench.traces import TRACES, fold_symbols, make_trace
 
 N = 20_000
 
@@ -71,3 +74,120 @@ def test_bad_arguments():
         make_trace(TRACES["chat"], 10, 0.0)
     with pytest.raises(ValueError):
         make_trace(TRACES["chat"], 10, 1.0, scale=0.0)
+
+
+# ---- the multi-turn trace ------------------------------------------------------------------------
+MT = TRACES["multiturn"]
+
+
+def common_prefix(seqs) -> int:
+    """Length of the longest prefix all of `seqs` share."""
+    n = 0
+    for column in zip(*seqs, strict=False):
+        if any(x != column[0] for x in column):
+            break
+        n += 1
+    return n
+
+
+def conversations(trace):
+    by_session = collections.defaultdict(list)
+    for r in trace:
+        by_session[r.session].append(r)
+    return by_session
+
+
+def test_multi_turn_is_registered_and_reproducible():
+    assert MT.multi_turn is not None and MT.multi_turn.tenants > 1
+    a = make_trace(MT, 300, 1.0, seed=5, scale=0.25, max_len=2048)
+    assert len(a) == 300 and a == make_trace(MT, 300, 1.0, seed=5, scale=0.25, max_len=2048)
+    assert a != make_trace(MT, 300, 1.0, seed=6, scale=0.25, max_len=2048)
+    assert TRACES["chat"].multi_turn is None and make_trace(TRACES["chat"], 3, 1.0)[0].prompt_ids is None
+
+
+def test_each_turn_resends_the_previous_prompt_and_its_answer():
+    trace = make_trace(MT, 400, 2.0, seed=1, scale=0.25, max_len=2048)
+    convs = conversations(trace)
+    assert max(len(turns) for turns in convs.values()) >= 3
+    for turns in convs.values():
+        assert [r.turn for r in turns] == list(range(len(turns)))
+        for r in turns:
+            assert r.prompt_ids is not None and len(r.prompt_ids) == r.prompt_len
+        for prev, cur in itertools.pairwise(turns):
+            assert cur.prompt_ids[:prev.prompt_len] == prev.prompt_ids
+            assert cur.prompt_len > prev.prompt_len + prev.decode_len  # its answer, then a new question
+    # the answer a turn resends is the trace's own: the same tokens in every later turn
+    for turns in convs.values():
+        if len(turns) >= 3:
+            first = turns[0]
+            answer = turns[1].prompt_ids[first.prompt_len:first.prompt_len + first.decode_len]
+            assert turns[2].prompt_ids[first.prompt_len:first.prompt_len + first.decode_len] == answer
+
+
+def test_tenants_share_their_system_prompt_and_conversations_diverge_after_it():
+    trace = make_trace(MT, 400, 2.0, seed=2, scale=0.25, max_len=2048)
+    firsts = [turns[0] for turns in conversations(trace).values()]
+    tenant = {r.session: r.session.split("/")[0] for r in firsts}
+    assert len(set(tenant.values())) == MT.multi_turn.tenants
+    for name in set(tenant.values()):
+        prompts = [r.prompt_ids for r in firsts if tenant[r.session] == name]
+        shared = common_prefix(prompts)
+        assert len(prompts) >= 2 and shared > 0.25 * MT.multi_turn.system_prompt * 0.25
+        assert all(len(p) > shared for p in prompts)  # each adds its own question
+    others = [next(r.prompt_ids for r in firsts if tenant[r.session] == name) for name in sorted(set(tenant.values()))]
+    assert common_prefix(others) < 3  # different tenants, different system prompts
+
+
+def test_turns_arrive_after_think_time():
+    mt = MT.multi_turn
+    trace = make_trace(MT, 400, 1.0, seed=3, scale=0.25, max_len=2048)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    gaps = [cur.arrival_s - prev.arrival_s for turns in conversations(trace).values()
+            for prev, cur in itertools.pairwise(turns)]
+    assert min(gaps) > 0
+    assert statistics.median(gaps) == pytest.approx(mt.think_s, rel=0.2)
+
+
+def test_multi_turn_load_scales_conversation_starts_only():
+    """The same seed gives the same conversations at any load; qps stretches their starts, and turns
+    arrive at about qps overall."""
+    slow = make_trace(MT, 2000, 1.0, seed=4, scale=0.25, max_len=2048)
+    fast = make_trace(MT, 2000, 4.0, seed=4, scale=0.25, max_len=2048)
+    key = sorted((r.session, r.turn, r.prompt_ids, r.decode_len) for r in slow)
+    assert key == sorted((r.session, r.turn, r.prompt_ids, r.decode_len) for r in fast)
+    starts = {r.session: r.arrival_s for r in slow if r.turn == 0}
+    assert [fast_r.arrival_s * 4 for fast_r in fast if fast_r.turn == 0] == pytest.approx(
+        [starts[r.session] for r in fast if r.turn == 0])
+    assert len(slow) / slow[-1].arrival_s == pytest.approx(1.0, rel=0.15)
+    assert {r.arrival_s for r in make_trace(MT, 30, None) if r.turn == 0} == {0.0}
+
+
+@pytest.mark.parametrize("max_len", [3, 64, 512])
+def test_multi_turn_length_cap_holds(max_len):
+    trace = make_trace(MT, 1000, 1.0, seed=5, scale=1.0, max_len=max_len)
+    assert len(trace) == 1000
+    assert all(r.prompt_len + r.decode_len <= max_len and r.prompt_len >= 1 and r.decode_len >= 1 for r in trace)
+
+
+def test_folding_into_a_vocabulary_keeps_shared_prefixes():
+    trace = make_trace(MT, 50, 1.0, seed=6, scale=0.25, max_len=2048)
+    turns = next(t for t in conversations(trace).values() if len(t) >= 2)
+    a, b = (fold_symbols(r.prompt_ids, 512, 16) for r in turns[:2])
+    assert b[:len(a)] == a and all(16 <= t < 512 for t in a + b)
+    with pytest.raises(ValueError):
+        fold_symbols([1], 16, 16)
+
+
+def test_the_replay_sends_the_traces_own_tokens():
+    """bench/driver.py: a multi-turn request's prompt is its folded symbols (so turns share their
+    prefix on the wire too); a length-only request still gets random tokens."""
+    from chariot.bench.driver import LOW_TOKEN_ID, prompt_ids
+
+    rng = random.Random(0)
+    trace = make_trace(MT, 40, 1.0, seed=7, scale=0.25, max_len=2048)
+    turns = next(t for t in conversations(trace).values() if len(t) >= 2)
+    first, second = (prompt_ids(rng, r, 512) for r in turns[:2])
+    assert second[:len(first)] == first and len(second) == turns[1].prompt_len
+    chat = make_trace(TRACES["chat"], 1, 1.0, scale=0.1)[0]
+    fresh = prompt_ids(rng, chat, 512)
+    assert len(fresh) == chat.prompt_len and min(fresh) >= LOW_TOKEN_ID
