@@ -35,6 +35,9 @@ class RequestOutput:
       timestamps (arrival, first scheduled, first token, finished) are as known at this step.
     - `num_prompt_tokens` and `num_output_tokens` are running totals (every token generated so far).
     - `finish_reason` is set on the request's last delta and only there.
+    - `num_cached_tokens` (prompt tokens whose KV the engine reused from its prefix cache, found when
+      the request was first scheduled; at most `num_prompt_tokens - 1`) is reported on the last delta
+      only, 0 on the others: OpenAI reports it in the final usage, and the wire carries it once.
     - `replica` and `wire` are filled in by the router: the replica that produced the delta and the
       serialized `GenerateResponse` it arrived as, which the router's gRPC front relays unchanged.
     """
@@ -49,6 +52,7 @@ class RequestOutput:
     num_preemptions: int = 0
     error: str | None = None
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0
     replica: str = field(default="", compare=False)
     wire: bytes = field(default=b"", repr=False, compare=False)
 
@@ -75,6 +79,7 @@ class CompletionOutput:
     num_preemptions: int = 0
     error: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @classmethod
     def from_deltas(cls, deltas: Sequence[RequestOutput], prompt_token_ids: Sequence[int]) -> CompletionOutput:
@@ -96,6 +101,7 @@ class CompletionOutput:
             num_preemptions=last.num_preemptions,
             error=last.error,
             logprobs=[lp for d in deltas for lp in d.new_logprobs],
+            num_cached_tokens=last.num_cached_tokens,
         )
 
 

@@ -134,7 +134,8 @@ def request_to_proto(
 # ---- responses --------------------------------------------------------------------------------
 def response_from_output(out: RequestOutput) -> Any:
     """One streamed `GenerateResponse`: the delta's new token ids, text, logprobs and token times
-    (never the whole output: streaming stays O(1) per token), plus running totals and timing."""
+    (never the whole output: streaming stays O(1) per token), plus running totals and timing, and on
+    the request's final delta its prompt tokens found in the prefix cache."""
     return pb.GenerateResponse(
         request_id=out.request_id,
         token_ids=out.new_token_ids,
@@ -145,6 +146,7 @@ def response_from_output(out: RequestOutput) -> Any:
         completion_tokens=out.num_output_tokens,
         error=out.error or "",
         logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
+        cached_prompt_tokens=out.num_cached_tokens,
     )
 
 
@@ -161,6 +163,7 @@ def output_from_response(msg: Any, wire: bytes = b"", replica: str = "") -> Requ
         times=timing_from_proto(msg.timing),
         error=msg.error or None,
         new_logprobs=[logprobs_from_proto(m) for m in msg.logprobs],
+        num_cached_tokens=int(msg.cached_prompt_tokens),
         replica=replica,
         wire=wire,
     )

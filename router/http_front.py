@@ -224,7 +224,7 @@ class OpenAIFront:
                                   request_id)
         body = envelope(parsed, last.request_id, int(time.time()), self._dp.served_model, chunk=False)
         body["choices"] = [_whole_choice(parsed, chunks, echo, tokenizer=self._dp.tokenizer)]
-        body["usage"] = usage(last.num_prompt_tokens, last.num_output_tokens)
+        body["usage"] = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return JSONResponse(body, headers=response_headers(last))
 
     async def _stream(self, request: Request, parsed: OpenAIRequest, stream: AsyncGenerator[RequestOutput, None],
@@ -261,7 +261,8 @@ class OpenAIFront:
         if last.finish_reason == FinishReason.ERROR:
             yield sse(error_payload(ReplicaUnavailable(f"replica {last.replica} failed: {last.error}"))[1])
         elif parsed.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens)})
+            yield sse({**head, "choices": [], "usage": usage(last.num_prompt_tokens, last.num_output_tokens,
+                                                             last.num_cached_tokens)})
         yield DONE_EVENT
 
     # n > 1 choices: one sub-request per choice (see the module docstring) -------------------------
@@ -482,9 +483,12 @@ def replica_failed(chunk: RequestOutput) -> ReplicaUnavailable:
     return ReplicaUnavailable(f"replica {chunk.replica} failed the request: {chunk.error}")
 
 
-def total_usage(lasts: list[RequestOutput]) -> dict[str, int]:
-    """`usage` of an `n` > 1 response: the prompt once, the completion tokens of every choice."""
-    return usage(max(c.num_prompt_tokens for c in lasts), sum(c.num_output_tokens for c in lasts))
+def total_usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """`usage` of an `n` > 1 response: the prompt once, the completion tokens of every choice, and as
+    cached the prompt tokens every choice found cached (the least: the choices run concurrently, and
+    one may reuse blocks another just computed for the same prompt)."""
+    return usage(max(c.num_prompt_tokens for c in lasts), sum(c.num_output_tokens for c in lasts),
+                 min(c.num_cached_tokens for c in lasts))
 
 
 def choices_headers(request_id: str, chunks: list[RequestOutput]) -> dict[str, str]:

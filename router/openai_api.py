@@ -371,11 +371,14 @@ def _short(exc: BaseException, limit: int = 120) -> str:
 # ---- rendering ----------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's `usage`; `prompt_tokens_details.cached_tokens` counts the prompt tokens the replica
+    reused from its prefix cache (always present, 0 without a hit, as OpenAI reports it)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

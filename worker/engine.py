@@ -330,6 +330,7 @@ class Engine:
             num_preemptions=seq.num_preemptions,
             error=seq.error,
             new_logprobs=logprobs,
+            num_cached_tokens=seq.cached_prompt_tokens,
         )
 
     # ---- reporting ---------------------------------------------------------------------------

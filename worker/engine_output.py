@@ -36,6 +36,8 @@ class EngineOutput:
     - `times` is the request's timestamps as of this output, with the times of `new_token_ids` only.
     - `new_logprobs` is empty unless the request asked for logprobs; then it has one entry per new
       token.
+    - `num_cached_tokens` is `Sequence.cached_prompt_tokens` on every output (0 before the request
+      was first scheduled); the output processor reports it on the request's last delta.
     """
 
     request_id: str
@@ -48,6 +50,7 @@ class EngineOutput:
     num_preemptions: int = 0
     error: str | None = None
     new_logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:

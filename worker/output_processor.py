@@ -103,6 +103,7 @@ class OutputProcessor:
             num_preemptions=out.num_preemptions,
             error=out.error,
             new_logprobs=list(out.new_logprobs[: len(tokens)]),
+            num_cached_tokens=out.num_cached_tokens if reason is not None else 0,
         )
 
     @staticmethod

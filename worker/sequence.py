@@ -52,6 +52,10 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache instead of being computed (summed over
     admissions: a preempted sequence may hit its own blocks again)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the sequence was first admitted (at most
+    `prompt_len - 1`): what it reports as cached (OpenAI's `cached_tokens`). A re-admission after
+    preemption hits blocks the request computed itself and leaves it unchanged."""
     finish_reason: FinishReason | None = None
     error: str | None = None
     times: RequestTimes = field(init=False)

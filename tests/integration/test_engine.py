@@ -320,6 +320,7 @@ def test_prefix_cache_hits_keep_greedy_outputs_identical_to_transformers(model_a
     assert [o.token_ids for o in outs] == hf_greedy(model_dir, later, MAX_NEW)
     sched = llm.engine.scheduler
     assert sched.prefix_hit_tokens == 32 * 3  # two full blocks of each later prompt came from the cache
+    assert first[0].num_cached_tokens == 0 and [o.num_cached_tokens for o in outs] == [32, 32, 32]
     assert llm.engine.stats().prefix_cache_hits == sched.prefix_hit_tokens
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
     llm.engine.blocks.check_invariants()
@@ -331,6 +332,7 @@ def test_prefix_caching_off_computes_every_prompt(tiny_model_dir):
     prompt = list(range(3, 40))
     a, b = llm.generate([prompt, prompt], GREEDY), llm.generate([prompt], GREEDY)
     assert a[0].token_ids == a[1].token_ids == b[0].token_ids
+    assert a[0].num_cached_tokens == a[1].num_cached_tokens == b[0].num_cached_tokens == 0
     assert llm.engine.scheduler.prefix_hit_tokens == 0 and llm.engine.blocks.num_cached_blocks == 0
 
 

@@ -376,10 +376,13 @@ def test_http_sse_matches_offline_greedy(router: Router, offline: LLM, vocab: in
         assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
         assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason.value
         assert usage_chunk["choices"] == []
+        cached = usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"]  # full blocks another test left
+        assert cached % 16 == 0 and 0 <= cached < len(ref.prompt_token_ids)
         assert usage_chunk["usage"] == {
             "prompt_tokens": len(ref.prompt_token_ids),
             "completion_tokens": len(ref.token_ids),
             "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids),
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
 

@@ -352,7 +352,9 @@ def test_completion_and_chat_shapes() -> None:
         "finish_reason": "stop",
     }
     assert choice(chat, "c", FinishReason.STOP)["message"] == {"role": "assistant", "content": "c"}
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage(40, 4, 32)["prompt_tokens_details"] == {"cached_tokens": 32}
 
 
 def test_each_choice_carries_its_index() -> None:

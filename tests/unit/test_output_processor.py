@@ -3,6 +3,7 @@ flushes, and agreement with the text the engine produced before detokenization m
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterable
 from pathlib import Path
@@ -160,6 +161,17 @@ def test_completion_output_adds_deltas_up(tokenizer: Tokenizer) -> None:
     assert (whole.text, whole.token_ids) == (TEXT[: TEXT.index("stop")], tokens[: len(results)])
     assert whole.finished and whole.finish_reason is FinishReason.STOP and whole.prompt_token_ids == [1, 2]
     assert whole.times.token_times == [1.0 + i for i in range(len(results))]
+
+
+def test_cached_tokens_are_reported_on_the_last_delta_only(tokenizer: Tokenizer) -> None:
+    """The engine's count rides on every engine output; the request's deltas carry it once, on the
+    last one, whether the engine or a stop string finished it."""
+    tokens = tokenizer.encode(TEXT, add_special_tokens=False)
+    for stop in ((), ("stop",)):
+        outs = [dataclasses.replace(o, num_cached_tokens=16) for o in engine_outputs(tokens)]
+        results, _ = run(tokenizer, outs, stop=stop)
+        assert [r.num_cached_tokens for r in results] == [0] * (len(results) - 1) + [16]
+        assert CompletionOutput.from_deltas(results, [1, 2]).num_cached_tokens == 16
 
 
 def test_forming_stop_len() -> None:

@@ -273,6 +273,26 @@ def test_preempts_newest_and_requeues_it_first():
     assert 0 in out.seq_ids
 
 
+def test_reported_cached_prompt_tokens_are_the_first_admissions_hit():
+    """`cached_prompt_tokens` is the prompt's hit when first admitted (full blocks, never the last
+    prompt token); re-admissions after preemption hit the request's own blocks and add only to
+    `num_cached_tokens`."""
+    run = FakeRun("sarathi", budget=64, max_batch=8, num_blocks=6, prefix_caching=True)
+    run.add(0, 9, 20)
+    run.step()
+    run.drain()
+    run.add(1, 9, 20)  # the same 9-token prompt: its 2 full blocks are cached, the 9th token is not
+    run.step()
+    seq = run.sched.seqs[1]
+    assert (seq.cached_prompt_tokens, seq.num_cached_tokens) == (8, 8)
+    for _ in range(60):
+        run.step()
+        if seq.num_preemptions and seq.status is SequenceStatus.RUNNING:
+            break
+    assert seq.num_preemptions >= 1 and seq.status is SequenceStatus.RUNNING
+    assert seq.num_cached_tokens > 8 and seq.cached_prompt_tokens == 8
+
+
 def test_fcfs_head_of_line_blocks_later_requests():
     run = FakeRun("sarathi", budget=8, max_batch=8, num_blocks=64)
     for i in range(3):
@@ -313,7 +333,8 @@ def test_prefix_cache_hit_skips_the_cached_blocks_and_a_one_token_rest_is_no_dec
     assert (second.seq_id, second.start, second.num_tokens, second.samples) == (1, 16, 1, True)
     assert (third.seq_id, third.start, third.num_tokens) == (2, 8, 2)
     assert run.sched.prefix_query_tokens == 17 + 17 + 10 and run.sched.prefix_hit_tokens == 24
-    assert run.sched.seqs[1].num_cached_tokens == 16
+    assert run.sched.seqs[1].num_cached_tokens == 16 and run.sched.seqs[1].cached_prompt_tokens == 16
+    assert run.sched.seqs[2].cached_prompt_tokens == 8
     shared = run.blocks.block_table(0)[:4]
     assert run.blocks.block_table(1)[:4] == shared and run.blocks.block_table(2)[:2] == shared[:2]
     run.drain()

@@ -143,9 +143,11 @@ def test_output_round_trips_through_the_wire(reason: FinishReason | None) -> Non
     times = RequestTimes(arrival=10.0, first_scheduled=10.5, first_token=11.0, token_times=[11.2],
                          finished=11.3 if reason else None)
     out = _output(times=times, finish_reason=reason, error="boom" if reason is FinishReason.ERROR else None,
-                  new_logprobs=lps)
+                  new_logprobs=lps, num_cached_tokens=32 if reason else 0)  # reported on the final delta
     raw = response_from_output(out).SerializeToString()
-    back = output_from_response(pb.GenerateResponse.FromString(raw), raw, "replica-0")
+    msg = pb.GenerateResponse.FromString(raw)
+    assert msg.cached_prompt_tokens == out.num_cached_tokens
+    back = output_from_response(msg, raw, "replica-0")
     assert back == out and (back.wire, back.replica) == (raw, "replica-0")
 
 

@@ -233,6 +233,8 @@ class Scheduler(ABC):
             self.blocks.allocate(seq.seq_id, seq.num_tokens, hit)
             seq.num_computed_tokens = hit.num_tokens
             seq.num_cached_tokens += hit.num_tokens
+            if seq.num_preemptions == 0:  # first admission: nothing of it computed by the request itself
+                seq.cached_prompt_tokens = hit.num_tokens
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit.num_tokens
             seq.status = SequenceStatus.RUNNING
