@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-gpu gpu-check gpu-wheels install lint bench bench-peer clean proto system-deps kubectl kube-floor
+.PHONY: run test test-gpu gpu-check gpu-wheels install lint bench bench-peer clean proto system-deps kubectl kube-floor \
+	image image-cpu image-cuda image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +89,22 @@ gpu-wheels: $(STAMP)
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d build/gpu-wheels $$($(BIN)/python -c "import importlib.metadata as m, sys; \
 		print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" $(GPU_WHEEL_PKGS))
+
+# Container images (docs/images.md), opt-in: not part of `make test` (minutes and gigabytes each).
+# .ci/images.py picks a working builder (docker, podman or buildah; buildah from apt-get when none
+# works), the base (python:3.11-slim, or a Debian bookworm base made with mmdebstrap when that cannot
+# be pulled), the system's CA bundle and where torch comes from; BASE_IMAGE, TORCH_INDEX_URL,
+# TORCH_WHEELS, CA_BUNDLE, CONTAINER_BUILDER, IMAGE_REPO, ... given to make pass through to it.
+# `make image` is the CUDA flavour: <repo>:<version> (the Helm chart's default image) and
+# <repo>:<version>-cuda; `make image-cpu`: <repo>:<version>-cpu. `make image-test` builds
+# IMAGE_FLAVOURS and runs chariot inside each as uid 10001, a client here querying it.
+IMAGE_FLAVOURS ?= cpu
+IMAGES := $(PYTHON) .ci/images.py
+image: image-cuda
+image-cpu image-cuda:
+	$(IMAGES) build $(@:image-%=%)
+image-test:
+	$(IMAGES) test $(IMAGE_FLAVOURS)
 
 # mypy cannot follow the editable install's folder → chariot.<folder> mapping, so it checks a
 # symlinked chariot/ tree (otherwise every chariot.* import would be typed Any).
