@@ -116,6 +116,10 @@ def add_generation_servicer(servicer: Any, server: grpc.aio.Server) -> None:
             _guard_unary("Stats", servicer.Stats), request_deserializer=tolerant_decoder(pb.StatsRequest),
             response_serializer=pb.StatsResponse.SerializeToString),
     }  # fmt: skip
+    if hasattr(servicer, "KvEvents"):  # the worker's prefix-cache events (fakes may lack them)
+        handlers["KvEvents"] = grpc.unary_stream_rpc_method_handler(
+            _guard_stream("KvEvents", servicer.KvEvents), request_deserializer=tolerant_decoder(pb.KvEventsRequest),
+            response_serializer=pb.KvEventsResponse.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

@@ -52,6 +52,8 @@ from chariot.contracts.tokenizer import Tokenizer
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
 from chariot.router.config import RouterConfig
+from chariot.router.kv_events import KVEventSubscriber
+from chariot.router.prefix_index import PrefixIndex
 from chariot.router.registry import ReplicaRegistry, ReplicaView
 from chariot.router.state import StateHealth
 from chariot.router.upstream import (
@@ -168,18 +170,23 @@ class DataPlane:
         self.served_model = config.served_model
         self.channels = ReplicaChannels(registry)
         self.poller = StatsPoller(registry, self.channels, config.stats_interval_s)
+        self.prefix_index = PrefixIndex()
+        # Keeps prefix_index current from each replica's KV event stream (`kv_events.py`).
+        self.kv_events = KVEventSubscriber(registry, self.channels, self.prefix_index)
         self._gauges: dict[str, Any] = {}
         registry.subscribe(lambda _change: self._sync_gauges())
 
     # lifetime ------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start polling every replica's Stats (call on the serving event loop)."""
+        """Start polling every replica's Stats and following its KV events (on the serving event loop)."""
         self._sync_gauges()
         self.poller.start()
+        self.kv_events.start()
 
     async def aclose(self) -> None:
         await self.poller.aclose()
+        await self.kv_events.aclose()
         await self.channels.aclose()
         for unregister in self._gauges.values():
             unregister()

@@ -38,6 +38,7 @@ from chariot.worker.engine_core import (
     deliver_threadsafe,
     stream_items,
 )
+from chariot.worker.kv_events import KVEventLog
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class AsyncEngine:
         self._streams: dict[str, Stream] = {}  # engine thread only
         self._snapshot: EngineStats | None = None
         self._max_model_len = 0
+        self.kv_events: KVEventLog | None = None  # once ready: the KvEvents RPC's source
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._failed: str | None = None
         self._dead: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -169,6 +171,7 @@ class AsyncEngine:
             self._core = EngineCore(self._factory())
             self._max_model_len = self._core.engine.max_model_len
             self._snapshot = self._core.stats()
+            self.kv_events = KVEventLog(self._core.kv_block_size)
         except BaseException as exc:
             self._ready.set_exception(exc)
             self._die(f"engine failed to load: {exc}")
@@ -197,6 +200,8 @@ class AsyncEngine:
     def _step(self, core: EngineCore) -> None:
         result, outputs = core.step()
         self._snapshot = core.stats()
+        if self.kv_events is not None:
+            self.kv_events.append(*core.take_kv_events())
         if self._observer is not None:
             self._observer(result, outputs)
         self._deliver(outputs)

@@ -12,6 +12,10 @@ with registered blocks shares them (reference counts) and skips that part of its
 nobody references any more keeps its KV and its registration until its room is needed: fresh
 allocations take never-registered blocks first, then evict registered ones least recently freed
 first, the tail blocks of a sequence before its head.
+
+KV events: with prefix caching on, every registration (stored) and every registration ended by an
+eviction (removed) is noted, coalesced per hash (its last change wins), until `drain_events` takes
+them; the engine core drains once per step (`worker/kv_events.py`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class BlockManager:
         self._seq_hashes: dict[int, list[bytes]] = {}  # hashes of each sequence's full computed blocks
         self._registry: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self._events: dict[bytes, bool] = {}  # hash -> registered (True) or evicted, since the last drain
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,6 +128,18 @@ class BlockManager:
             if h not in self._registry and block not in self._hash_of:
                 self._registry[h] = block
                 self._hash_of[block] = h
+                self._events[h] = True
+
+    def drain_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """(stored, removed) hashes since the last drain, disjoint; stored in registration order."""
+        if not self._events:
+            return (), ()
+        events, self._events = self._events, {}
+        return (tuple(h for h, on in events.items() if on), tuple(h for h, on in events.items() if not on))
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every registered hash (what a KV event snapshot holds)."""
+        return list(self._registry)
 
     # ---- allocation --------------------------------------------------------------------------
     def _admission_cost(self, num_tokens: int, hit: PrefixHit) -> int:
@@ -183,7 +200,9 @@ class BlockManager:
             block = self._plain.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._registry[self._hash_of.pop(block)]
+            h = self._hash_of.pop(block)
+            del self._registry[h]
+            self._events[h] = False
         self._refs[block] = 1
         return block
 

@@ -12,9 +12,10 @@ processor, prefill-rate meter); it is shared by the two `EngineClient`s:
   its own process it never does (vLLM v1's engine-core split).
 
 The pipe between front and core carries the typed messages below (plain frozen dataclasses, no
-method names). What crosses per step is the step's `RequestOutput` deltas, O(1) per token, and the
-step's `StepResult` without its outputs, so the step observer (metrics) runs in the front, the
-process that exports them.
+method names). What crosses per step is the step's `RequestOutput` deltas, O(1) per token, the
+block hashes the step registered or evicted (KV events, O(1) per block; the front numbers and logs
+them in its `KVEventLog`, `kv_events.py`), and the step's `StepResult` without its outputs, so the
+step observer (metrics) runs in the front, the process that exports them.
 
 Detokenisation and stop strings run in the core, beside the engine: a stop string is then applied
 before the next step is scheduled, so the engine never computes tokens past it. docs/architecture.md
@@ -57,6 +58,7 @@ from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.engine import Engine
 from chariot.worker.engine_output import StepResult
+from chariot.worker.kv_events import KVEventLog
 from chariot.worker.output_processor import OutputProcessor, run_step
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,17 @@ class EngineCore:
         """Let the engine notice a pipeline failure while idle (it fails live requests, sets `failed`)."""
         return self._process(self.engine.check_health())
 
+    @property
+    def kv_block_size(self) -> int:
+        """The block size KV event hashes are chained over (0: the engine has no block manager)."""
+        blocks = getattr(self.engine, "blocks", None)
+        return 0 if blocks is None else int(blocks.block_size)
+
+    def take_kv_events(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """(stored, removed) block hashes since the last call (`BlockManager.drain_events`)."""
+        blocks = getattr(self.engine, "blocks", None)
+        return ((), ()) if blocks is None else blocks.drain_events()
+
     def stats(self) -> EngineStats:
         """The engine's load report with the measured prefill rate in `extra`."""
         stats = self.engine.stats()
@@ -235,6 +248,7 @@ class ShutdownCore:
 class CoreReady:
     max_model_len: int
     stats: EngineStats
+    kv_block_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +267,7 @@ class StepMessage:
     failures: tuple[tuple[str, BaseException], ...] = ()
     step: StepResult | None = None  # without its outputs
     stats: EngineStats | None = None
+    kv_events: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ())  # (stored, removed) block hashes
 
 
 @dataclass(frozen=True)
@@ -329,7 +344,7 @@ class _CoreLoop:
     def _send_turn(self, step: StepResult | None) -> None:
         outputs, self._outputs = tuple(self._outputs), []
         compact = None if step is None else dataclasses.replace(step, outputs=())
-        self.send(StepMessage(outputs, step=compact, stats=self.core.stats()))
+        self.send(StepMessage(outputs, step=compact, stats=self.core.stats(), kv_events=self.core.take_kv_events()))
 
     def _notice_failure(self) -> None:
         reason = self.core.failed
@@ -369,7 +384,7 @@ def core_main(factory: Callable[[], Engine], conn: Connection, log_level: int) -
             conn.send(CoreFailed(f"engine failed to load: {exc}", exc))
         return
     loop = _CoreLoop(core, conn)
-    loop.send(CoreReady(core.engine.max_model_len, core.stats()))
+    loop.send(CoreReady(core.engine.max_model_len, core.stats(), core.kv_block_size))
     try:
         loop.run()
     except (EOFError, OSError):
@@ -403,6 +418,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self._snapshot: EngineStats | None = None
         self._max_model_len = 0
+        self.kv_events: KVEventLog | None = None  # once ready: the KvEvents RPC's source
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._dead: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._failed: str | None = None
@@ -544,6 +560,7 @@ class EngineCoreClient:
             self._on_reply(message)
         elif isinstance(message, CoreReady):
             self._max_model_len, self._snapshot = message.max_model_len, message.stats
+            self.kv_events = KVEventLog(message.kv_block_size)
             self._ready.set_result(None)
         elif isinstance(message, CoreFailed):
             if message.load_error is not None and not self._ready.done():
@@ -563,6 +580,8 @@ class EngineCoreClient:
     def _on_step(self, message: StepMessage) -> None:
         if message.stats is not None:
             self._snapshot = message.stats
+        if self.kv_events is not None:
+            self.kv_events.append(*message.kv_events)
         with self._state_lock:
             deliveries: list[tuple[Stream, Item]] = [
                 (stream, out) for out in message.outputs if (stream := self._streams.get(out.request_id)) is not None]

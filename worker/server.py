@@ -1,4 +1,5 @@
-"""The worker's gRPC server: `chariot.v1.Generation` (Generate, Stats), gRPC health and reflection.
+"""The worker's gRPC server: `chariot.v1.Generation` (Generate, Stats, KvEvents), gRPC health and
+reflection.
 
 Why a module of its own: this is the only place where the engine meets the network. It turns wire
 requests into engine requests (`wire`), streams one `GenerateResponse` per engine output, maps every
@@ -23,10 +24,12 @@ from chariot.contracts.engine_client import EngineClient
 from chariot.contracts.engine_settings import ENGINE_CORES
 from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health, stop_on_signals
 from chariot.contracts.proto_codec import request_from_proto, response_from_output, stats_to_proto
+from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker.async_engine import AsyncEngine
 from chariot.worker.engine import Engine
 from chariot.worker.engine_core import EngineCoreClient, StepObserver
+from chariot.worker.kv_events import KVEventLog, KVSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except Exception as exc:
             await abort_with(context, exc)
 
+    async def KvEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """The prefix cache's changes (`kv_events.py`): a snapshot when the subscriber cannot continue from
+        its `last_sequence`, then one message per batch, until the server stops."""
+        events: KVEventLog | None = getattr(self._engine, "kv_events", None)
+        if events is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine is not ready")
+            return
+        boot, block_size = events.boot_id, events.block_size
+        async for item in events.subscribe(request.last_sequence, request.boot_id):
+            if isinstance(item, KVSnapshot):
+                yield pb.KvEventsResponse(boot_id=boot, block_size=block_size, snapshot=True,
+                                          sequence=item.sequence, stored=item.hashes)
+            else:
+                yield pb.KvEventsResponse(boot_id=boot, block_size=block_size, sequence=item.sequence,
+                                          stored=item.stored, removed=item.removed)
+
 
 # ---- server assembly --------------------------------------------------------------------------
 def build_server(engine: EngineClient, served_model: str) -> tuple[grpc.aio.Server, Any]:
@@ -123,6 +142,9 @@ async def serve(
             return await _run(engine, health_servicer, stop, on_ready)
     finally:
         await health_servicer.enter_graceful_shutdown()
+        events: KVEventLog | None = getattr(engine, "kv_events", None)
+        if events is not None:
+            events.close()  # subscriptions never end on their own: do not hold the grace period
         await server.stop(grace_s)
         await engine.shutdown()
 

@@ -170,3 +170,27 @@ class StatsResponse(_message.Message):
     bubble_fraction: float
     iterations: int
     def __init__(self, model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., bubble_fraction: _Optional[float] = ..., iterations: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ("last_sequence", "boot_id")
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    last_sequence: int
+    boot_id: str
+    def __init__(self, last_sequence: _Optional[int] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class KvEventsResponse(_message.Message):
+    __slots__ = ("boot_id", "block_size", "snapshot", "sequence", "stored", "removed")
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    block_size: int
+    snapshot: bool
+    sequence: int
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, boot_id: _Optional[str] = ..., block_size: _Optional[int] = ..., snapshot: _Optional[bool] = ..., sequence: _Optional[int] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ...) -> None: ...

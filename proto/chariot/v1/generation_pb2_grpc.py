@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=chariot_dot_v1_dot_generation__pb2.StatsRequest.SerializeToString,
                 response_deserializer=chariot_dot_v1_dot_generation__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.KvEvents = channel.unary_stream(
+                '/chariot.v1.Generation/KvEvents',
+                request_serializer=chariot_dot_v1_dot_generation__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=chariot_dot_v1_dot_generation__pb2.KvEventsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -63,6 +68,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KvEvents(self, request, context):
+        """The replica's prefix-cache changes (KV events), for routers: a snapshot when the subscriber
+        cannot continue from last_sequence, then one message per engine step that changed the cache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=chariot_dot_v1_dot_generation__pb2.StatsRequest.FromString,
                     response_serializer=chariot_dot_v1_dot_generation__pb2.StatsResponse.SerializeToString,
+            ),
+            'KvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.KvEvents,
+                    request_deserializer=chariot_dot_v1_dot_generation__pb2.KvEventsRequest.FromString,
+                    response_serializer=chariot_dot_v1_dot_generation__pb2.KvEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Generation:
             '/chariot.v1.Generation/Stats',
             chariot_dot_v1_dot_generation__pb2.StatsRequest.SerializeToString,
             chariot_dot_v1_dot_generation__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/chariot.v1.Generation/KvEvents',
+            chariot_dot_v1_dot_generation__pb2.KvEventsRequest.SerializeToString,
+            chariot_dot_v1_dot_generation__pb2.KvEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
