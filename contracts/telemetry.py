@@ -21,6 +21,8 @@ gen_ai.server.request.duration         histogram  s             gen_ai_server_re
 gen_ai.client.token.usage              histogram  {token}       gen_ai_client_token_usage
 chariot.admission.decisions            counter    {decision}    chariot_admission_decisions_total
 chariot.router.retries                 counter    {request}     chariot_router_retries_total
+chariot.router.routed                  counter    {request}     chariot_router_routed_total
+chariot.router.prefix_hit_tokens       counter    {token}       chariot_router_prefix_hit_tokens_total
 chariot.queue.delay                    histogram  s             chariot_queue_delay_seconds
 chariot.requests.running               gauge      {request}     chariot_requests_running
 chariot.requests.waiting               gauge      {request}     chariot_requests_waiting
@@ -41,8 +43,9 @@ Attributes (Prometheus label in brackets): every point carries `component` (`rou
 [`gen_ai_token_type`] = `input` | `output` on token usage; `outcome` on admissions (see
 `ADMISSION_OUTCOMES`); `kind` = `prefill` | `decode` | `total` on batch tokens; `stage` on the stage
 counters and the bubble gauge; `stage` and `shard` on the tensor-parallel collective time;
-`error.type` [`error_type`] on failed request durations. Request ids never become attributes
-(unbounded cardinality) — they go on spans.
+`error.type` [`error_type`] on failed request durations; `replica` and `reason` (`ROUTING_REASONS`:
+`prefix` | `load` | `affinity` | `fallback`) on the router's routed requests and prefix-hit tokens.
+Request ids never become attributes (unbounded cardinality) — they go on spans.
 
 Buckets are set with Views. Latency histograms use `LATENCY_BUCKETS_S`: 10 ms steps from 10 ms to
 500 ms, so `histogram_quantile` interpolates within a 10 ms bucket and the P99 TBT is resolved to
@@ -102,6 +105,7 @@ __all__ = [
     "MODEL_ATTR",
     "PROMETHEUS_CONTENT_TYPE",
     "REQUEST_STAGES",
+    "ROUTING_REASONS",
     "TOKEN_BUCKETS",
     "TOKEN_TYPE_ATTR",
     "AdmissionOutcome",
@@ -109,6 +113,7 @@ __all__ = [
     "MetricSpec",
     "RequestSpans",
     "RequestTimer",
+    "RoutingReason",
     "Telemetry",
     "iter_prometheus_names",
     "setup_telemetry",
@@ -120,6 +125,8 @@ Attributes = Mapping[str, AttributeValue]
 
 AdmissionOutcome = Literal["admitted", "shed_slo", "shed_queue", "rate_limited", "no_replica", "invalid"]
 ADMISSION_OUTCOMES: tuple[str, ...] = get_args(AdmissionOutcome)
+RoutingReason = Literal["prefix", "load", "affinity", "fallback"]
+ROUTING_REASONS: tuple[str, ...] = get_args(RoutingReason)
 BATCH_KINDS: tuple[str, ...] = ("prefill", "decode", "total")
 REQUEST_STAGES: tuple[str, ...] = ("admission", "queue", "prefill", "decode")
 ENGINE_GAUGE_KEYS: tuple[str, ...] = ("running", "waiting", "kv_cache_usage", "kv_blocks_used", "kv_blocks_total")
@@ -175,6 +182,13 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.router.retries", "counter", "{request}",
                    "Requests sent again to another replica because theirs failed before the first token.",
                    "chariot_router_retries_total"),
+        MetricSpec("chariot.router.routed", "counter", "{request}",
+                   "Requests the router sent to a replica, by replica and routing reason.",
+                   "chariot_router_routed_total"),
+        MetricSpec("chariot.router.prefix_hit_tokens", "counter", "{token}",
+                   "Prompt tokens the chosen replica was predicted to serve from its prefix cache, by replica "
+                   "and routing reason.",
+                   "chariot_router_prefix_hit_tokens_total"),
         MetricSpec("chariot.queue.delay", "histogram", "s",
                    "Time from request arrival to its first scheduling.",
                    "chariot_queue_delay_seconds", LATENCY_BUCKETS_S),
@@ -471,6 +485,8 @@ class Telemetry:
         self._batch_tokens = hist("chariot.batch.tokens")
         self._admissions = counter("chariot.admission.decisions")
         self._retries = counter("chariot.router.retries")
+        self._routed = counter("chariot.router.routed")
+        self._prefix_hit_tokens = counter("chariot.router.prefix_hit_tokens")
         self._busy = counter("chariot.stage.busy_time")
         self._idle = counter("chariot.stage.idle_time")
         self._collectives = counter("chariot.tensor_parallel.collective_time")
@@ -545,6 +561,14 @@ class Telemetry:
     def record_retry(self, failed_replica: str) -> None:
         """A request re-sent elsewhere after `failed_replica` failed it before its first token."""
         self._retries.add(1, self._attrs(None, replica=failed_replica))
+
+    def record_routing(self, replica: str, reason: str, cached_tokens: int) -> None:
+        """A request routed to `replica` for `reason`, predicted to find `cached_tokens` cached there."""
+        if reason not in ROUTING_REASONS:
+            raise ValueError(f"unknown routing reason {reason!r}; expected one of {ROUTING_REASONS}")
+        attrs = self._attrs(None, replica=replica, reason=reason)
+        self._routed.add(1, attrs)
+        self._prefix_hit_tokens.add(cached_tokens, attrs)
 
     def record_queue_delay(self, seconds: float, attributes: Attributes | None = None) -> None:
         self._queue_delay.record(seconds, self._attrs(attributes))

@@ -1,16 +1,23 @@
-"""SLO-driven admission control and load balancing (docs/architecture.md §5), free of any transport.
+"""SLO-driven admission control and prefix-aware load balancing (docs/architecture.md §5), free of any
+transport.
 
 For each request the controller predicts its time to first token (TTFT) on every ready replica and
 sends it to the lowest prediction, or sheds it (`AdmissionRejected`, 429) when that cannot meet the
 SLO, when every replica's queue is at its bound, or when the tenant's rate limit is exhausted.
 
-Prediction, for a prompt of `p` tokens on replica r:
+Prediction, for a prompt of `p` tokens on replica r that holds its first `cached(r)` tokens in its
+prefix cache (from the router's `PrefixIndex`; 0 when the prompt was not tokenised here):
 
-    ttft(r) = r.last_iteration_s + (r.queued_prefill_tokens + pending(r) + p) / rate(r)
+    ttft(r) = r.last_iteration_s + (r.queued_prefill_tokens + pending(r) + p - cached(r)) / rate(r)
+
+A cache hit is simply fewer prefill tokens: it wins a replica the request only while the tokens it
+saves outweigh that replica's extra queue, and never past the SLO. Equal predictions (an unknown
+prefix on idle replicas) go to the shorter queue, then by name.
 
 - `r.queued_prefill_tokens`: prompt tokens waiting on r at its last report;
-- `pending(r)`: prompt tokens admitted to r by any router since that report whose first token has
-  not come back yet (from the `SharedState`, so other routers' admissions count too);
+- `pending(r)`: prompt tokens to prefill (less their predicted cache hits) admitted to r by any
+  router since that report whose first token has not come back yet (from the `SharedState`, so
+  other routers' admissions count too);
 - `rate(r)`: prefill tokens per second: the reported `prefill_tokens_per_s` when > 0, else
   `token_budget / max(last_iteration_s, 1 ms)` — as if every iteration were full of prefill tokens,
   an optimistic bound used only until the worker has measured a rate;
@@ -28,6 +35,16 @@ Shedding, checked in this order:
 3. "rate_limit": the tenant's token bucket (see `chariot.router.ratelimit`) is short; retry after it
    has refilled enough. Charged only for requests that passed 1 and 2, refunded if the final atomic
    admission finds every candidate full after all.
+
+Session affinity (optional): a request naming a session (the OpenAI `user`, an `X-Session-Id` header)
+prefers the replica that last served that session while that replica meets the SLO and its prediction
+is within `affinity_margin_ms` of the best; otherwise it goes to the best like any request. Sessions
+are remembered per router (LRU, `max_sessions`), not in shared state: a hint, never a constraint.
+
+Every decision carries a routing reason (`contracts.telemetry.ROUTING_REASONS`, see `route_order`): "prefix" (the chosen
+replica holds more of the prompt than the least-cached replica), "load" (no cache difference decided
+it), "affinity" (the session hint changed the choice), "fallback" (the replica holding the longest
+prefix was passed over because it would breach the SLO or its queue is full).
 """
 
 from __future__ import annotations
@@ -36,10 +53,12 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable
+from chariot.contracts.telemetry import RoutingReason
 from chariot.router.config import RouterConfig
 from chariot.router.ratelimit import Charge, RateLimiter
 from chariot.router.registry import ReplicaLoad, ReplicaRegistry, ReplicaView
@@ -60,6 +79,8 @@ class Decision:
     replica_name: str
     address: str
     predicted_ttft_s: float
+    cached_tokens: int = 0  # prompt tokens the replica is expected to serve from its prefix cache
+    reason: RoutingReason = "load"
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,7 @@ class Prediction:
     queued_tokens: int
     prefill_rate: float
     queue_depth: int
+    cached_tokens: int = 0
 
 
 def prefill_rate(load: ReplicaLoad) -> float:
@@ -81,21 +103,59 @@ def prefill_rate(load: ReplicaLoad) -> float:
     return load.token_budget / max(load.last_iteration_s, MIN_ITERATION_S)
 
 
-def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int) -> Prediction:
-    """The TTFT of a `prompt_tokens` prompt on `view` (which must have a load report)."""
+def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_tokens: int = 0) -> Prediction:
+    """The TTFT of a `prompt_tokens` prompt on `view` (which must have a load report), of which the
+    replica holds the first `cached_tokens` in its prefix cache."""
     load = view.load
     assert load is not None
     rate = prefill_rate(load)
     queued = load.queued_prefill_tokens + shared.pending_prefill_tokens
     depth = max(shared.in_flight, view.in_flight, load.num_waiting + load.num_running)
+    cached = min(max(0, cached_tokens), prompt_tokens)
+    computed = prompt_tokens - cached
     return Prediction(
         replica=view.name,
-        ttft_s=load.last_iteration_s + (queued + prompt_tokens) / rate,
-        idle_ttft_s=load.last_iteration_s + prompt_tokens / rate,
+        ttft_s=load.last_iteration_s + (queued + computed) / rate,
+        idle_ttft_s=load.last_iteration_s + computed / rate,
         queued_tokens=queued,
         prefill_rate=rate,
         queue_depth=depth,
+        cached_tokens=cached,
     )
+
+
+def route_order(
+    candidates: list[Prediction],
+    ranked: list[Prediction],
+    *,
+    affinity: str | None = None,
+    affinity_margin_s: float = 0.0,
+) -> list[tuple[Prediction, RoutingReason]]:
+    """The order in which to try the admissible `candidates` (best first, as `_admissible` returns
+    them), each with its routing reason; `ranked` is every replica considered, admissible or not.
+
+    The session's replica (`affinity`) goes first when it is a candidate (so it meets the SLO and has
+    room) and its prediction is within `affinity_margin_s` of the best candidate's.
+    """
+    order = list(candidates)
+    preferred = next((p for p in order if p.replica == affinity), None)
+    if preferred is not None and order[0] is not preferred and \
+            preferred.ttft_s <= order[0].ttft_s + affinity_margin_s:
+        order.remove(preferred)
+        order.insert(0, preferred)
+    least = min((p.cached_tokens for p in ranked), default=0)
+    most = max((p.cached_tokens for p in ranked), default=0)
+    admissible = {p.replica for p in candidates}
+    holder_passed_over = most > 0 and not any(p.cached_tokens == most for p in ranked if p.replica in admissible)
+
+    def reason(p: Prediction, first: bool) -> RoutingReason:
+        if first and p is preferred and p is not candidates[0]:
+            return "affinity"
+        if holder_passed_over and p.cached_tokens < most:
+            return "fallback"
+        return "prefix" if p.cached_tokens > least else "load"
+
+    return [(p, reason(p, i == 0)) for i, p in enumerate(order)]
 
 
 @dataclass
@@ -126,6 +186,7 @@ class AdmissionController:
         self._clock = clock
         self._tickets: dict[str, _Ticket] = {}
         self._deciding: set[str] = set()
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica that last served it
 
     # decisions -----------------------------------------------------------------------------------
 
@@ -138,10 +199,14 @@ class AdmissionController:
         max_tokens: int = 0,
         request_id: str | None = None,
         exclude: Collection[str] = (),
+        cached_tokens: Mapping[str, int] | None = None,
+        session: str = "",
     ) -> Decision:
         """Admit the request to a replica (none of `exclude`), or raise AdmissionRejected /
         NoReplicaAvailable.
 
+        `cached_tokens`: per replica, the leading prompt tokens it holds in its prefix cache (absent:
+        none). `session`: a session id whose previous replica is preferred (see the module docstring).
         `now` is on the monotonic clock of the load reports (default: now). Every Decision must
         be followed by `on_finish` (and `on_first_token` when the first token arrives).
         """
@@ -151,33 +216,53 @@ class AdmissionController:
         request_id = self._new_id(request_id)
         self._deciding.add(request_id)
         try:
-            return await self._decide(request_id, prompt_tokens, tenant, t, max_tokens, exclude)
+            return await self._decide(request_id, prompt_tokens, tenant, t, max_tokens, exclude,
+                                      cached_tokens or {}, session)
         finally:
             self._deciding.discard(request_id)
 
     async def _decide(self, request_id: str, prompt_tokens: int, tenant: str, t: float, max_tokens: int,
-                      exclude: Collection[str] = ()) -> Decision:
-        predictions = await self.predictions(prompt_tokens, t, max_tokens=max_tokens)
+                      exclude: Collection[str], cached_tokens: Mapping[str, int], session: str) -> Decision:
+        predictions = await self.predictions(prompt_tokens, t, max_tokens=max_tokens, cached_tokens=cached_tokens)
         ranked = [p for p in predictions if p.replica not in exclude]
         if not ranked:
             raise NoReplicaAvailable(f"no ready replica besides {', '.join(sorted(exclude))}")
         candidates = self._admissible(ranked)
+        order = route_order(candidates, ranked, affinity=self._sessions.get(session) if session else None,
+                            affinity_margin_s=self._config.affinity_margin_ms / 1000.0)
         charge = await self._limiter.acquire(tenant or DEFAULT_TENANT, prompt_tokens, max_tokens)
-        for prediction in candidates:
-            if await self._try_admit(request_id, prediction, prompt_tokens, charge):
-                return self._admitted(request_id, prediction, prompt_tokens)
+        for prediction, reason in order:
+            computed = prompt_tokens - prediction.cached_tokens
+            if await self._try_admit(request_id, prediction, computed, charge):
+                self._remember_session(session, prediction.replica)
+                return self._admitted(request_id, prediction, computed, reason)
         await self._limiter.refund(charge)
         raise AdmissionRejected("queue", self._config.queue_retry_after_s)
 
+    def _remember_session(self, session: str, replica: str) -> None:
+        if not session or self._config.affinity_margin_ms <= 0:
+            return
+        self._sessions[session] = replica
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self._config.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def session_replica(self, session: str) -> str | None:
+        """The replica that last served `session` through this router, if remembered."""
+        return self._sessions.get(session)
+
     async def predictions(
-        self, prompt_tokens: int, now: float | None = None, *, max_tokens: int = 0
+        self, prompt_tokens: int, now: float | None = None, *, max_tokens: int = 0,
+        cached_tokens: Mapping[str, int] | None = None,
     ) -> list[Prediction]:
-        """Every ready replica that can hold the request, best (lowest TTFT) first."""
+        """Every ready replica that can hold the request, best (lowest TTFT) first; ties go to the
+        shorter queue."""
         t = self._clock() if now is None else now
         views = self._fitting(self._ready(t), prompt_tokens, max_tokens)
         windows = {v.name: max(0.0, t - v.load.reported_at) for v in views if v.load is not None}
         shared = await self._state.loads(windows)
-        ranked = [predict(v, shared.get(v.name, SharedLoad()), prompt_tokens) for v in views]
+        cached = cached_tokens or {}
+        ranked = [predict(v, shared.get(v.name, SharedLoad()), prompt_tokens, cached.get(v.name, 0)) for v in views]
         return sorted(ranked, key=lambda p: (p.ttft_s, p.queue_depth, p.replica))
 
     def _ready(self, now: float) -> list[ReplicaView]:
@@ -238,11 +323,12 @@ class AdmissionController:
             await self._limiter.refund(charge)
             raise InvalidRequestError("request_id", f"{request_id!r} is already in flight") from None
 
-    def _admitted(self, request_id: str, prediction: Prediction, prompt_tokens: int) -> Decision:
-        self._tickets[request_id] = _Ticket(prediction.replica, prompt_tokens)
-        self._registry.note_admitted(prediction.replica, prompt_tokens)
+    def _admitted(self, request_id: str, prediction: Prediction, prefill_tokens: int,
+                  reason: RoutingReason) -> Decision:
+        self._tickets[request_id] = _Ticket(prediction.replica, prefill_tokens)
+        self._registry.note_admitted(prediction.replica, prefill_tokens)
         address = self._registry.address(prediction.replica) or ""
-        return Decision(request_id, prediction.replica, address, prediction.ttft_s)
+        return Decision(request_id, prediction.replica, address, prediction.ttft_s, prediction.cached_tokens, reason)
 
     def _new_id(self, request_id: str | None) -> str:
         if request_id is None:

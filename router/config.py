@@ -74,6 +74,9 @@ class RouterConfig:
     - `degraded_limit_share`: the share of each tenant limit one router enforces on its own while
       Redis is unreachable (1/N with N routers keeps the total at the configured limit).
     - `stats_staleness_s`: a replica whose latest load report is older than this is not ready.
+    - `affinity_margin_ms`: a session's previous replica is preferred while its predicted TTFT is
+      within this of the best replica's (and meets the SLO); 0 turns session affinity off.
+    - `max_sessions`: sessions whose last replica this router remembers (least recently used go).
     - `replica_file` / `replica_poll_s`: the JSON replica list (a mounted ConfigMap) and how often its
       modification time is checked.
     """
@@ -107,6 +110,8 @@ class RouterConfig:
     replica_poll_s: float = 2.0
     queue_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
+    affinity_margin_ms: float = 50.0
+    max_sessions: int = 65536
 
     def __post_init__(self) -> None:
         self._validate_process()
@@ -125,6 +130,8 @@ class RouterConfig:
         _positive("replica_poll_s", self.replica_poll_s)
         _positive("queue_retry_after_s", self.queue_retry_after_s)
         _positive("max_retry_after_s", self.max_retry_after_s)
+        _non_negative("affinity_margin_ms", self.affinity_margin_ms)
+        _positive("max_sessions", self.max_sessions)
 
     def _validate_process(self) -> None:
         for name in ("host", "served_model"):

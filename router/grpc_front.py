@@ -58,9 +58,9 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
             self._dp.reject(exc)
             await abort_with(context, exc)
         request_id = request_id or new_request_id()
-        req = GenerateInput(
-            prompt, params, request_id, request.tenant, request.model, trace_parent(context.invocation_metadata())
-        )
+        metadata = context.invocation_metadata()
+        req = GenerateInput(prompt, params, request_id, request.tenant, request.model, trace_parent(metadata),
+                            _session(metadata))
         try:
             async with contextlib.aclosing(self._dp.generate(req)) as stream:
                 async for out in stream:
@@ -102,3 +102,11 @@ def build_grpc_server(dataplane: DataPlane) -> tuple[grpc.aio.Server, Any]:
 def bind_grpc(server: grpc.aio.Server, host: str, port: int) -> int:
     """Bind an insecure port; returns the actual port (useful with port 0)."""
     return bind(server, host, port, field="grpc_port")
+
+
+def _session(metadata: Any) -> str:
+    """The `x-session-id` metadata (a session-affinity hint for routing), cut to 256 characters."""
+    for key, value in metadata or ():
+        if key == "x-session-id" and isinstance(value, str):
+            return value[:256]
+    return ""

@@ -12,7 +12,8 @@ at least one replica is ready, else 503: readiness), `GET /health/live` (200 whi
 serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition).
 
 Headers: `X-Tenant` (overrides the body's `user` as the rate-limit tenant), `X-Request-Id`
-(client-chosen request id, echoed back), `traceparent` (continues the caller's trace). Responses
+(client-chosen request id, echoed back), `traceparent` (continues the caller's trace), `X-Session-Id`
+(a session-affinity hint for routing; without it the body's `user` is the hint). Responses
 carry `X-Request-Id` and `X-Chariot-Replica` (the replica that served the request).
 
 `n` > 1 choices fan out here, not in the data plane: choice i is an independent request `{id}-{i}`
@@ -74,6 +75,7 @@ MAX_SEED = (1 << 63) - 1  # SamplingParams' seed range: choice i's `seed + i` mu
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never seen by the client
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
+MAX_SESSION_CHARS = 256  # an X-Session-Id is a routing hint: longer ones are cut, never refused
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +204,8 @@ class OpenAIFront:
         except ClientDisconnect:  # gone while sending its body
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         trace = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
-        req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None)
+        session = request.headers.get("x-session-id", "")[:MAX_SESSION_CHARS] or parsed.user
+        req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None, session)
         if parsed.n > 1:
             return await self._generate_choices(request, parsed, req, echo)
         stream = self._dp.generate(req)

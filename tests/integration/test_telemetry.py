@@ -60,6 +60,7 @@ def record_everything(t: Telemetry) -> None:
     t.add_stage_time("0", 0.8, 0.2)
     t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5, kv_blocks_used=4, kv_blocks_total=8)
     t.record_retry("g0")
+    t.record_routing("g0", "prefix", 48)
     t.record_prefix_cache(10, 4)
     t.add_collective_time(0, 1, 0.05)
 
@@ -92,6 +93,10 @@ def test_exposition_labels(telemetry: Telemetry) -> None:
     assert 'error_type="cancelled"' in text
     for kind, value in (("prefill", 512), ("decode", 7), ("total", 519)):
         assert f'chariot_batch_tokens_sum{{{W},kind="{kind}"}} {value}.0' in text
+    assert f'chariot_router_routed_total{{{W},reason="prefix",replica="g0"}} 1.0' in text
+    assert f'chariot_router_prefix_hit_tokens_total{{{W},reason="prefix",replica="g0"}} 48.0' in text
+    with pytest.raises(ValueError, match="routing reason"):
+        telemetry.record_routing("g0", "luck", 0)
     for outcome in ADMISSION_OUTCOMES:  # every outcome exists from the start, so rate() sees the first one
         value = 1.0 if outcome == "admitted" else 0.0
         assert (
@@ -349,6 +354,7 @@ def test_real_prometheus_scrape(prometheus) -> None:
         worker.add_stage_time(0, busy_s=0.9, idle_s=0.1)
         worker.add_stage_time(1, busy_s=0.6, idle_s=0.4)
         router.record_retry("g1")
+        router.record_routing("g1", "prefix", 64)
         worker.record_prefix_cache(600, 256)
         worker.add_collective_time(0, 0, 0.02)
 

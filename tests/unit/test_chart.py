@@ -213,7 +213,8 @@ def test_dashboard_panels_cover_the_serving_metrics() -> None:
         assert re.search(rf"histogram_quantile\({quantile}, [^;]*gen_ai_server_{metric}_seconds_bucket", flat)
     for needle in ("gen_ai_server_request_duration_seconds_count", "chariot_admission_decisions_total",
                    "chariot_kv_cache_usage", "chariot_batch_tokens", "chariot_stage_idle_time_seconds_total",
-                   "chariot_prefix_cache_hits_total"):
+                   "chariot_prefix_cache_hits_total", "chariot_router_prefix_hit_tokens_total",
+                   "chariot_router_routed_total"):
         assert needle in flat, needle
     assert dashboard["uid"] == "chariot-serving" and dashboard["title"] == "Chariot serving"
 
