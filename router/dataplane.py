@@ -14,8 +14,13 @@ lives here once, so both fronts behave identically and are tested through the sa
    estimated as one token per `BYTES_PER_TOKEN_ESTIMATE` UTF-8 bytes and capped so that the estimate
    alone never fails the length check (the worker enforces the exact limit and its INVALID_ARGUMENT
    comes back here);
-2. asks `AdmissionController.decide` (which raises `AdmissionRejected`, `NoReplicaAvailable` or
-   `InvalidRequestError`), recording every outcome with `Telemetry.record_admission`;
+2. with token ids, looks the prompt up in `prefix_index` (hashed once: how many leading tokens each
+   replica holds in its prefix cache) and asks `AdmissionController.decide` (which raises
+   `AdmissionRejected`, `NoReplicaAvailable` or `InvalidRequestError`), recording every outcome with
+   `Telemetry.record_admission` and the routing with `Telemetry.record_routing`. The router then
+   records its own decision in the index (`add_blocks(replica, prompt blocks)`): the replica will
+   hold those blocks once it has prefilled them, so a conversation's next turn finds its history
+   there before, or without, the worker's KV events. A text prompt without a tokenizer routes by load;
 3. streams `Generate` from the chosen replica's stage-0 worker over that replica's shared channel as
    raw bytes, decodes each response into a `RequestOutput` that keeps those bytes (`wire`, so the
    gRPC front relays the worker's message unchanged) and the replica's name, and times it as the
@@ -53,8 +58,8 @@ from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
 from chariot.router.config import RouterConfig
 from chariot.router.kv_events import KVEventSubscriber
-from chariot.router.prefix_index import PrefixIndex
-from chariot.router.registry import ReplicaRegistry, ReplicaView
+from chariot.router.prefix_index import PrefixIndex, PromptHashes
+from chariot.router.registry import RegistryChange, ReplicaRegistry, ReplicaView
 from chariot.router.state import StateHealth
 from chariot.router.upstream import (
     ReplicaChannels,
@@ -99,6 +104,7 @@ class GenerateInput:
     tenant: str = ""  # empty: the default tenant
     model: str = ""  # empty: the served model
     trace_parent: Mapping[str, str] | None = None  # W3C trace context of the caller, if any
+    session: str = ""  # session-affinity hint (OpenAI `user`, `X-Session-Id`); empty: none
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,7 @@ class _Flight:
     trace: RequestSpans
     prompt: Prompt  # what the worker gets: token ids when the router has the tokenizer
     prompt_tokens: int
+    hashes: PromptHashes | None = None  # the prompt's block hashes when the router has its token ids
     completion_tokens: int = 0
     first_token: asyncio.Task[None] | None = None
     error: BaseException | str | None = None
@@ -174,7 +181,12 @@ class DataPlane:
         # Keeps prefix_index current from each replica's KV event stream (`kv_events.py`).
         self.kv_events = KVEventSubscriber(registry, self.channels, self.prefix_index)
         self._gauges: dict[str, Any] = {}
-        registry.subscribe(lambda _change: self._sync_gauges())
+        registry.subscribe(self._on_replicas_changed)
+
+    def _on_replicas_changed(self, change: RegistryChange) -> None:
+        for name in change.removed + change.changed:
+            self.prefix_index.drop_replica(name)
+        self._sync_gauges()
 
     # lifetime ------------------------------------------------------------------------------------
 
@@ -268,10 +280,12 @@ class DataPlane:
         try:
             flight.decision = await self.admission.decide(
                 flight.prompt_tokens, req.tenant or DEFAULT_TENANT, max_tokens=req.params.max_tokens,
-                request_id=flight.decision.request_id, exclude=tried)
+                request_id=flight.decision.request_id, exclude=tried, cached_tokens=self._cached(flight.hashes),
+                session=req.session)
         except Exception as exc:
             raise failure from exc
         flight.released = False  # the new decision's slot is to be given back
+        self._routed(flight.decision, flight.hashes)
         log.warning("replica %s failed request %s before its first token (%s); retrying on %s", failed,
                     flight.decision.request_id, failure, flight.decision.replica_name)
         self.telemetry.record_retry(failed)
@@ -285,11 +299,14 @@ class DataPlane:
                 raise UnknownModelError(req.model, self.served_model)
             prompt = await self.tokenize(req.prompt)
             prompt_tokens = self.count_prompt_tokens(prompt, req.params.max_tokens)
+            hashes = None if isinstance(prompt, str) else self.prefix_index.hash_prompt(prompt)
             decision = await self.admission.decide(
                 prompt_tokens,
                 req.tenant or DEFAULT_TENANT,
                 max_tokens=req.params.max_tokens,
                 request_id=req.request_id or None,
+                cached_tokens=self._cached(hashes),
+                session=req.session,
             )
         except Exception as exc:
             self.reject(exc)
@@ -297,14 +314,26 @@ class DataPlane:
             trace.end(exc)
             raise
         self.telemetry.record_admission("admitted")
+        self._routed(decision, hashes)
         trace = self.telemetry.request_span(
             decision.request_id,
-            {"chariot.replica": decision.replica_name, "chariot.tenant": req.tenant or DEFAULT_TENANT},
+            {"chariot.replica": decision.replica_name, "chariot.tenant": req.tenant or DEFAULT_TENANT,
+             "chariot.routing": decision.reason, "chariot.predicted_cached_tokens": decision.cached_tokens},
             parent=req.trace_parent,
             timestamp_ns=started_ns,
         )
         trace.stage("queue")  # until the first token: queued and prefilled on the replica
-        return _Flight(decision, timer, trace, prompt, prompt_tokens)
+        return _Flight(decision, timer, trace, prompt, prompt_tokens, hashes)
+
+    def _cached(self, hashes: PromptHashes | None) -> dict[str, int] | None:
+        """Per known replica, the prompt's leading tokens in its prefix cache (None: not tokenised here)."""
+        return None if hashes is None else self.prefix_index.cached_tokens(hashes, self.registry.names())
+
+    def _routed(self, decision: Decision, hashes: PromptHashes | None) -> None:
+        """Count the routing, and record that the chosen replica will hold the prompt's blocks."""
+        self.telemetry.record_routing(decision.replica_name, decision.reason, decision.cached_tokens)
+        if hashes is not None and hashes.hashes:
+            self.prefix_index.add_blocks(decision.replica_name, hashes.hashes)
 
     async def _relay(self, req: GenerateInput, flight: _Flight) -> AsyncGenerator[RequestOutput, None]:
         decision = flight.decision
