@@ -288,3 +288,21 @@ def test_redis_down_still_routes_by_prefix(replicas: dict[str, Replica], tiny_mo
                 assert r.health()["state"]["degraded"]
         finally:
             r.stop()
+
+
+def test_without_a_tokenizer_text_routes_by_load(replicas: dict[str, Replica]) -> None:
+    """A text prompt the router cannot tokenise has no hashes: every turn routes by load, hits unknown
+    to the router (the worker still reports what it found)."""
+    r = Router([x.worker.flag for x in replicas.values()])  # no model_dir: no tokenizer
+    try:
+        r.wait_ready(2)
+        text = "Once upon a time, in a lighthouse at the edge of the sea, " * 4
+        for _ in range(3):
+            resp = r.post("/v1/completions", {**BODY, "prompt": text, "return_token_ids": False})
+            assert resp.status_code == 200, resp.text
+            think()
+        counts = routed(r)
+        assert {reason for _, reason in counts} == {"load"} and sum(v[0] for v in counts.values()) == 3
+        assert sum(v[1] for v in counts.values()) == 0
+    finally:
+        r.stop()
