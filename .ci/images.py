@@ -43,6 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,30 @@ class Builder:
     def push(self, image: str) -> None:
         self.run("push", image)
 
+    def compressed_size(self, image: str) -> int:
+        """Bytes of the image's gzip-compressed layers: what a registry stores and a node pulls."""
+        if self.name == "docker":
+            proc = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE)
+            assert proc.stdout is not None
+            gz, total = zlib.compressobj(6, zlib.DEFLATED, 31), 0
+            while chunk := proc.stdout.read(1 << 20):
+                total += len(gz.compress(chunk))
+            total += len(gz.flush())
+            if proc.wait() != 0:
+                raise ImageError(f"docker save {image} failed")
+            return total
+        WORKDIR.mkdir(parents=True, exist_ok=True)
+        layout = WORKDIR / "oci-size"
+        shutil.rmtree(layout, ignore_errors=True)
+        try:
+            self.run("push", "--quiet", "--compression-format", "gzip", image, f"oci:{layout}:size", quiet=True)
+            index = json.loads((layout / "index.json").read_text())
+            digest = index["manifests"][0]["digest"].split(":", 1)[1]
+            manifest = json.loads((layout / "blobs" / "sha256" / digest).read_text())
+            return sum(int(layer["size"]) for layer in manifest["layers"])
+        finally:
+            shutil.rmtree(layout, ignore_errors=True)
+
 
 # --- build inputs --------------------------------------------------------------------------------
 
@@ -357,21 +382,25 @@ def build_args(flavour: str, base: str, source: TorchSource, version: str, torch
 
 # --- the base image ----------------------------------------------------------------------------
 
-def resolve_base(builder: Builder, env: Mapping[str, str]) -> str:
+def resolve_base(builder: Builder, env: Mapping[str, str]) -> tuple[str, float]:
     """BASE_IMAGE if it is here or can be pulled; for the default, otherwise a Debian bookworm base
-    made with mmdebstrap (the same Python 3.11) and imported under a local name."""
+    made with mmdebstrap (the same Python 3.11) and imported under a local name. With the seconds
+    spent making it (0 when it was there)."""
     base = env.get("BASE_IMAGE") or DEFAULT_BASE
     name = base if builder.name == "docker" else qualified(base)
     if builder.exists(base):
-        return base
-    if builder.exists(name) or builder.pull(name):
-        return name
+        return base, 0.0
+    if builder.exists(name):
+        return name, 0.0
+    t0 = time.monotonic()
+    if builder.pull(name):
+        return name, round(time.monotonic() - t0, 1)
     if env.get("BASE_IMAGE") and base != DEFAULT_BASE:
         raise ImageError(f"BASE_IMAGE={base} is neither here nor pullable")
     local = LOCAL_BASE[builder.name]
     if builder.exists(local):
         log(f"{base} cannot be pulled: using {local} (made earlier with mmdebstrap)")
-        return local
+        return local, 0.0
     log(f"{base} cannot be pulled: making a Debian bookworm base with mmdebstrap as {local}")
     if shutil.which("mmdebstrap") is None:
         apt_install("mmdebstrap")
@@ -382,8 +411,9 @@ def resolve_base(builder: Builder, env: Mapping[str, str]) -> str:
                     "bookworm", str(tarball)], check=True)
     builder.import_rootfs(tarball, local)
     tarball.unlink()
-    log(f"{local} made in {time.monotonic() - t0:.0f} s")
-    return local
+    seconds = round(time.monotonic() - t0, 1)
+    log(f"{local} made in {seconds:.0f} s")
+    return local, seconds
 
 
 # --- build -------------------------------------------------------------------------------------
@@ -396,6 +426,7 @@ class Built:
     torch: str
     seconds: float
     size_bytes: int
+    base_seconds: float = 0.0  # making or pulling the base, when this build did
 
 
 def build(flavour: str, env: Mapping[str, str], builder: Builder | None = None) -> Built:
@@ -408,7 +439,7 @@ def build(flavour: str, env: Mapping[str, str], builder: Builder | None = None) 
     log(f"CA bundle for pip in the build: {ca or 'none'}")
     source = torch_source(flavour, env, torch_version, ca)
     log(f"torch {torch_version} ({flavour}) from {source.describe()}")
-    base = resolve_base(builder, env)
+    base, base_seconds = resolve_base(builder, env)
     names = image_names(flavour, env, version)
     stage_inputs(ca, source)
     t0 = time.monotonic()
@@ -425,7 +456,7 @@ def build(flavour: str, env: Mapping[str, str], builder: Builder | None = None) 
     if env.get("IMAGE_PUSH", "").lower() in ("1", "true", "yes"):
         for name in names:
             builder.push(name)
-    return Built(flavour, names, base, source.describe(), round(seconds, 1), size)
+    return Built(flavour, names, base, source.describe(), round(seconds, 1), size, base_seconds)
 
 
 # --- test --------------------------------------------------------------------------------------
@@ -677,7 +708,14 @@ def test(flavours: Iterable[str], env: Mapping[str, str]) -> int:
     for flavour in flavours:
         built = build(flavour, env, builder)
         entry: dict[str, Any] = {"names": built.names, "base": built.base, "torch": built.torch,
-                                 "build_seconds": built.seconds, "size_bytes": built.size_bytes}
+                                 "base_seconds": built.base_seconds, "build_seconds": built.seconds,
+                                 "size_bytes": built.size_bytes}
+        try:
+            entry["compressed_bytes"] = builder.compressed_size(built.names[0])
+            log(f"{flavour}: {entry['compressed_bytes'] / 1e9:.2f} GB compressed")
+        except (ImageError, subprocess.CalledProcessError, OSError, KeyError) as exc:
+            entry["compressed_bytes"] = None
+            log(f"{flavour}: the compressed size could not be measured: {exc}")
         try:
             entry["checks"] = check_image(builder, built)
             entry["ok"] = True
@@ -691,7 +729,7 @@ def test(flavours: Iterable[str], env: Mapping[str, str]) -> int:
         record(Path(env["IMAGE_RECORD"]), builder.name, results)
     for flavour, entry in results.items():
         log(f"{flavour}: {'ok' if entry['ok'] else 'FAILED'}, built in {entry['build_seconds']:.0f} s, "
-            f"{entry['size_bytes'] / 1e9:.2f} GB")
+            f"{entry['size_bytes'] / 1e9:.2f} GB ({(entry['compressed_bytes'] or 0) / 1e9:.2f} GB compressed)")
     return 1 if failed else 0
 
 
