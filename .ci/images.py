@@ -560,6 +560,22 @@ def http(url: str, body: dict[str, Any]) -> urllib.request.Request:
     return urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
 
 
+def wait_healthy(base: str, timeout: float = 60.0) -> float:
+    """Seconds until the router's readiness (`/health`: a replica is ready) answers 200: `chariot up`
+    says it is ready once the router is, which can be a moment before the router routes to a replica."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise ImageError(f"{base}/health did not answer 200 within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
 def completion(base: str, model: str) -> dict[str, Any]:
     body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}
     t0 = time.monotonic()
@@ -641,8 +657,9 @@ def serve_and_query(ctr: Container, model_dir: str, model: str) -> dict[str, Any
         ready_s = time.monotonic() - t0
         log(f"chariot up ready in {ready_s:.0f} s on 127.0.0.1:{http_port}")
         base = f"http://127.0.0.1:{http_port}"
-        result = {"ready_seconds": round(ready_s, 1), "completion": completion(base, model),
-                  "streamed_chat": streamed_chat(base, model)}
+        healthy_s = wait_healthy(base)
+        result = {"ready_seconds": round(ready_s, 1), "healthy_after_ready_seconds": round(healthy_s, 2),
+                  "completion": completion(base, model), "streamed_chat": streamed_chat(base, model)}
     finally:
         stop(ctr, proc)
         reader.join(timeout=10)
@@ -719,8 +736,8 @@ def test(flavours: Iterable[str], env: Mapping[str, str]) -> int:
         try:
             entry["checks"] = check_image(builder, built)
             entry["ok"] = True
-        except (ImageError, subprocess.TimeoutExpired) as exc:
-            entry["ok"], entry["error"] = False, str(exc)
+        except (ImageError, subprocess.TimeoutExpired, OSError, ValueError, KeyError) as exc:
+            entry["ok"], entry["error"] = False, f"{type(exc).__name__}: {exc}"
             failed.append(flavour)
             log(f"{flavour}: FAILED: {exc}")
         results[flavour] = entry
