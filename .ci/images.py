@@ -697,6 +697,8 @@ def check_image(builder: Builder, built: Built) -> dict[str, Any]:
                 raise ImageError(f"the CUDA image lacks a piece: {cuda}")
             checks["cuda"] = cuda
         checks["serve"] = serve_and_query(ctr, "/tmp/model", "tiny")
+        if checks["serve"]["exit_code"] != 0:
+            raise ImageError(f"chariot up exited {checks['serve']['exit_code']} on Ctrl-C, not 0")
     return checks
 
 
