@@ -76,10 +76,10 @@ WORKDIR /
 RUN python -m chariot.kernels.cpu_build prebuild --baseline /opt/chariot/kernels-baseline
 
 FROM system AS runtime
-ARG CHARIOT_VERSION=0.1.0
+ARG IMAGE_VERSION=0.1.0
 LABEL org.opencontainers.image.title="chariot" \
       org.opencontainers.image.description="Kubernetes-native LLM serving with the Sarathi-Serve scheduler" \
-      org.opencontainers.image.version="${CHARIOT_VERSION}" \
+      org.opencontainers.image.version="${IMAGE_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 # The user, written directly: a minimal Debian base has no useradd.
 RUN echo 'chariot:x:10001:10001:Chariot:/tmp:/usr/sbin/nologin' >> /etc/passwd \

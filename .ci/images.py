@@ -370,7 +370,7 @@ def stage_inputs(ca: Path | None, source: TorchSource, inputs: Path = INPUTS) ->
 
 def build_args(flavour: str, base: str, source: TorchSource, version: str, torch_version: str,
                env: Mapping[str, str]) -> dict[str, str]:
-    args = {"BASE_IMAGE": base, "CHARIOT_VERSION": version, "TORCH_VERSION": torch_version,
+    args = {"BASE_IMAGE": base, "IMAGE_VERSION": version, "TORCH_VERSION": torch_version,
             "TORCH_INDEX_URL": source.index_url}
     if source.wheels:
         args["TORCH_FROM_WHEELS"] = "1"

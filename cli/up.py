@@ -11,11 +11,15 @@ It sits above the worker and router packages: it starts both.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from chariot.cli.groups import GroupSupervisor
@@ -94,6 +98,7 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
             cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
         router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
         line = wait_ready(router, [router, *supervisor.children()], READY_TIMEOUT_S)
+        wait_routable(line, len(replicas), READY_TIMEOUT_S)
         print_endpoints(line, served, replicas, config_for)
         return supervise_up(router, supervisor, stop)
     except RuntimeError as exc:
@@ -101,6 +106,28 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         return 1
     finally:
         shutdown(([router] if router is not None else []) + supervisor.children())
+
+
+def wait_routable(router_line: str, replicas: int, timeout_s: float) -> None:
+    """Until the router's /health counts every replica ready: its ready line comes when it serves,
+    which can be a moment before its first load poll has marked the replicas ready (a request then
+    would get 503). Raises RuntimeError past `timeout_s`."""
+    http = re.search(r"http=(\S+)", router_line)
+    if http is None:
+        return
+    url, deadline, seen = f"http://{http.group(1)}/health", time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                seen = int(json.load(resp).get("ready_replicas", 0))
+        except urllib.error.HTTPError as exc:  # 503 while no replica is ready; its body still counts them
+            seen = int(json.load(exc).get("ready_replicas", 0))
+        except (OSError, ValueError):
+            seen = 0
+        if seen >= replicas:
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"the router saw {seen} of {replicas} replica(s) ready after {timeout_s:g} s")
 
 
 def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Event) -> int:

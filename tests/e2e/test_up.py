@@ -57,7 +57,8 @@ def up(tiny_model_dir):
     assert ready.startswith("chariot up ready"), "".join(lines)
     http = re.search(r"http=(\S+)", ready).group(1)
     grpc_addr = re.search(r"grpc=(\S+)", ready).group(1)
-    yield proc, http, grpc_addr, "".join(lines)
+    health_at_ready = _health(http)  # read at once: `ready` promises a router that routes
+    yield proc, http, grpc_addr, "".join(lines), health_at_ready
     if proc.poll() is None:
         proc.kill()
 
@@ -70,7 +71,8 @@ def expected(tiny_model_dir):
 
 @pytest.mark.slow
 def test_http_completion_matches_offline(up, expected, tiny_model_dir):
-    _, http, _, banner = up
+    _, http, _, banner, health = up
+    assert health["ready_replicas"] == health["replicas"] == 1, health  # routable from the ready line on
     assert f"http://{http}/v1" in banner and "gRPC" in banner
     body = {"model": Path(tiny_model_dir).name, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True}
@@ -84,7 +86,7 @@ def test_http_completion_matches_offline(up, expected, tiny_model_dir):
 
 @pytest.mark.slow
 def test_grpc_stream_matches_offline(up, expected):
-    _, _, grpc_addr, _ = up
+    _, _, grpc_addr, _, _ = up
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with grpc.insecure_channel(grpc_addr) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -94,7 +96,7 @@ def test_grpc_stream_matches_offline(up, expected):
 
 @pytest.mark.slow
 def test_generate_cli_streams_from_up(up, expected):
-    _, _, grpc_addr, _ = up
+    _, _, grpc_addr, _, _ = up
     out = subprocess.run([sys.executable, "-m", "chariot.cli", "generate", "--target", grpc_addr,
                           "--max-tokens", str(MAX_TOKENS), PROMPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -212,7 +212,7 @@ def test_versions_agree() -> None:
     the torch the image installs is the one `make install` pins."""
     version = images.chart_version()
     assert re.search(rf'^version = "{re.escape(version)}"', (ROOT / "pyproject.toml").read_text(), re.M)
-    assert images.dockerfile_arg("CHARIOT_VERSION") == version
+    assert images.dockerfile_arg("IMAGE_VERSION") == version
     torch = images.dockerfile_arg("TORCH_VERSION")
     assert f'pip install --quiet "torch=={torch}"' in (ROOT / "Makefile").read_text()
 
