@@ -13,7 +13,6 @@ indexed (its hashes would never match a prompt's) and is retried at the longest 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +22,7 @@ import grpc
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.prefix_index import PrefixIndex
 from chariot.router.registry import RegistryChange, ReplicaRegistry
-from chariot.router.upstream import ReplicaChannels, ReplicaUnavailable
+from chariot.router.upstream import ReplicaChannels, ReplicaUnavailable, cancel_tasks
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +57,7 @@ class KVEventSubscriber:
 
     async def aclose(self) -> None:
         self._running = False
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
 
     # ---- one replica -------------------------------------------------------------------------
     async def _follow(self, name: str) -> None:

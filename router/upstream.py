@@ -215,12 +215,17 @@ class StatsPoller:
 
     async def aclose(self) -> None:
         self._running = False
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_tasks(self._tasks)
+
+
+async def cancel_tasks(tasks: dict[str, asyncio.Task[None]]) -> None:
+    """Cancel a per-replica task set (emptied at once) and wait for every task to end."""
+    pending = list(tasks.values())
+    tasks.clear()
+    for task in pending:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def aggregate_stats(reports: Iterable[Any], model: str) -> Any:

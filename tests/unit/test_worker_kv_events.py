@@ -11,16 +11,7 @@ from hypothesis import strategies as st
 
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.kv_events import KVEventBatch, KVEventLog, KVSnapshot
-
-
-def caching(num_blocks: int = 10, block_size: int = 4) -> BlockManager:
-    return BlockManager(num_blocks, block_size, watermark=0.0, prefix_caching=True)
-
-
-def run_prefill(bm: BlockManager, seq_id: int, tokens: list[int]) -> None:
-    hit = bm.cached_prefix(tokens)
-    bm.allocate(seq_id, len(tokens), hit)
-    bm.register_computed(seq_id, lambda a, b: tokens[a:b], len(tokens))
+from tests.unit.test_block_manager import caching, run_prefill
 
 
 def h(i: int) -> bytes:
