@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ os.environ.setdefault("CHARIOT_KERNEL_CACHE", str(Path.home() / ".cache" / "char
 # image carries the portable baseline build that `auto` would load instead.
 os.environ.setdefault("CHARIOT_KERNEL_BUILD", "native")
 
+import chariot.kernels as kernels
 from chariot.worker.model.make_model import make_model
 
 ModelFactory = Callable[..., Path]
@@ -71,3 +72,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu:
         config.hook.pytest_deselected(items=gpu)
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+@pytest.fixture
+def triton_backend() -> Iterator[None]:
+    """The Triton attention backend, the engine's on CUDA and the one graphs are captured with (another
+    may be selected by the process's environment); the process's own choice afterwards."""
+    kernels.select_backend("triton")
+    yield
+    kernels.select_backend()

@@ -152,7 +152,8 @@ def test_on_needs_a_single_rank() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", ["on", "off"])
-def test_on_cuda_the_carried_tokens_give_the_same_greedy_tokens(tiny_model_dir: Path, cuda_graphs: str) -> None:
+def test_on_cuda_the_carried_tokens_give_the_same_greedy_tokens(triton_backend: None, tiny_model_dir: Path,
+                                                                cuda_graphs: str) -> None:
     """On a GPU the carried tokens are read by the device from the batch before (captured graphs or
     eager), and the sampled tokens come back through the prefetched pinned copies."""
     want, _ = run(tiny_model_dir, "sarathi", "off", GREEDY, device="cuda", cuda_graphs=cuda_graphs)

@@ -4,14 +4,12 @@ through a 2-stage pipeline and on two tensor-parallel ranks; on CUDA, with the g
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import chariot.kernels as kernels
 from chariot.worker import LLM, SamplingParams
 from chariot.worker.executor import ModelRunner
 from chariot.worker.graph_runner import DecodeGraphRunner
@@ -77,15 +75,6 @@ def test_tensor_parallel_followers_take_the_leaders_path(tiny_model_dir: Path,
     tokens, served = generate(tiny_model_dir, "sarathi", "on", tensor_parallel_size=2)
     assert tokens == eager_tokens["sarathi"]
     assert served > 0
-
-
-@pytest.fixture
-def triton_backend() -> Iterator[None]:
-    """The Triton attention backend, the one graphs are captured with (other tests may have left another
-    selected); the default selection afterwards."""
-    kernels.select_backend("triton")
-    yield
-    kernels.select_backend()
 
 
 @pytest.mark.gpu

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import chariot.kernels as kernels
 from chariot.kernels import AttentionMetadata
 from chariot.worker.model.llama import LlamaStage, allocate_kv_caches
 from chariot.worker.model.loader import load_stage
@@ -158,16 +157,9 @@ def kernels_per_layer(model_dir: Path, fused: bool, monkeypatch: pytest.MonkeyPa
                     if counts[1][name] > counts[0][name]})
 
 
-@pytest.fixture
-def triton_attention_selected() -> Iterator[None]:
-    kernels.select_backend("triton")
-    yield
-    kernels.select_backend()
-
-
 @pytest.mark.gpu
 def test_cuda_decode_kernels_per_layer(small_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                       triton_attention_selected: None) -> None:
+                                       triton_backend: None) -> None:
     eager = kernels_per_layer(small_model_dir, False, monkeypatch)
     fused = kernels_per_layer(small_model_dir, True, monkeypatch)
     total_eager, total_fused = sum(eager.values()), sum(fused.values())

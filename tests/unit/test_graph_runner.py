@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
@@ -14,7 +14,6 @@ from types import ModuleType
 import pytest
 import torch
 
-import chariot.kernels as kernels
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.kernels import AttentionMetadata, reference
@@ -363,38 +362,26 @@ class RecordingCapture:
 
 
 def test_replays_with_capture_metadata_give_the_eager_hidden_states(tiny_model_dir: Path,
-                                                                     triton_attention: ModuleType) -> None:
+                                                                     triton_attention: ModuleType,
+                                                                     triton_backend: None) -> None:
     """The capture path on the CPU: the Triton kernels (interpreted) run every bucket with the capture
     metadata (every row claiming max_model_len) over the static buffers, and replayed decodes of
     several batch sizes equal the unpadded eager ones."""
-    kernels.select_backend("triton")
-    try:
-        on, off = runtime(tiny_model_dir, "on").runner, runtime(tiny_model_dir, "off").runner
-        assert on.graphs is not None
-        on.graphs = DecodeGraphRunner(replace(on.graphs.plan, mode=GraphMode.CAPTURE), on._run_layers,
-                                      on.graphs.buffers)
-        with torch.inference_mode():
-            on.graphs.capture(RecordingCapture())
-        assert on.graphs.captured == (1, 2, 4, 8)
-        for lengths in ((20, 3, 33, 17, 2), (5,), (40, 9, 1)):
-            outputs = []
-            for runner in (on, off):
-                inp, _ = decode_batch_of(runner, lengths)
-                fill_caches(runner, SENTINEL)
-                outputs.append(runner.forward(inp))
-            torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
-        assert on.graphs.replays == 3 and on.graphs.eager_runs == 0
-    finally:
-        kernels.select_backend()
-
-
-@pytest.fixture
-def triton_backend() -> Iterator[None]:
-    """The Triton attention backend, the one graphs are captured with (other tests may have left another
-    selected); the default selection afterwards."""
-    kernels.select_backend("triton")
-    yield
-    kernels.select_backend()
+    on, off = runtime(tiny_model_dir, "on").runner, runtime(tiny_model_dir, "off").runner
+    assert on.graphs is not None
+    on.graphs = DecodeGraphRunner(replace(on.graphs.plan, mode=GraphMode.CAPTURE), on._run_layers,
+                                  on.graphs.buffers)
+    with torch.inference_mode():
+        on.graphs.capture(RecordingCapture())
+    assert on.graphs.captured == (1, 2, 4, 8)
+    for lengths in ((20, 3, 33, 17, 2), (5,), (40, 9, 1)):
+        outputs = []
+        for runner in (on, off):
+            inp, _ = decode_batch_of(runner, lengths)
+            fill_caches(runner, SENTINEL)
+            outputs.append(runner.forward(inp))
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    assert on.graphs.replays == 3 and on.graphs.eager_runs == 0
 
 
 @pytest.mark.gpu
