@@ -64,6 +64,22 @@ class AdmissionRejected(ChariotError):
         return type(self), (self.reason, self.retry_after_s)
 
 
+class AuthenticationError(ChariotError):
+    """The request carries no API key, or one the router does not know (the key is never in the message)."""
+
+
+class PermissionDeniedError(ChariotError):
+    """The request's API key is valid but may not use what it asked for (say, a model outside its list)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.message)
+
+
 class NoReplicaAvailable(ChariotError):
     """No ready replica can serve the request."""
 
@@ -84,6 +100,8 @@ class UnknownModelError(InvalidRequestError):
 _STATUS_TABLE: tuple[tuple[type[BaseException], str, int], ...] = (
     (UnknownModelError, "NOT_FOUND", 404),  # as OpenAI answers an unknown model
     (InvalidRequestError, "INVALID_ARGUMENT", 400),
+    (AuthenticationError, "UNAUTHENTICATED", 401),
+    (PermissionDeniedError, "PERMISSION_DENIED", 403),
     (AdmissionRejected, "RESOURCE_EXHAUSTED", 429),
     (NoReplicaAvailable, "UNAVAILABLE", 503),
     (EngineDeadError, "UNAVAILABLE", 503),

@@ -23,6 +23,9 @@ chariot.admission.decisions            counter    {decision}    chariot_admissio
 chariot.router.retries                 counter    {request}     chariot_router_retries_total
 chariot.router.routed                  counter    {request}     chariot_router_routed_total
 chariot.router.prefix_hit_tokens       counter    {token}       chariot_router_prefix_hit_tokens_total
+chariot.tenant.requests                counter    {request}     chariot_tenant_requests_total
+chariot.tenant.rejections              counter    {request}     chariot_tenant_rejections_total
+chariot.tenant.tokens                  counter    {token}       chariot_tenant_tokens_total
 chariot.queue.delay                    histogram  s             chariot_queue_delay_seconds
 chariot.requests.running               gauge      {request}     chariot_requests_running
 chariot.requests.waiting               gauge      {request}     chariot_requests_waiting
@@ -44,7 +47,9 @@ Attributes (Prometheus label in brackets): every point carries `component` (`rou
 `ADMISSION_OUTCOMES`); `kind` = `prefill` | `decode` | `total` on batch tokens; `stage` on the stage
 counters and the bubble gauge; `stage` and `shard` on the tensor-parallel collective time;
 `error.type` [`error_type`] on failed request durations; `replica` and `reason` (`ROUTING_REASONS`:
-`prefix` | `load` | `affinity` | `fallback`) on the router's routed requests and prefix-hit tokens.
+`prefix` | `load` | `affinity` | `fallback` | `round_robin`) on the router's routed requests and prefix-hit tokens.
+`tenant` on the router's per-tenant counters (a configured tenant or `other`: the router bounds it),
+with `reason` on rejections and `gen_ai.token.type` on tokens.
 Request ids never become attributes (unbounded cardinality) — they go on spans.
 
 Buckets are set with Views. Latency histograms use `LATENCY_BUCKETS_S`: 10 ms steps from 10 ms to
@@ -125,7 +130,7 @@ Attributes = Mapping[str, AttributeValue]
 
 AdmissionOutcome = Literal["admitted", "shed_slo", "shed_queue", "rate_limited", "no_replica", "invalid"]
 ADMISSION_OUTCOMES: tuple[str, ...] = get_args(AdmissionOutcome)
-RoutingReason = Literal["prefix", "load", "affinity", "fallback"]
+RoutingReason = Literal["prefix", "load", "affinity", "fallback", "round_robin"]
 ROUTING_REASONS: tuple[str, ...] = get_args(RoutingReason)
 BATCH_KINDS: tuple[str, ...] = ("prefill", "decode", "total")
 REQUEST_STAGES: tuple[str, ...] = ("admission", "queue", "prefill", "decode")
@@ -189,6 +194,17 @@ METRICS: dict[str, MetricSpec] = {
                    "Prompt tokens the chosen replica was predicted to serve from its prefix cache, by replica "
                    "and routing reason.",
                    "chariot_router_prefix_hit_tokens_total"),
+        MetricSpec("chariot.tenant.requests", "counter", "{request}",
+                   "Requests the router admitted, by tenant (a configured tenant or other).",
+                   "chariot_tenant_requests_total"),
+        MetricSpec("chariot.tenant.rejections", "counter", "{request}",
+                   "Requests the router refused, by tenant and reason (unauthenticated, forbidden, rate_limit, "
+                   "slo, queue, no_replica, invalid, error).",
+                   "chariot_tenant_rejections_total"),
+        MetricSpec("chariot.tenant.tokens", "counter", "{token}",
+                   "Prompt and completion tokens of the router's finished requests, by tenant and "
+                   "gen_ai.token.type.",
+                   "chariot_tenant_tokens_total"),
         MetricSpec("chariot.queue.delay", "histogram", "s",
                    "Time from request arrival to its first scheduling.",
                    "chariot_queue_delay_seconds", LATENCY_BUCKETS_S),
@@ -487,6 +503,9 @@ class Telemetry:
         self._retries = counter("chariot.router.retries")
         self._routed = counter("chariot.router.routed")
         self._prefix_hit_tokens = counter("chariot.router.prefix_hit_tokens")
+        self._tenant_requests = counter("chariot.tenant.requests")
+        self._tenant_rejections = counter("chariot.tenant.rejections")
+        self._tenant_tokens = counter("chariot.tenant.tokens")
         self._busy = counter("chariot.stage.busy_time")
         self._idle = counter("chariot.stage.idle_time")
         self._collectives = counter("chariot.tensor_parallel.collective_time")
@@ -569,6 +588,20 @@ class Telemetry:
         attrs = self._attrs(None, replica=replica, reason=reason)
         self._routed.add(1, attrs)
         self._prefix_hit_tokens.add(cached_tokens, attrs)
+
+    def record_tenant_request(self, tenant: str) -> None:
+        """A request of `tenant` (a bounded label: the router maps unknown tenants to one) was admitted."""
+        self._tenant_requests.add(1, self._attrs(None, tenant=tenant))
+
+    def record_tenant_rejection(self, tenant: str, reason: str) -> None:
+        """A request of `tenant` was refused for `reason` (a bounded set, see `chariot.tenant.rejections`)."""
+        self._tenant_rejections.add(1, self._attrs(None, tenant=tenant, reason=reason))
+
+    def record_tenant_tokens(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        """A finished request's prompt (`input`) and completion (`output`) tokens, for its tenant."""
+        attrs = self._attrs(None, tenant=tenant)
+        self._tenant_tokens.add(max(0, input_tokens), {**attrs, TOKEN_TYPE_ATTR: "input"})
+        self._tenant_tokens.add(max(0, output_tokens), {**attrs, TOKEN_TYPE_ATTR: "output"})
 
     def record_queue_delay(self, seconds: float, attributes: Attributes | None = None) -> None:
         self._queue_delay.record(seconds, self._attrs(attributes))

@@ -33,11 +33,13 @@ from chariot.contracts.grpc_server import SERVICE_NAME, host_port, stop_on_signa
 from chariot.contracts.telemetry import setup_telemetry
 from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.admission import AdmissionController
+from chariot.router.auth import KeyStore, RequestLimiter
 from chariot.router.config import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HOST,
     DEFAULT_HTTP_PORT,
     DEFAULT_SERVED_MODEL,
+    ROUTING_MODES,
     RouterConfig,
     TenantLimit,
 )
@@ -46,6 +48,7 @@ from chariot.router.grpc_front import NOT_SERVING, HealthReporter, bind_grpc, bu
 from chariot.router.http_front import build_http_app
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
+from chariot.router.tls import CertificateFiles
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
     host, grace_s = config.host, config.grace_s
     tokenizer = Tokenizer(config.model_dir) if config.model_dir else None
     registry = ReplicaRegistry.from_config(config, config.replicas)
+    keys, certs = _secrets(config)
     async with contextlib.AsyncExitStack() as stack:
         telemetry = setup_telemetry(SERVICE, "router", config.otlp_endpoint, model=config.served_model)
         stack.callback(telemetry.shutdown)
@@ -74,13 +78,17 @@ async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
         stack.push_async_callback(state.aclose)
         state.start(upkeep_interval_s(config))
         admission = AdmissionController(config, registry, state)
-        dataplane = DataPlane(config, registry, admission, telemetry, tokenizer)
+        dataplane = DataPlane(config, registry, admission, telemetry, tokenizer, keys=keys,
+                              request_limiter=RequestLimiter(state, config.max_retry_after_s))
         stack.push_async_callback(dataplane.aclose)
         dataplane.start()
         if config.replica_file:
             _cancel_on_exit(stack, registry.start_watching(config.replica_poll_s))
-        bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, config.grpc_port, grace_s))
-        bound_http = await stack.enter_async_context(_http_front(dataplane, host, config.http_port, grace_s))
+        if keys is not None:
+            _cancel_on_exit(stack, keys.start_watching(config.secret_poll_s))
+        bound_grpc = await stack.enter_async_context(_grpc_front(dataplane, host, config.grpc_port, grace_s, certs))
+        bound_http = await stack.enter_async_context(
+            _http_front(dataplane, host, config.http_port, grace_s, certs, config.secret_poll_s))
         print(f"chariot router ready http={host_port(host, bound_http)} grpc={host_port(host, bound_grpc)}", flush=True)
         log.info("router serving %s over %d replica(s)", config.served_model, len(registry.names()))
         if ready is not None:
@@ -91,10 +99,23 @@ async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
     return EXIT_OK
 
 
+def _secrets(config: RouterConfig) -> tuple[KeyStore | None, CertificateFiles | None]:
+    """The API keys and the TLS certificate, loaded (a `ConfigError` at start for a bad file)."""
+    keys = KeyStore(config.api_keys_file) if config.api_keys_file else None
+    if keys is None:
+        log.warning("no API keys configured (--api-keys): every caller is trusted and names its own tenant")
+    certs = None
+    if config.tls_cert_file and config.tls_key_file:
+        certs = CertificateFiles(config.tls_cert_file, config.tls_key_file)
+        certs.read()
+    return keys, certs
+
+
 @contextlib.asynccontextmanager
-async def _grpc_front(dataplane: DataPlane, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
+async def _grpc_front(dataplane: DataPlane, host: str, port: int, grace_s: float,
+                      certs: CertificateFiles | None = None) -> AsyncIterator[int]:
     server, health_servicer = build_grpc_server(dataplane)
-    bound = bind_grpc(server, host, port)
+    bound = bind_grpc(server, host, port, certs.grpc_credentials() if certs is not None else None)
     await server.start()
     reporter = HealthReporter(health_servicer, dataplane)
     await reporter.update()
@@ -119,7 +140,8 @@ class _UvicornServer(uvicorn.Server):
 
 
 @contextlib.asynccontextmanager
-async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float) -> AsyncIterator[int]:
+async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float,
+                      certs: CertificateFiles | None = None, poll_s: float = 2.0) -> AsyncIterator[int]:
     sock = bind_http(host, port)
     config = uvicorn.Config(
         build_http_app(dataplane),
@@ -130,6 +152,11 @@ async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float
         ws="none",
         timeout_graceful_shutdown=max(1, round(grace_s)),
     )
+    watch: asyncio.Task[None] | None = None
+    if certs is not None:
+        config.load()
+        config.ssl = certs.server_context()  # one context, reloaded in place (`chariot.router.tls`)
+        watch = asyncio.get_running_loop().create_task(certs.watch_context(config.ssl, poll_s), name="router-tls")
     server = _UvicornServer(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="router-http")
     try:
@@ -141,6 +168,8 @@ async def _http_front(dataplane: DataPlane, host: str, port: int, grace_s: float
         yield int(sock.getsockname()[1])
     finally:
         server.should_exit = True
+        if watch is not None:
+            watch.cancel()
         with contextlib.suppress(Exception, SystemExit):
             await task
         sock.close()
@@ -205,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         "ttft_slo_ms": args.ttft_slo_ms,
         "tbt_slo_ms": args.tbt_slo_ms,
         "max_queue_per_replica": args.max_queue_per_replica,
+        "routing": args.routing,
     }
     return RouterConfig(
         host=args.host,
@@ -216,6 +246,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         otlp_endpoint=args.otlp_endpoint,
         redis_url=args.redis_url,
         replica_file=args.replica_file,
+        api_keys_file=args.api_keys,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
         default_rate_limit=default_limit,
         tenant_rate_limits=tenant_limits,
         **{k: v for k, v in overrides.items() if v is not None},
@@ -259,6 +292,9 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="admitted, unfinished requests one replica may hold (default 256)",
     )
+    p.add_argument("--routing", choices=ROUTING_MODES, default=None,
+                   help="replica choice among those meeting the SLO: prefix (cached prefix + load, session "
+                        "affinity; the default), load (as if nothing were cached), round_robin (in turn)")
     p.add_argument("--rate-limit", action="append", default=[], metavar="TENANT=RATE:BURST",
                    help="token bucket per tenant, in tokens (prompt + max_tokens) per second and burst "
                         "(repeatable; tenant '*' is the default for every other tenant)")  # fmt: skip
@@ -272,8 +308,19 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="model directory for the tokenizer (exact prompt lengths, chat template)",
     )
     p.add_argument("--otlp-endpoint", default=None, help="OTLP gRPC endpoint for metrics and traces")
+    add_security_flags(p)
     p.set_defaults(handler=run_router_command)
     return p
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    """`--api-keys`, `--tls-cert`, `--tls-key` (shared by `chariot router` and `chariot up`)."""
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="YAML file of API keys bound to tenants (docs/api.md); every /v1/ call then needs "
+                        "'Authorization: Bearer <key>'. Reloaded when it changes")  # fmt: skip
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM certificate chain served on both fronts (with --tls-key); reloaded when it changes")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
 
 
 def run_router_command(args: argparse.Namespace) -> int:

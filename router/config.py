@@ -18,6 +18,8 @@ from chariot.contracts.errors import ConfigError
 
 RateLimitUnit = Literal["tokens", "requests"]
 RATE_LIMIT_UNITS: tuple[str, ...] = ("tokens", "requests")
+Routing = Literal["prefix", "load", "round_robin"]
+ROUTING_MODES: tuple[str, ...] = ("prefix", "load", "round_robin")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_GRPC_PORT = 50051
@@ -55,6 +57,11 @@ class RouterConfig:
     - `otlp_endpoint`: OTLP collector for metrics and traces (None: Prometheus only).
     - `stats_interval_s`: how often each replica's load report is polled.
     - `grace_s`: how long in-flight calls may finish at shutdown.
+    - `api_keys_file`: the YAML file of API keys bound to tenants (`chariot.router.auth`; None: no
+      keys, every caller is trusted and names its own tenant).
+    - `tls_cert_file` / `tls_key_file`: PEM certificate chain and private key served on both fronts
+      (None: plaintext); both or neither.
+    - `secret_poll_s`: how often the key file and the certificate files are checked for changes.
 
     The decision core:
     - `ttft_slo_ms` / `tbt_slo_ms`: the latency SLOs; a request is shed when its predicted TTFT on the
@@ -77,6 +84,10 @@ class RouterConfig:
     - `affinity_margin_ms`: a session's previous replica is preferred while its predicted TTFT is
       within this of the best replica's (and meets the SLO); 0 turns session affinity off.
     - `max_sessions`: sessions whose last replica this router remembers (least recently used go).
+    - `routing`: how an admitted request picks among the replicas that meet the SLO: "prefix" (the
+      lowest predicted TTFT counting each replica's cached prefix, with session affinity), "load"
+      (the lowest predicted TTFT as if nothing were cached; no affinity), "round_robin" (in turn).
+      Shedding is the same in all three; "load" and "round_robin" exist to measure "prefix" against.
     - `replica_file` / `replica_poll_s`: the JSON replica list (a mounted ConfigMap) and how often its
       modification time is checked.
     """
@@ -90,6 +101,10 @@ class RouterConfig:
     otlp_endpoint: str | None = None
     stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     grace_s: float = DEFAULT_GRACE_S
+    api_keys_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    secret_poll_s: float = 2.0
     ttft_slo_ms: float = 2000.0
     tbt_slo_ms: float = 200.0
     slo_margin: float = 0.1
@@ -112,6 +127,7 @@ class RouterConfig:
     max_retry_after_s: float = 60.0
     affinity_margin_ms: float = 50.0
     max_sessions: int = 65536
+    routing: Routing = "prefix"
 
     def __post_init__(self) -> None:
         self._validate_process()
@@ -132,6 +148,8 @@ class RouterConfig:
         _positive("max_retry_after_s", self.max_retry_after_s)
         _non_negative("affinity_margin_ms", self.affinity_margin_ms)
         _positive("max_sessions", self.max_sessions)
+        if self.routing not in ROUTING_MODES:
+            raise ConfigError("routing", f"must be one of {ROUTING_MODES}, got {self.routing!r}")
 
     def _validate_process(self) -> None:
         for name in ("host", "served_model"):
@@ -147,6 +165,17 @@ class RouterConfig:
         object.__setattr__(self, "replicas", tuple(self.replicas))
         _positive("stats_interval_s", self.stats_interval_s)
         _positive("grace_s", self.grace_s)
+        self._validate_secrets()
+
+    def _validate_secrets(self) -> None:
+        for name in ("api_keys_file", "tls_cert_file", "tls_key_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(name, f"must be a file path or None, got {value!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ConfigError(missing, "is required with the other TLS file (give both or neither)")
+        _positive("secret_poll_s", self.secret_poll_s)
 
     def _validate_limits(self) -> None:
         if self.default_rate_limit is not None:

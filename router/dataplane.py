@@ -47,7 +47,14 @@ from typing import Any
 
 import grpc
 
-from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, NoReplicaAvailable, UnknownModelError
+from chariot.contracts.errors import (
+    AdmissionRejected,
+    AuthenticationError,
+    InvalidRequestError,
+    NoReplicaAvailable,
+    PermissionDeniedError,
+    UnknownModelError,
+)
 from chariot.contracts.outputs import RequestOutput
 from chariot.contracts.proto_codec import output_from_response, request_to_proto
 from chariot.contracts.requests import FinishReason, Prompt
@@ -56,6 +63,7 @@ from chariot.contracts.telemetry import RequestSpans, RequestTimer, Telemetry
 from chariot.contracts.tokenizer import Tokenizer
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decision
+from chariot.router.auth import KeyStore, Principal, RequestLimiter
 from chariot.router.config import RouterConfig
 from chariot.router.kv_events import KVEventSubscriber
 from chariot.router.prefix_index import PrefixIndex, PromptHashes
@@ -90,6 +98,8 @@ BYTES_PER_TOKEN_ESTIMATE = 4
 INLINE_TOKENIZE_CHARS = 8192
 # Replicas a request may be re-sent to when its replica fails it before the first token.
 MAX_RETRIES = 2
+# The tenant label of every tenant that is not configured (see `DataPlane.tenant_label`).
+OTHER_TENANT = "other"
 
 _SHED_OUTCOMES = {"slo": "shed_slo", "queue": "shed_queue", "rate_limit": "rate_limited"}
 
@@ -105,6 +115,8 @@ class GenerateInput:
     model: str = ""  # empty: the served model
     trace_parent: Mapping[str, str] | None = None  # W3C trace context of the caller, if any
     session: str = ""  # session-affinity hint (OpenAI `user`, `X-Session-Id`); empty: none
+    principal: Principal | None = None  # the API key's tenant and rights (None: no keys configured)
+    end_user: str = ""  # with an API key, what the caller named (`user`, `X-Tenant`): a label only
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,7 @@ class _Flight:
     first_token: asyncio.Task[None] | None = None
     error: BaseException | str | None = None
     released: bool = False  # its admission slot was given back (once per decision)
+    tenant: str = DEFAULT_TENANT  # its tenant's metrics label (`DataPlane.tenant_label`)
 
 
 class DataPlane:
@@ -168,20 +181,30 @@ class DataPlane:
         admission: AdmissionController,
         telemetry: Telemetry,
         tokenizer: Tokenizer | None,
+        *,
+        keys: KeyStore | None = None,
+        request_limiter: RequestLimiter | None = None,
     ) -> None:
         self.config = config
+        self.keys = keys  # API keys (`chariot.router.auth`): the fronts authenticate with them
+        self.request_limiter = request_limiter
         self.registry = registry
         self.admission = admission
         self.telemetry = telemetry
         self.tokenizer = tokenizer
         self.served_model = config.served_model
         self.channels = ReplicaChannels(registry)
-        self.poller = StatsPoller(registry, self.channels, config.stats_interval_s)
+        self.poller = StatsPoller(registry, self.channels, config.stats_interval_s, on_report=self._on_report)
         self.prefix_index = PrefixIndex()
         # Keeps prefix_index current from each replica's KV event stream (`kv_events.py`).
         self.kv_events = KVEventSubscriber(registry, self.channels, self.prefix_index)
         self._gauges: dict[str, Any] = {}
         registry.subscribe(self._on_replicas_changed)
+
+    def _on_report(self, name: str, stats: Any) -> None:
+        """A replica's load report: its prefix index holds no more hashes than it has KV blocks."""
+        if stats.num_blocks > 0:
+            self.prefix_index.set_capacity(name, min(int(stats.num_blocks), self.prefix_index.capacity))
 
     def _on_replicas_changed(self, change: RegistryChange) -> None:
         for name in change.removed + change.changed:
@@ -222,11 +245,19 @@ class DataPlane:
 
     # requests ------------------------------------------------------------------------------------
 
-    def reject(self, exc: BaseException) -> None:
+    def reject(self, exc: BaseException, tenant: str = "") -> None:
         """Record a request a front rejected before it reached `generate` (e.g. malformed input)."""
         outcome = admission_outcome(exc)
         if outcome is not None:
             self.telemetry.record_admission(outcome)
+        self.telemetry.record_tenant_rejection(self.tenant_label(tenant), rejection_reason(exc))
+
+    def tenant_label(self, tenant: str) -> str:
+        """`tenant` as a metrics label: a configured tenant (key file, `--rate-limit`) or "other", so
+        a caller naming made-up tenants cannot grow the label set."""
+        tenant = tenant or DEFAULT_TENANT
+        known = tenant == DEFAULT_TENANT or tenant in self.config.tenant_rate_limits
+        return tenant if known or (self.keys is not None and tenant in self.keys.tenants) else OTHER_TENANT
 
     async def tokenize(self, prompt: Prompt) -> Prompt:
         """A text prompt's token ids when the router has the tokenizer; otherwise `prompt` as it is."""
@@ -297,10 +328,36 @@ class DataPlane:
         try:
             if req.model and req.model != self.served_model:
                 raise UnknownModelError(req.model, self.served_model)
+            if req.principal is not None:
+                req.principal.check_model(req.model or self.served_model)
             prompt = await self.tokenize(req.prompt)
             prompt_tokens = self.count_prompt_tokens(prompt, req.params.max_tokens)
             hashes = None if isinstance(prompt, str) else self.prefix_index.hash_prompt(prompt)
-            decision = await self.admission.decide(
+            decision = await self._decide(req, prompt_tokens, hashes)
+        except Exception as exc:
+            self.reject(exc, req.tenant)
+            trace = self.telemetry.request_span(req.request_id, parent=req.trace_parent, timestamp_ns=started_ns)
+            trace.end(exc)
+            raise
+        tenant = self.tenant_label(req.tenant)
+        self.telemetry.record_tenant_request(tenant)
+        self.telemetry.record_admission("admitted")
+        self._routed(decision, hashes)
+        attributes: dict[str, Any] = {
+            "chariot.replica": decision.replica_name, "chariot.tenant": req.tenant or DEFAULT_TENANT,
+            "chariot.routing": decision.reason, "chariot.predicted_cached_tokens": decision.cached_tokens}
+        if req.end_user:
+            attributes["chariot.end_user"] = req.end_user
+        trace = self.telemetry.request_span(decision.request_id, attributes, parent=req.trace_parent,
+                                            timestamp_ns=started_ns)
+        trace.stage("queue")  # until the first token: queued and prefilled on the replica
+        return _Flight(decision, timer, trace, prompt, prompt_tokens, hashes, tenant=tenant)
+
+    async def _decide(self, req: GenerateInput, prompt_tokens: int, hashes: PromptHashes | None) -> Decision:
+        """Charge the key's request bucket, then admit; the request is refunded if admission refuses."""
+        charged = self.request_limiter is not None and await self.request_limiter.acquire(req.principal)
+        try:
+            return await self.admission.decide(
                 prompt_tokens,
                 req.tenant or DEFAULT_TENANT,
                 max_tokens=req.params.max_tokens,
@@ -308,31 +365,22 @@ class DataPlane:
                 cached_tokens=self._cached(hashes),
                 session=req.session,
             )
-        except Exception as exc:
-            self.reject(exc)
-            trace = self.telemetry.request_span(req.request_id, parent=req.trace_parent, timestamp_ns=started_ns)
-            trace.end(exc)
+        except BaseException:
+            if charged and self.request_limiter is not None and req.principal is not None:
+                await self.request_limiter.refund(req.principal)
             raise
-        self.telemetry.record_admission("admitted")
-        self._routed(decision, hashes)
-        trace = self.telemetry.request_span(
-            decision.request_id,
-            {"chariot.replica": decision.replica_name, "chariot.tenant": req.tenant or DEFAULT_TENANT,
-             "chariot.routing": decision.reason, "chariot.predicted_cached_tokens": decision.cached_tokens},
-            parent=req.trace_parent,
-            timestamp_ns=started_ns,
-        )
-        trace.stage("queue")  # until the first token: queued and prefilled on the replica
-        return _Flight(decision, timer, trace, prompt, prompt_tokens, hashes)
 
     def _cached(self, hashes: PromptHashes | None) -> dict[str, int] | None:
-        """Per known replica, the prompt's leading tokens in its prefix cache (None: not tokenised here)."""
-        return None if hashes is None else self.prefix_index.cached_tokens(hashes, self.registry.names())
+        """Per known replica, the prompt's leading tokens in its prefix cache (None: not tokenised here,
+        or hashed before the index changed its block size)."""
+        if hashes is None or not self.prefix_index.accepts(hashes):
+            return None
+        return self.prefix_index.cached_tokens(hashes, self.registry.names())
 
     def _routed(self, decision: Decision, hashes: PromptHashes | None) -> None:
         """Count the routing, and record that the chosen replica will hold the prompt's blocks."""
         self.telemetry.record_routing(decision.replica_name, decision.reason, decision.cached_tokens)
-        if hashes is not None and hashes.hashes:
+        if hashes is not None and hashes.hashes and self.prefix_index.accepts(hashes):
             self.prefix_index.add_blocks(decision.replica_name, hashes.hashes)
 
     async def _relay(self, req: GenerateInput, flight: _Flight) -> AsyncGenerator[RequestOutput, None]:
@@ -373,6 +421,7 @@ class DataPlane:
         """Metrics, trace and admission release of one admitted request; runs exactly once."""
         error_type = _error_type(flight.error)
         flight.timer.finish(flight.prompt_tokens, flight.completion_tokens, error_type=error_type)
+        self.telemetry.record_tenant_tokens(flight.tenant, flight.prompt_tokens, flight.completion_tokens)
         flight.trace.end("cancelled" if error_type == "cancelled" else flight.error)
         release = asyncio.ensure_future(self._release(flight))
         with contextlib.suppress(asyncio.CancelledError):  # cancelled again: the release still completes
@@ -408,6 +457,17 @@ class DataPlane:
             return {}
         return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_cache_usage": stats.kv_cache_usage,
                 "kv_blocks_used": stats.num_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_blocks}
+
+
+def rejection_reason(exc: BaseException) -> str:
+    """The `reason` label of a refused request on `chariot.tenant.rejections` (a bounded set)."""
+    if isinstance(exc, AuthenticationError):
+        return "unauthenticated"
+    if isinstance(exc, PermissionDeniedError):
+        return "forbidden"
+    if isinstance(exc, AdmissionRejected):
+        return exc.reason if exc.reason in ("slo", "queue", "rate_limit") else "queue"
+    return admission_outcome(exc) or "error"
 
 
 def _error_type(error: BaseException | str | None) -> str | None:

@@ -9,6 +9,11 @@ very same field-naming INVALID_ARGUMENT as a worker would give; generation goes 
 (RESOURCE_EXHAUSTED) carries its retry hint as trailing metadata: `retry-after` (whole seconds,
 rounded up, like HTTP's header) and `retry-after-ms`, besides the message.
 
+API keys (`chariot.router.auth`): when the router has a key file, Generate and Stats need
+`authorization: Bearer <key>` metadata (UNAUTHENTICATED otherwise; health and reflection stay open),
+and the key's tenant replaces the request's `tenant` field, which becomes an end-user label.
+TLS: `bind_grpc` with `credentials` (`chariot.router.tls`) serves a secure port instead.
+
 Health: the overall ("") and `chariot.v1.Generation` statuses are SERVING while at least one replica
 is ready and NOT_SERVING otherwise (`HealthReporter` re-evaluates them every `interval_s`).
 Cancelling a Generate call cancels the worker call, which aborts the request and frees its KV blocks.
@@ -25,10 +30,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health
+from chariot.contracts.errors import ConfigError
+from chariot.contracts.grpc_server import abort_with, bind, generation_server, host_port, set_health
 from chariot.contracts.proto_codec import request_from_proto
 from chariot.contracts.requests import new_request_id
 from chariot.proto.chariot.v1 import generation_pb2_grpc as pb_grpc
+from chariot.router.auth import Principal
 from chariot.router.dataplane import DataPlane, GenerateInput
 
 log = logging.getLogger(__name__)
@@ -52,15 +59,17 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Stream the completion from a replica chosen by admission control."""
+        metadata = context.invocation_metadata()
         try:
+            principal = self._authenticate(metadata)
             prompt, params, request_id = request_from_proto(request, self._dp.served_model)
         except Exception as exc:
             self._dp.reject(exc)
             await abort_with(context, exc)
         request_id = request_id or new_request_id()
-        metadata = context.invocation_metadata()
-        req = GenerateInput(prompt, params, request_id, request.tenant, request.model, trace_parent(metadata),
-                            _session(metadata))
+        tenant, end_user = (principal.tenant, request.tenant) if principal is not None else (request.tenant, "")
+        req = GenerateInput(prompt, params, request_id, tenant, request.model, trace_parent(metadata),
+                            _session(metadata), principal=principal, end_user=end_user)
         try:
             async with contextlib.aclosing(self._dp.generate(req)) as stream:
                 async for out in stream:
@@ -70,7 +79,18 @@ class RouterGenerationServicer(pb_grpc.GenerationServicer):
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """The deployment's load: the ready replicas' latest reports, aggregated."""
+        try:
+            self._authenticate(context.invocation_metadata())
+        except Exception as exc:
+            self._dp.reject(exc)
+            await abort_with(context, exc)
         return self._dp.stats()
+
+    def _authenticate(self, metadata: Any) -> Principal | None:
+        """The call's `Principal` (None without API keys); `AuthenticationError` for a missing/unknown key."""
+        if self._dp.keys is None:
+            return None
+        return self._dp.keys.authenticate(_metadata_value(metadata, "authorization"))
 
 
 class HealthReporter:
@@ -99,9 +119,27 @@ def build_grpc_server(dataplane: DataPlane) -> tuple[grpc.aio.Server, Any]:
     return generation_server(RouterGenerationServicer(dataplane))
 
 
-def bind_grpc(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind an insecure port; returns the actual port (useful with port 0)."""
-    return bind(server, host, port, field="grpc_port")
+def bind_grpc(server: grpc.aio.Server, host: str, port: int,
+              credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind a port (TLS with `credentials`, else insecure); returns the actual port (useful with port 0)."""
+    if credentials is None:
+        return bind(server, host, port, field="grpc_port")
+    address = host_port(host, port)
+    try:
+        bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise ConfigError("grpc_port", f"cannot listen on {address}: {exc}") from exc
+    if bound == 0:
+        raise ConfigError("grpc_port", f"cannot listen on {address}")
+    return bound
+
+
+def _metadata_value(metadata: Any, key: str) -> str | None:
+    """The first text value of `key` in a call's metadata."""
+    for name, value in metadata or ():
+        if name == key and isinstance(value, str):
+            return value
+    return None
 
 
 def _session(metadata: Any) -> str:

@@ -11,6 +11,11 @@ usage chunk, then `data: [DONE]` — or one JSON response), `GET /v1/models`, `G
 at least one replica is ready, else 503: readiness), `GET /health/live` (200 while the process
 serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition).
 
+API keys (`chariot.router.auth`): when the router has a key file, every path but `/health`,
+`/health/live` and `/metrics` (probes and scraping stay open) needs `Authorization: Bearer <key>`;
+`RequireApiKey` answers 401 before the request reaches a handler, and the key's tenant replaces
+whatever the caller named (`X-Tenant` and `user` then become an end-user label on the trace).
+
 Headers: `X-Tenant` (overrides the body's `user` as the rate-limit tenant), `X-Request-Id`
 (client-chosen request id, echoed back), `traceparent` (continues the caller's trace), `X-Session-Id`
 (a session-affinity hint for routing; without it the body's `user` is the hint). Responses
@@ -47,11 +52,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.errors import AuthenticationError, InvalidRequestError, UnknownModelError, error_status
 from chariot.contracts.outputs import RequestOutput
 from chariot.contracts.proto_codec import MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, new_request_id
 from chariot.contracts.tokenizer import Tokenizer
+from chariot.router.auth import ANY_MODEL, Principal
 from chariot.router.dataplane import DataPlane, GenerateInput
 from chariot.router.openai_api import (
     MAX_BODY_BYTES,
@@ -76,6 +82,8 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_SESSION_CHARS = 256  # an X-Session-Id is a routing hint: longer ones are cut, never refused
+OPEN_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # no API key needed: probes and scraping
+PRINCIPAL_SCOPE_KEY = "chariot.principal"  # where `RequireApiKey` leaves the request's `Principal`
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +205,7 @@ class OpenAIFront:
             parsed = parse(await read_body(request))
             echo = echo_text(parsed, self._dp.tokenizer)
             request_id = check_request_id(request.headers.get("x-request-id", "")) or new_request_id()
-            tenant = check_tenant(request.headers.get("x-tenant", "")) or parsed.user
+            named = check_tenant(request.headers.get("x-tenant", "")) or parsed.user
         except InvalidRequestError as exc:
             self._dp.reject(exc)
             return error_response(exc)
@@ -205,7 +213,10 @@ class OpenAIFront:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         trace = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
         session = request.headers.get("x-session-id", "")[:MAX_SESSION_CHARS] or parsed.user
-        req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None, session)
+        principal = principal_of(request)
+        tenant, end_user = (principal.tenant, named) if principal is not None else (named, "")
+        req = GenerateInput(parsed.prompt, parsed.params, request_id, tenant, parsed.model, trace or None, session,
+                            principal=principal, end_user=end_user)
         if parsed.n > 1:
             return await self._generate_choices(request, parsed, req, echo)
         stream = self._dp.generate(req)
@@ -348,7 +359,7 @@ class OpenAIFront:
         data = [
             {"id": m.id, "object": "model", "created": self._created, "owned_by": "chariot",
              "max_model_len": m.max_model_len, "ready_replicas": m.ready_replicas}
-            for m in self._dp.models()
+            for m in self._dp.models() if may_use(request, m.id)
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
@@ -513,8 +524,50 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def build_http_app(dataplane: DataPlane) -> Starlette:
-    """The ASGI application of the HTTP front."""
+def principal_of(request: Request) -> Principal | None:
+    """The API key's `Principal` that `RequireApiKey` found for this request (None: no keys configured)."""
+    principal = request.scope.get(PRINCIPAL_SCOPE_KEY)
+    return principal if isinstance(principal, Principal) else None
+
+
+def may_use(request: Request, model: str) -> bool:
+    """Whether the request's API key (if any) may use `model` (`/v1/models` lists only those)."""
+    principal = principal_of(request)
+    return principal is None or ANY_MODEL in principal.models or model in principal.models
+
+
+class RequireApiKey:
+    """ASGI middleware: with API keys configured, a request to any path but `OPEN_PATHS` needs a known
+    `Authorization: Bearer <key>` (else 401, OpenAI-style); its `Principal` goes into the scope."""
+
+    def __init__(self, app: Any, dataplane: DataPlane) -> None:
+        self._app = app
+        self._dp = dataplane
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keys = self._dp.keys
+        if keys is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self._app(scope, receive, send)
+            return
+        try:
+            scope[PRINCIPAL_SCOPE_KEY] = keys.authenticate(authorization_header(scope))
+        except AuthenticationError as exc:
+            self._dp.reject(exc)
+            await error_response(exc)(scope, receive, send)
+            return
+        await self._app(scope, receive, send)
+
+
+def authorization_header(scope: Scope) -> str | None:
+    """The first `Authorization` header of an ASGI scope (decoded as Latin-1, as HTTP/1.1 allows)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"authorization":
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def build_http_app(dataplane: DataPlane) -> Any:
+    """The ASGI application of the HTTP front (behind `RequireApiKey` when the router has API keys)."""
     front = OpenAIFront(dataplane)
     routes = [
         Route("/v1/completions", front.completions, methods=["POST"]),
@@ -525,4 +578,5 @@ def build_http_app(dataplane: DataPlane) -> Starlette:
         Route("/health/live", front.live, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _http_error})
+    return RequireApiKey(app, dataplane) if dataplane.keys is not None else app

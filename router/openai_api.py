@@ -34,7 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from chariot.contracts.errors import AdmissionRejected, InvalidRequestError, UnknownModelError, error_status
+from chariot.contracts.errors import (
+    AdmissionRejected,
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    UnknownModelError,
+    error_status,
+)
 from chariot.contracts.outputs import TokenLogprobs
 from chariot.contracts.proto_codec import DEFAULT_MAX_TOKENS, MAX_REQUEST_ID_CHARS
 from chariot.contracts.requests import FinishReason, Prompt
@@ -479,19 +486,22 @@ def envelope(req: OpenAIRequest, request_id: str, created: int, model: str, *, c
     return {"id": response_id(req.kind, request_id), "object": obj, "created": created, "model": model}
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(HTTP status, OpenAI-style error body, headers) for an exception, via `error_status()`."""
     code, status = error_status(exc)
-    param = exc.field if isinstance(exc, InvalidRequestError) else None
+    param = exc.field if isinstance(exc, InvalidRequestError | PermissionDeniedError) else None
     error_code = "model_not_found" if isinstance(exc, UnknownModelError) else code.lower()
+    error_code = "invalid_api_key" if isinstance(exc, AuthenticationError) else error_code
     message = str(exc) if status != 500 else f"internal error: {type(exc).__name__}"
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": error_code}}  # fmt: skip
     headers = {}
     if isinstance(exc, AdmissionRejected):
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if isinstance(exc, AuthenticationError):
+        headers["WWW-Authenticate"] = 'Bearer realm="chariot"'
     return status, body, headers
