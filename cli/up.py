@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -27,7 +28,8 @@ from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
 from chariot.operator.reconcile import Backoff
-from chariot.router.launch import ROUTER_READY_PREFIX, router_command
+from chariot.router.config import ROUTING_MODES
+from chariot.router.launch import ROUTER_READY_PREFIX, add_security_flags, router_command, security_args
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
 
@@ -51,6 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue-per-replica", type=int, default=None,
                    help="router admission: queued requests per replica before shedding (router default if unset)")
     p.add_argument("--served-model-name", default=None)
+    add_security_flags(p)
+    p.add_argument("--routing", choices=ROUTING_MODES, default=None,
+                   help="router replica choice: prefix (default), load or round_robin (baselines)")
     add_setting_flag(p, ENGINE_CORE)
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
                    help="delay before a group whose stage died is recreated, doubled per restart (as the operator)")
@@ -93,13 +98,15 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         replicas = [f"g{g.index}={g.address}" for g in groups]
         cmd = router_command(config_for.model, served, replicas, host=args.host, http_port=args.http_port,
                              grpc_port=args.grpc_port, redis_url=args.redis_url, tbt_slo_ms=args.tbt_slo_ms,
-                             ttft_slo_ms=args.ttft_slo_ms)
+                             ttft_slo_ms=args.ttft_slo_ms, routing=args.routing)
         if args.max_queue_per_replica is not None:
             cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
+        cmd += security_args(args)
         router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
         line = wait_ready(router, [router, *supervisor.children()], READY_TIMEOUT_S)
-        wait_routable(line, len(replicas), READY_TIMEOUT_S)
-        print_endpoints(line, served, replicas, config_for)
+        scheme = "https" if args.tls_cert else "http"
+        wait_routable(line, len(replicas), READY_TIMEOUT_S, scheme)
+        print_endpoints(line, served, replicas, config_for, scheme)
         return supervise_up(router, supervisor, stop)
     except RuntimeError as exc:
         print(f"chariot up: {exc}", file=sys.stderr)
@@ -108,17 +115,19 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         shutdown(([router] if router is not None else []) + supervisor.children())
 
 
-def wait_routable(router_line: str, replicas: int, timeout_s: float) -> None:
+def wait_routable(router_line: str, replicas: int, timeout_s: float, scheme: str = "http") -> None:
     """Until the router's /health counts every replica ready: its ready line comes when it serves,
     which can be a moment before its first load poll has marked the replicas ready (a request then
-    would get 503). Raises RuntimeError past `timeout_s`."""
+    would get 503). Raises RuntimeError past `timeout_s`. Over https the local probe does not verify the
+    certificate (it only reads readiness from the router this command just started)."""
     http = re.search(r"http=(\S+)", router_line)
     if http is None:
         return
-    url, deadline, seen = f"http://{http.group(1)}/health", time.monotonic() + timeout_s, 0
+    url, deadline, seen = f"{scheme}://{http.group(1)}/health", time.monotonic() + timeout_s, 0
+    context = ssl._create_unverified_context() if scheme == "https" else None
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(url, timeout=2.0) as resp:
+            with urllib.request.urlopen(url, timeout=2.0, context=context) as resp:
                 seen = int(json.load(resp).get("ready_replicas", 0))
         except urllib.error.HTTPError as exc:  # 503 while no replica is ready; its body still counts them
             seen = int(json.load(exc).get("ready_replicas", 0))
@@ -141,7 +150,8 @@ def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Eve
     return 0
 
 
-def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig) -> None:
+def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig,
+                    scheme: str = "http") -> None:
     http = re.search(r"http=(\S+)", router_line)
     grpc = re.search(r"grpc=(\S+)", router_line)
     http_addr = http.group(1) if http else "?"
@@ -149,10 +159,10 @@ def print_endpoints(router_line: str, served: str, replicas: list[str], config: 
     tp = f" x {config.tensor_parallel_size} tensor-parallel rank(s)" if config.tensor_parallel_size > 1 else ""
     print(f"model        {served} ({config.model}), {config.pipeline_stages} stage(s){tp} x {len(replicas)} "
           f"replica(s), policy {config.policy}")
-    print(f"OpenAI HTTP  http://{http_addr}/v1   (e.g. curl http://{http_addr}/v1/completions "
+    print(f"OpenAI HTTP  {scheme}://{http_addr}/v1   (e.g. curl {scheme}://{http_addr}/v1/completions "
           f"-d '{{\"model\": \"{served}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}')")
     print(f"gRPC         {grpc_addr}   (chariot.v1.Generation; `chariot generate --target {grpc_addr} \"Hello\"`)")
-    print(f"metrics      http://{http_addr}/metrics")
+    print(f"metrics      {scheme}://{http_addr}/metrics")
     print(f"chariot up ready http={http_addr} grpc={grpc_addr}", flush=True)
 
 

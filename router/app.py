@@ -46,6 +46,7 @@ from chariot.router.config import (
 from chariot.router.dataplane import DataPlane
 from chariot.router.grpc_front import NOT_SERVING, HealthReporter, bind_grpc, build_grpc_server
 from chariot.router.http_front import build_http_app
+from chariot.router.launch import add_security_flags
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
 from chariot.router.tls import CertificateFiles
@@ -311,16 +312,6 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     add_security_flags(p)
     p.set_defaults(handler=run_router_command)
     return p
-
-
-def add_security_flags(p: argparse.ArgumentParser) -> None:
-    """`--api-keys`, `--tls-cert`, `--tls-key` (shared by `chariot router` and `chariot up`)."""
-    p.add_argument("--api-keys", default=None, metavar="FILE",
-                   help="YAML file of API keys bound to tenants (docs/api.md); every /v1/ call then needs "
-                        "'Authorization: Bearer <key>'. Reloaded when it changes")  # fmt: skip
-    p.add_argument("--tls-cert", default=None, metavar="FILE",
-                   help="PEM certificate chain served on both fronts (with --tls-key); reloaded when it changes")
-    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
 
 
 def run_router_command(args: argparse.Namespace) -> int:

@@ -349,7 +349,7 @@ def test_the_router_command_never_logs_keys_and_refuses_a_bad_key_file(
         http_port = int(line.split(" ")[3].split(":")[1])
         with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=TIMEOUT) as client:
             wait_for(lambda: client.get("/health").status_code == 200, what="router health")
-            for key in ALL_KEYS + ("sk-wrong",):
+            for key in (*ALL_KEYS, "sk-wrong"):
                 client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
                             headers={"Authorization": f"Bearer {key}"})
             key_file(keys, f"  - key: {KEY_NEW}\n")  # a reload error: no tenant
