@@ -146,7 +146,8 @@ class Controller:
             self._apply(manifest)
         router_ready = self._router_ready(owner, spec)
         conditions = group_conditions(spec, plan, hash_, router_ready)
-        self._write_status(owner, old_status, self._status(owner, hash_, plan, generation, old_status, conditions))
+        status = self._status(owner, hash_, plan, generation, old_status, conditions)
+        self._write_status(owner, old_status, {**status, "endpoint": endpoint(owner, spec)})
         converged = not plan.waiting and router_ready
         message = "; ".join(plan.waiting) or conditions[0].message
         return Outcome(converged, message, requeue_after=plan.requeue_after)

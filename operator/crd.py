@@ -285,6 +285,17 @@ def spec_schema() -> Schema:
                             pattern=r"^(redis|rediss|unix)://.+$"),
             }),
             "template": _pod_template("the router Deployment's pods", "router"),
+            "auth": _obj("API keys bound to tenants (docs/api.md): with a Secret, every /v1/ call and gRPC call "
+                         "needs `Bearer <key>`; the router reloads the Secret when it changes.", {
+                "secretName": _str("Secret holding the key file (YAML `keys: [{key | sha256, tenant, models, "
+                                   "requestsPerMinute}]`).", pattern=DNS_SUBDOMAIN_PATTERN, maxLength=253),
+                "key": _str("The Secret's key holding the file.", default="keys.yaml",
+                            pattern=r"^[-._a-zA-Z0-9]+$", maxLength=253),
+            }, required=["secretName"]),
+            "tls": _obj("TLS on the router's HTTP and gRPC ports, from a `kubernetes.io/tls` Secret (`tls.crt`, "
+                        "`tls.key`; cert-manager's Certificate writes one); reloaded when it is renewed.", {
+                "secretName": _str("The TLS Secret.", pattern=DNS_SUBDOMAIN_PATTERN, maxLength=253),
+            }, required=["secretName"]),
         }, default={}),
         "observability": _obj("Telemetry export.", {
             "otlpEndpoint": _str("OTLP gRPC collector for metrics and traces (e.g. `http://collector:4317`).",

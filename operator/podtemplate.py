@@ -55,12 +55,15 @@ OWNED_POD_FIELDS: dict[str, str] = {
 OWNED_RESOURCES = frozenset({"nvidia.com/gpu"})
 KERNEL_CACHE_VOLUME = "kernel-cache"  # `spec.kernelCache`, in stage pods
 KERNEL_CACHE_DIR = "/var/cache/chariot/kernels"  # its mount point, `CHARIOT_KERNEL_CACHE` in the worker
-OWNED_VOLUMES = frozenset({"model", "tmp", "shm", "config", KERNEL_CACHE_VOLUME})
-OWNED_MOUNT_PATHS = frozenset({"/tmp", "/dev/shm", "/etc/chariot", KERNEL_CACHE_DIR})
+AUTH_VOLUME, AUTH_DIR = "api-keys", "/etc/chariot-auth"  # `spec.router.auth`'s Secret, in router pods
+TLS_VOLUME, TLS_DIR = "tls", "/etc/chariot-tls"  # `spec.router.tls`'s Secret, in router pods
+OWNED_VOLUMES = frozenset({"model", "tmp", "shm", "config", KERNEL_CACHE_VOLUME, AUTH_VOLUME, TLS_VOLUME})
+OWNED_MOUNT_PATHS = frozenset({"/tmp", "/dev/shm", "/etc/chariot", KERNEL_CACHE_DIR, AUTH_DIR, TLS_DIR})
 MODELS_DIR = "/models"  # the model volume's mount point (and below it, `pvc://CLAIM` mounts)
 OWNED_LABELS = frozenset({"app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
                           "app.kubernetes.io/managed-by", "app.kubernetes.io/component"})
-OWNED_ANNOTATIONS = frozenset({"prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path"})
+OWNED_ANNOTATIONS = frozenset({"prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path",
+                               "prometheus.io/scheme"})
 OWNED_KEY_PREFIX = "chariot.dev/"  # every label and annotation under it (selector labels, config hashes)
 KEYED_LISTS: dict[str, str] = {"containers": "name", "initContainers": "name", "volumes": "name",
                                "imagePullSecrets": "name", "env": "name", "volumeMounts": "mountPath"}

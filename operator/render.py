@@ -19,11 +19,15 @@ from typing import Any
 from chariot.contracts import environment
 from chariot.operator import crd
 from chariot.operator.podtemplate import (
+    AUTH_DIR,
+    AUTH_VOLUME,
     KERNEL_CACHE_DIR,
     KERNEL_CACHE_VOLUME,
     MAKE_MODEL,
     MODELS_DIR,
     ROUTER,
+    TLS_DIR,
+    TLS_VOLUME,
     WORKER,
     merge_pod,
 )
@@ -45,6 +49,10 @@ ROUTER_HTTP_PORT = 8000
 ROUTER_GRPC_PORT = 50051
 CONFIG_DIR = "/etc/chariot"
 REPLICA_FILE = f"{CONFIG_DIR}/replicas.json"
+# Secrets the router reads, mounted whole (never with subPath, which would freeze them): the kubelet
+# swaps a mounted Secret atomically, and the router reloads the files when they change.
+TLS_CERT, TLS_KEY = "tls.crt", "tls.key"  # kubernetes.io/tls Secrets, as cert-manager writes them
+SECRET_MODE = 0o440  # readable by the pod's fsGroup (the router's group) only
 RUN_AS = 10001  # the image's non-root user (Dockerfile)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
 
@@ -91,8 +99,10 @@ def group_address(owner: Owner, group: int) -> str:
     return f"{stage_host(owner, group, 0)}:{GRPC_PORT}"
 
 
-def endpoint(owner: Owner) -> str:
-    return f"http://{router_name(owner)}.{owner.namespace}.svc:{ROUTER_HTTP_PORT}"
+def endpoint(owner: Owner, spec: Spec | None = None) -> str:
+    """The router Service's HTTP URL (https when `spec.router.tls` is set)."""
+    scheme = "https" if spec is not None and spec.router.tls_secret is not None else "http"
+    return f"{scheme}://{router_name(owner)}.{owner.namespace}.svc:{ROUTER_HTTP_PORT}"
 
 
 def served_model_name(owner: Owner, spec: Spec) -> str:
@@ -404,13 +414,43 @@ def router_args(owner: Owner, spec: Spec, source: ModelSource) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             args += [flag, _num(value) if isinstance(value, float | int) else value]
+    return args + router_secret_args(spec)
+
+
+def router_secret_args(spec: Spec) -> list[str]:
+    """`--api-keys` and `--tls-cert`/`--tls-key` at the mounted Secrets' paths (`router_secret_volumes`)."""
+    args: list[str] = []
+    if spec.router.auth_secret is not None:
+        args += ["--api-keys", f"{AUTH_DIR}/{spec.router.auth_secret[1]}"]
+    if spec.router.tls_secret is not None:
+        args += ["--tls-cert", f"{TLS_DIR}/{TLS_CERT}", "--tls-key", f"{TLS_DIR}/{TLS_KEY}"]
     return args
+
+
+def router_secret_volumes(spec: Spec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, mounts) of `spec.router.auth` and `spec.router.tls`: each Secret mounted whole, read-only."""
+    volumes: list[Manifest] = []
+    mounts: list[Manifest] = []
+    secrets = ((AUTH_VOLUME, spec.router.auth_secret[0] if spec.router.auth_secret else None, AUTH_DIR),
+               (TLS_VOLUME, spec.router.tls_secret, TLS_DIR))
+    for name, secret, path in secrets:
+        if secret is not None:
+            volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": SECRET_MODE}})
+            mounts.append({"name": name, "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
+def router_scheme(spec: Spec) -> str:
+    """HTTPS when the router serves TLS (probes and scrapes must then speak it), else HTTP."""
+    return "HTTPS" if spec.router.tls_secret is not None else "HTTP"
 
 
 def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
     source = model_source(spec)
-    ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT}}  # follows the backends
-    alive = {"httpGet": {"path": "/health/live", "port": ROUTER_HTTP_PORT}}  # the process serves
+    scheme = router_scheme(spec)
+    secret_volumes, secret_mounts = router_secret_volumes(spec)
+    ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT, "scheme": scheme}}  # follows the backends
+    alive = {"httpGet": {"path": "/health/live", "port": ROUTER_HTTP_PORT, "scheme": scheme}}  # the process serves
     container = {
         "name": ROUTER, "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["chariot", "router"], "args": router_args(owner, spec, source), "env": base_env(),
@@ -421,19 +461,20 @@ def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
         "livenessProbe": {**alive, "periodSeconds": 10, "failureThreshold": 6, "initialDelaySeconds": 30},
         "securityContext": container_security(),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *source.mounts,
-                         *scratch_mounts()],
+                         *scratch_mounts(), *secret_mounts],
     }
     return {"automountServiceAccountToken": False, "enableServiceLinks": False, "securityContext": pod_security(),
             "initContainers": make_model_container(spec, image, source), "containers": [container],
             "volumes": [{"name": "config", "configMap": {"name": config_map_name(owner)}}, *source.volumes,
-                        *scratch_volumes()]}
+                        *scratch_volumes(), *secret_volumes]}
 
 
 def router_deployment(owner: Owner, spec: Spec, image: str) -> Manifest:
     selector = {LABEL_DEPLOYMENT: owner.name, LABEL_COMPONENT: "router"}
     template_meta = {"labels": labels(owner, "router"),
                      "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_HTTP_PORT),
-                                     "prometheus.io/path": "/metrics"}}
+                                     "prometheus.io/path": "/metrics",
+                                     "prometheus.io/scheme": router_scheme(spec).lower()}}
     template = merge_pod({"metadata": template_meta, "spec": router_pod_spec(owner, spec, image)},
                          spec.router.template.body())
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(owner, router_name(owner), "router"),
@@ -463,7 +504,7 @@ def resolved_config(owner: Owner, spec: Spec, image: str, hash_: str) -> str:
               "servedModelName": served_model_name(owner, spec),
               "workerArgs": worker_args(owner, spec, source), "routerArgs": router_args(owner, spec, source),
               "groups": [[stage_host(owner, g, s) for s in range(spec.pipeline)] for g in range(spec.replicas)],
-              "endpoint": endpoint(owner)}
+              "endpoint": endpoint(owner, spec)}
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 

@@ -99,6 +99,8 @@ class RouterSpec:
     replicas: int = 1
     redis_url: str | None = None
     template: PodTemplate = field(default_factory=PodTemplate)
+    auth_secret: tuple[str, str] | None = None  # (Secret name, its key holding the API key file)
+    tls_secret: str | None = None  # a kubernetes.io/tls Secret: tls.crt, tls.key
 
 
 @dataclass(frozen=True)
@@ -354,7 +356,10 @@ def _from_dict(v: dict[str, Any]) -> Spec:
                                shm_size=str(r["shmSize"])),
         image=v.get("image"),
         router=RouterSpec(replicas=router["replicas"], redis_url=(router.get("redis") or {}).get("url"),
-                          template=PodTemplate.of(router.get("template"))),
+                          template=PodTemplate.of(router.get("template")),
+                          auth_secret=(router["auth"]["secretName"], router["auth"].get("key", "keys.yaml"))
+                          if router.get("auth") else None,
+                          tls_secret=(router.get("tls") or {}).get("secretName")),
         otlp_endpoint=v["observability"].get("otlpEndpoint"),
         template=PodTemplate.of(v.get("template")),
         runtime_class_name=v.get("runtimeClassName"),

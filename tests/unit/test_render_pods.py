@@ -185,3 +185,49 @@ def test_pods_with_the_new_fields_are_valid_kubernetes_1_32_objects(extra: dict[
     spec = parse_spec({"parallelism": {"pipeline": 2}, **extra}, OWNER.name)
     for obj in [*render.group_pods(OWNER, spec, "img", 0, "h"), *render.shared_objects(OWNER, spec, "img", "h", [0])]:
         kubernetes_validate.validate(obj, "1.32", strict=True)
+
+
+# --- the router's Secrets: API keys and TLS ------------------------------------------------------
+
+def test_router_secrets_are_mounted_whole_and_passed_as_flags() -> None:
+    spec = spec_of(router={"auth": {"secretName": "llama-keys"}, "tls": {"secretName": "llama-tls"}})
+    pod = router(spec)
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--api-keys") + 1] == "/etc/chariot-auth/keys.yaml"
+    assert args[args.index("--tls-cert") + 1] == "/etc/chariot-tls/tls.crt"
+    assert args[args.index("--tls-key") + 1] == "/etc/chariot-tls/tls.key"
+    assert volume(pod, "api-keys") == {"name": "api-keys", "secret": {"secretName": "llama-keys", "defaultMode": 0o440}}
+    assert volume(pod, "tls")["secret"]["secretName"] == "llama-tls"
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    for path in ("/etc/chariot-auth", "/etc/chariot-tls"):
+        assert mounts[path]["readOnly"] and "subPath" not in mounts[path]  # a subPath would never update
+    # The probes and Prometheus speak TLS to a TLS router; the status endpoint is https.
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    template = render.router_deployment(OWNER, spec, "img")["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    assert render.endpoint(OWNER, spec).startswith("https://")
+    kubernetes_validate.validate(render.router_deployment(OWNER, spec, "img"), "1.32", strict=True)
+
+
+def test_a_custom_key_name_and_no_secrets() -> None:
+    spec = spec_of(router={"auth": {"secretName": "keys", "key": "tenants.yaml"}})
+    args = router(spec)["containers"][0]["args"]
+    assert args[args.index("--api-keys") + 1] == "/etc/chariot-auth/tenants.yaml" and "--tls-cert" not in args
+    plain = router(spec_of())
+    assert not {"--api-keys", "--tls-cert"} & set(plain["containers"][0]["args"])
+    assert plain["containers"][0]["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert not [v for v in plain["volumes"] if v["name"] in ("api-keys", "tls")]
+
+
+@pytest.mark.parametrize(("router_spec", "field"), [
+    ({"auth": {}}, "spec.router.auth.secretName"),
+    ({"auth": {"secretName": "Not_A_Name"}}, "spec.router.auth.secretName"),
+    ({"tls": {"secretName": ""}}, "spec.router.tls.secretName"),
+    ({"auth": {"secretName": "k", "key": "../x y"}}, "spec.router.auth.key"),
+])
+def test_bad_router_secrets_are_refused_naming_the_field(router_spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidSpec) as info:
+        spec_of(router=router_spec)
+    assert field in [e.path for e in info.value.errors], str(info.value)
