@@ -61,6 +61,9 @@ def record_everything(t: Telemetry) -> None:
     t.set_engine_state(running=3, waiting=2, kv_cache_usage=0.5, kv_blocks_used=4, kv_blocks_total=8)
     t.record_retry("g0")
     t.record_routing("g0", "prefix", 48)
+    t.record_tenant_request("team-a")
+    t.record_tenant_rejection("team-a", "rate_limit")
+    t.record_tenant_tokens("team-a", 12, 4)
     t.record_prefix_cache(10, 4)
     t.add_collective_time(0, 1, 0.05)
 
@@ -355,6 +358,9 @@ def test_real_prometheus_scrape(prometheus) -> None:
         worker.add_stage_time(1, busy_s=0.6, idle_s=0.4)
         router.record_retry("g1")
         router.record_routing("g1", "prefix", 64)
+        router.record_tenant_request("team-a")
+        router.record_tenant_rejection("other", "unauthenticated")
+        router.record_tenant_tokens("team-a", 100, 50)
         worker.record_prefix_cache(600, 256)
         worker.add_collective_time(0, 0, 0.02)
 
@@ -366,6 +372,9 @@ def test_real_prometheus_scrape(prometheus) -> None:
         for spec in METRICS.values():
             series = spec.prometheus + ("_count" if spec.kind == "histogram" else "")
             assert prom.query(series), series
+        tokens = 'sum by (tenant, gen_ai_token_type) (chariot_tenant_tokens_total{component="router"})'
+        assert {(r["metric"]["tenant"], r["metric"]["gen_ai_token_type"]) for r in prom.query(tokens)} == {
+            ("team-a", "input"), ("team-a", "output")}  # what the dashboard's tenant panel groups by
         assert prom.value("chariot_prefix_cache_hits_total") / prom.value("chariot_prefix_cache_queries_total") == \
             pytest.approx(256 / 600)  # the hit rate a dashboard plots
         assert {r["metric"]["component"] for r in prom.query("chariot_admission_decisions_total")} == {
