@@ -219,6 +219,18 @@ def test_grpc_keys_the_same_way(router: Router) -> None:
     assert grpc_code(lambda: generate(router, KEY_A)) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=200))
+def test_fuzzed_grpc_authorization_metadata_is_unauthenticated_never_internal(router: Router, value: str) -> None:
+    req = request_to_proto("hello", TWO_TOKENS, model=SERVED)
+    try:
+        list(router.stub.Generate(req, metadata=(("authorization", value),), timeout=TIMEOUT))
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (value, err.code())
+    else:
+        raise AssertionError(f"{value!r} was accepted")
+
+
 # ---- reloading ---------------------------------------------------------------------------------------
 
 

@@ -113,3 +113,21 @@ def test_tls_files_come_in_pairs() -> None:
     with pytest.raises(ConfigError) as err:
         RouterConfig(secret_poll_s=0)
     assert err.value.field == "secret_poll_s"
+
+
+def test_chariot_up_passes_the_security_flags_to_the_router() -> None:
+    import argparse
+
+    from chariot.router.app import add_router_parser, config_from_args
+    from chariot.router.launch import add_security_flags, security_args
+
+    up = argparse.ArgumentParser()
+    add_security_flags(up)
+    args = up.parse_args(["--api-keys", "k.yaml", "--tls-cert", "c.pem", "--tls-key", "k.pem"])
+    passed = security_args(args)
+    assert passed == ["--api-keys", "k.yaml", "--tls-cert", "c.pem", "--tls-key", "k.pem"]
+    assert security_args(up.parse_args([])) == []
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers(dest="command"))
+    config = config_from_args(parser.parse_args(["router", *passed]))
+    assert (config.api_keys_file, config.tls_cert_file, config.tls_key_file) == ("k.yaml", "c.pem", "k.pem")
