@@ -26,6 +26,7 @@ class RequestTrace:
     token_times: tuple[float, ...]
     prompt_tokens: int = 0
     ok: bool = True
+    cached_tokens: int = 0  # prompt tokens the replica served from its prefix cache
 
     @property
     def ttft(self) -> float | None:
@@ -40,13 +41,13 @@ class RequestTrace:
         """The traces.json form of a capacity run (times rounded to 0.1 ms)."""
         return {"arrival": round(self.arrival, 4),
                 "scheduled": None if self.scheduled is None else round(self.scheduled, 4),
-                "prompt_tokens": self.prompt_tokens, "ok": self.ok,
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "ok": self.ok,
                 "token_times": [round(x, 4) for x in self.token_times]}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> RequestTrace:
         return cls(arrival=raw["arrival"], scheduled=raw["scheduled"], token_times=tuple(raw["token_times"]),
-                   prompt_tokens=raw["prompt_tokens"], ok=raw["ok"])
+                   prompt_tokens=raw["prompt_tokens"], ok=raw["ok"], cached_tokens=raw.get("cached_tokens", 0))
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -410,7 +410,7 @@ def add_capacity_args(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `chariot bench` (subcommand `capacity`) on an `add_subparsers()` object; returns it."""
-    p = subparsers.add_parser("bench", help="benchmarks: serving capacity under SLO",
+    p = subparsers.add_parser("bench", help="benchmarks: serving capacity under SLO, routing, the vLLM peer",
                               description="Benchmarks run against real local processes.")
     sub = p.add_subparsers(dest="bench_command", required=True)
     cap = sub.add_parser("capacity", help="capacity (QPS) under P99 TBT SLOs per scheduling policy",
@@ -418,6 +418,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     add_capacity_args(cap)
     cap.set_defaults(handler=run_capacity)
     add_peer_parser(sub)  # `chariot bench peer`: Chariot vs vLLM-CPU (bench/peer.py)
+    from chariot.bench.routing_bench import add_routing_parser  # it builds on this module's stack helpers
+
+    add_routing_parser(sub)  # `chariot bench routing`: prefix-aware vs load-only vs round-robin routing
     return p
 
 

@@ -55,6 +55,8 @@ class _Live:
     arrival: float | None = None
     scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
     done: bool = False
     error: str | None = None
 
@@ -62,7 +64,7 @@ class _Live:
         ok = self.done and self.error is None and self.arrival is not None
         return RequestTrace(arrival=self.arrival if self.arrival is not None else self.planned,
                             scheduled=self.scheduled, token_times=tuple(self.token_times),
-                            prompt_tokens=self.prompt_tokens, ok=ok)
+                            prompt_tokens=self.prompt_tokens, ok=ok, cached_tokens=self.cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,42 @@ def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]
     return [rng.randrange(LOW_TOKEN_ID, vocab_size) for _ in range(length)]
 
 
-def prompt_ids(rng: random.Random, r: TraceRequest, vocab_size: int) -> list[int]:
+def prompt_ids(rng: random.Random, r: TraceRequest, vocab_size: int, salt: int = 0) -> list[int]:
     """The request's prompt: the trace's own contents folded into the vocabulary where it has them
-    (shared prefixes stay shared), else random tokens of its length."""
+    (shared prefixes stay shared; `salt`: see `fold_symbols`), else random tokens of its length."""
     if r.prompt_ids is not None:
-        return fold_symbols(r.prompt_ids, vocab_size, LOW_TOKEN_ID)
+        return fold_symbols(r.prompt_ids, vocab_size, LOW_TOKEN_ID, salt)
     return random_prompt(rng, r.prompt_len, vocab_size)
+
+
+def conversations(requests: Sequence[TraceRequest]) -> list[list[int]]:
+    """Indices into `requests` grouped by session, each group in turn order; a request without a
+    session is a conversation of its own."""
+    groups: dict[str, list[int]] = {}
+    out: list[list[int]] = []
+    for i, r in enumerate(requests):
+        if r.session is None:
+            out.append([i])
+        elif r.session in groups:
+            groups[r.session].append(i)
+        else:
+            groups[r.session] = [i]
+            out.append(groups[r.session])
+    for group in out:
+        group.sort(key=lambda i: requests[i].turn)
+    return out
+
+
+def next_turn_prompt(previous: TraceRequest, sent: Sequence[int], answer: Sequence[int], turn: TraceRequest,
+                     vocab_size: int, salt: int = 0) -> list[int]:
+    """Turn k's prompt when turn k−1 was `sent` and answered `answer`: what was sent, the model's own
+    answer, then turn k's new question (its symbols after turn k−1's prompt and answer), as a chat
+    client resends a conversation. Same length as the trace's prompt when the answer has the trace's
+    length."""
+    if previous.prompt_ids is None or turn.prompt_ids is None:
+        raise ValueError("a conversation's turns need the trace's prompt contents")
+    question = turn.prompt_ids[len(previous.prompt_ids) + previous.decode_len:]
+    return [*sent, *answer, *fold_symbols(question, vocab_size, LOW_TOKEN_ID, salt)]
 
 
 def trace_requests(spec: TraceSpec, qps: float, num_requests: int, seed: int = 0, scale: float = 1.0,
@@ -157,23 +189,33 @@ async def run_requests(
     give_up: GiveUp | None = None,
     drain_s: float = DEFAULT_DRAIN_S,
     on_done: Callable[[], None] | None = None,
+    salt: int = 0,
+    closed_loop: bool = False,
 ) -> DriverResult:
-    """Send every request at its arrival time (streaming, greedy, ignore_eos, max_tokens = its decode
-    length) and collect the client-side timelines. Shed (RESOURCE_EXHAUSTED) or failed calls count as
-    failed; so do calls still running `drain_s` after the last arrival, or when `give_up` fires."""
-    rng = random.Random(seed + 1)
-    protos = [_request(rng, r, vocab_size, model) for r in requests]
+    """Send every request (streaming, greedy, ignore_eos, max_tokens = its decode length) and collect
+    the client-side timelines. Shed (RESOURCE_EXHAUSTED) or failed calls count as failed; so do calls
+    still running `drain_s` after the last planned arrival, or when `give_up` fires.
+
+    Open loop (default): each request at its arrival time. `closed_loop`: a conversation's first turn
+    at its arrival time, each later turn its think time (the gap between the two turns' arrivals in
+    the trace) after the previous turn's answer has come, its prompt built from what was sent and
+    the model's actual answer (`next_turn_prompt`); a failed turn fails the rest of its conversation.
+    Requests with a session carry it as `x-session-id` metadata. `salt` makes every prompt differ
+    from other salts' (`fold_symbols`; random prompts are drawn from another stream)."""
+    rng = random.Random(seed + 1) if salt == 0 else random.Random(f"prompts-{seed}-{salt}")
+    prompts = [prompt_ids(rng, r, vocab_size, salt) for r in requests]
     lives = [_Live(r.arrival_s, r.decode_len, r.prompt_len) for r in requests]
     t0 = time.perf_counter()
 
     def clock() -> float:
         return time.perf_counter() - t0
 
+    send = _Sender(requests, lives, clock, model, on_done)
+    groups = conversations(requests) if closed_loop else [[i] for i in range(len(requests))]
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        tasks = [asyncio.create_task(_one(stub, proto, live, clock, on_done))
-                 for proto, live in zip(protos, lives, strict=True)]
-        deadline = (requests[-1].arrival_s if requests else 0.0) + drain_s
+        send.stub = generation_pb2_grpc.GenerationStub(channel)
+        tasks = [asyncio.create_task(_conversation(send, group, prompts, vocab_size, salt)) for group in groups]
+        deadline = (max(r.arrival_s for r in requests) if requests else 0.0) + drain_s
         reason = await _monitor(tasks, lives, clock, give_up, deadline)
         for task in tasks:
             task.cancel()
@@ -183,6 +225,38 @@ async def run_requests(
     errors = tuple(dict.fromkeys(live.error for live in lives if live.error is not None))
     return DriverResult(_metrics(qps, traces, wall, cut_short=reason is not None), traces, tuple(requests), wall,
                         reason, errors)
+
+
+@dataclass
+class _Sender:
+    """What every request of a run is sent with."""
+
+    requests: Sequence[TraceRequest]
+    lives: Sequence[_Live]
+    clock: Callable[[], float]
+    model: str
+    on_done: Callable[[], None] | None
+    stub: Any = None
+
+
+async def _conversation(send: _Sender, group: Sequence[int], prompts: list[list[int]], vocab_size: int,
+                        salt: int) -> None:
+    """The turns of one conversation in order (one request: just that request at its arrival)."""
+    first = group[0]
+    await asyncio.sleep(max(0.0, send.lives[first].planned - send.clock()))
+    await _one(send, first, prompts[first])
+    for prev, cur in itertools.pairwise(group):
+        before, live = send.lives[prev], send.lives[cur]
+        if before.error is not None:
+            live.error, live.done = f"conversation broken ({before.error})", True
+            if send.on_done is not None:
+                send.on_done()
+            continue
+        previous, turn = send.requests[prev], send.requests[cur]
+        prompts[cur] = next_turn_prompt(previous, prompts[prev], before.token_ids, turn, vocab_size, salt)
+        live.planned = send.clock() + (turn.arrival_s - previous.arrival_s)
+        await asyncio.sleep(max(0.0, live.planned - send.clock()))
+        await _one(send, cur, prompts[cur])
 
 
 def _metrics(qps: float, traces: Sequence[RequestTrace], wall: float, cut_short: bool) -> RunMetrics:
@@ -195,9 +269,9 @@ def _metrics(qps: float, traces: Sequence[RequestTrace], wall: float, cut_short:
     return replace(RunMetrics.from_traces(qps, observed, wall), failed=failed, extra={"gave_up": 1.0})
 
 
-def _request(rng: random.Random, r: TraceRequest, vocab_size: int, model: str) -> Any:
+def _request(prompt: list[int], r: TraceRequest, model: str) -> Any:
     params = SamplingParams(max_tokens=r.decode_len, temperature=0.0, ignore_eos=True)
-    return request_to_proto(prompt_ids(rng, r, vocab_size), params, model=model)
+    return request_to_proto(prompt, params, model=model)
 
 
 async def _monitor(tasks: list[asyncio.Task[None]], lives: Sequence[_Live], clock: Callable[[], float],
@@ -214,13 +288,14 @@ async def _monitor(tasks: list[asyncio.Task[None]], lives: Sequence[_Live], cloc
     return None
 
 
-async def _one(stub: generation_pb2_grpc.GenerationStub, proto: Any, live: _Live, clock: Callable[[], float],
-               on_done: Callable[[], None] | None) -> None:
-    await asyncio.sleep(max(0.0, live.planned - clock()))
-    live.arrival = clock()
+async def _one(send: _Sender, index: int, prompt: list[int]) -> None:
+    """Send request `index` now and record its stream."""
+    request, live = send.requests[index], send.lives[index]
+    metadata = (("x-session-id", request.session),) if request.session else ()
+    live.arrival = send.clock()
     try:
-        async for resp in stub.Generate(proto):
-            _record(live, resp, clock())
+        async for resp in send.stub.Generate(_request(prompt, request, send.model), metadata=metadata):
+            _record(live, resp, send.clock())
     except grpc.aio.AioRpcError as err:
         live.error = f"{err.code().name}: {err.details()}"
     except asyncio.CancelledError:
@@ -228,8 +303,8 @@ async def _one(stub: generation_pb2_grpc.GenerationStub, proto: Any, live: _Live
         raise
     finally:
         live.done = True
-        if on_done is not None:
-            on_done()
+        if send.on_done is not None:
+            send.on_done()
 
 
 def _record(live: _Live, resp: Any, now: float) -> None:
@@ -237,6 +312,9 @@ def _record(live: _Live, resp: Any, now: float) -> None:
     if live.scheduled is None and t.first_scheduled > 0 and live.arrival is not None:
         live.scheduled = live.arrival + max(0.0, t.first_scheduled - t.arrival)
     live.token_times.extend([now] * len(resp.token_ids))
+    live.token_ids.extend(resp.token_ids)
+    if resp.cached_prompt_tokens:
+        live.cached_tokens = int(resp.cached_prompt_tokens)
     if finish_reason_from_proto(resp.finish_reason) == FinishReason.ERROR:
         live.error = resp.error or "the replica failed the request"
 
@@ -255,8 +333,12 @@ def drive(
     give_up: GiveUp | None = None,
     drain_s: float = DEFAULT_DRAIN_S,
     on_done: Callable[[], None] | None = None,
+    salt: int = 0,
+    closed_loop: bool = False,
 ) -> DriverResult:
-    """Replay `num_requests` requests of trace `spec` at `qps` against the router at `target` (blocking)."""
+    """Replay `num_requests` requests of trace `spec` at `qps` against the router at `target` (blocking;
+    `salt` and `closed_loop`: see `run_requests`)."""
     requests = trace_requests(spec, qps, num_requests, seed=seed, scale=scale, max_len=max_len)
     return asyncio.run(run_requests(target, requests, vocab_size, qps=qps, seed=seed, model=model,
-                                    give_up=give_up, drain_s=drain_s, on_done=on_done))
+                                    give_up=give_up, drain_s=drain_s, on_done=on_done, salt=salt,
+                                    closed_loop=closed_loop))

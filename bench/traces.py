@@ -176,12 +176,15 @@ def multi_turn_trace(
     return out
 
 
-def fold_symbols(symbols: Sequence[int], vocab_size: int, low: int = 0) -> list[int]:
-    """Token ids in [low, vocab_size) for trace symbols; equal symbol prefixes give equal id prefixes."""
+def fold_symbols(symbols: Sequence[int], vocab_size: int, low: int = 0, salt: int = 0) -> list[int]:
+    """Token ids in [low, vocab_size) for trace symbols; equal symbol prefixes give equal id prefixes.
+
+    `salt` shifts every id (modulo the span): replays with salts that differ modulo the span share no
+    token at any position, so no prefix cached by one serves another, while lengths stay the same."""
     if vocab_size <= low:
         raise ValueError(f"vocab_size {vocab_size} leaves no ids at or above {low}")
     span = vocab_size - low
-    return [low + s % span for s in symbols]
+    return [low + (s + salt) % span for s in symbols]
 
 
 def _symbols(rng: random.Random, n: int) -> tuple[int, ...]:

@@ -41,10 +41,16 @@ prefers the replica that last served that session while that replica meets the S
 is within `affinity_margin_ms` of the best; otherwise it goes to the best like any request. Sessions
 are remembered per router (LRU, `max_sessions`), not in shared state: a hint, never a constraint.
 
+Routing modes (`RouterConfig.routing`): "prefix" is all of the above; "load" predicts as if no replica
+cached anything and ignores sessions; "round_robin" takes the admissible replicas in turn. Shedding
+is the same in every mode, decided on the predictions the mode makes; the other two modes are the
+baselines the prefix-aware one is measured against (`chariot bench routing`).
+
 Every decision carries a routing reason (`contracts.telemetry.ROUTING_REASONS`, see `route_order`): "prefix" (the chosen
 replica holds more of the prompt than the least-cached replica), "load" (no cache difference decided
 it), "affinity" (the session hint changed the choice), "fallback" (the replica holding the longest
-prefix was passed over because it would breach the SLO or its queue is full).
+prefix was passed over because it would breach the SLO or its queue is full), "round_robin" (taken
+in turn).
 """
 
 from __future__ import annotations
@@ -187,6 +193,7 @@ class AdmissionController:
         self._tickets: dict[str, _Ticket] = {}
         self._deciding: set[str] = set()
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica that last served it
+        self._turn = 0  # round robin: how many decisions have been made
 
     # decisions -----------------------------------------------------------------------------------
 
@@ -213,6 +220,8 @@ class AdmissionController:
         t = self._clock() if now is None else now
         if prompt_tokens < 0 or max_tokens < 0:
             raise InvalidRequestError("prompt" if prompt_tokens < 0 else "max_tokens", "must not be negative")
+        if self._config.routing != "prefix":
+            cached_tokens, session = None, ""
         request_id = self._new_id(request_id)
         self._deciding.add(request_id)
         try:
@@ -228,8 +237,7 @@ class AdmissionController:
         if not ranked:
             raise NoReplicaAvailable(f"no ready replica besides {', '.join(sorted(exclude))}")
         candidates = self._admissible(ranked)
-        order = route_order(candidates, ranked, affinity=self._sessions.get(session) if session else None,
-                            affinity_margin_s=self._config.affinity_margin_ms / 1000.0)
+        order = self._order(candidates, ranked, session)
         charge = await self._limiter.acquire(tenant or DEFAULT_TENANT, prompt_tokens, max_tokens)
         for prediction, reason in order:
             computed = prompt_tokens - prediction.cached_tokens
@@ -238,6 +246,18 @@ class AdmissionController:
                 return self._admitted(request_id, prediction, computed, reason)
         await self._limiter.refund(charge)
         raise AdmissionRejected("queue", self._config.queue_retry_after_s)
+
+    def _order(self, candidates: list[Prediction], ranked: list[Prediction],
+               session: str) -> list[tuple[Prediction, RoutingReason]]:
+        """The admissible replicas in the order to try them, by the configured routing mode."""
+        if self._config.routing == "round_robin":  # every replica in turn, skipping inadmissible ones
+            names = sorted(p.replica for p in ranked)
+            start = self._turn % len(names)
+            self._turn += 1
+            admissible = {p.replica: p for p in candidates}
+            return [(admissible[n], "round_robin") for n in names[start:] + names[:start] if n in admissible]
+        return route_order(candidates, ranked, affinity=self._sessions.get(session) if session else None,
+                           affinity_margin_s=self._config.affinity_margin_ms / 1000.0)
 
     def _remember_session(self, session: str, replica: str) -> None:
         if not session or self._config.affinity_margin_ms <= 0:

@@ -6,8 +6,10 @@ a snapshot replaces the replica's hashes (`reset_replica`), a batch removes and 
 (`remove_blocks`, `add_blocks`). The replica's hashes are dropped (`drop_replica`) whenever its
 stream ends or breaks, when its boot id changes (a restarted worker holds nothing) and when a batch
 does not follow the last one; the task then subscribes again with exponential backoff, from nothing,
-so the first message is a snapshot. A worker whose block size differs from the index's is not
-indexed (its hashes would never match a prompt's) and is retried at the longest backoff.
+so the first message is a snapshot. The index takes its block size from the replicas: a stream that
+announces another size while no other replica is followed switches the index to it
+(`PrefixIndex.use_block_size`); one that disagrees with the replicas already followed is not indexed
+(its hashes would never match a prompt's) and is retried at the longest backoff.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ class KVEventSubscriber:
 
     def _apply(self, name: str, message: Any) -> bool:
         """Apply one stream message; False when the stream must be dropped and opened again."""
+        if message.block_size != self.index.block_size and not (self.sequences.keys() - {name}):
+            log.info("replica %s hashes blocks of %d tokens: the prefix index follows (it used %d)",
+                     name, message.block_size, self.index.block_size)
+            self.index.use_block_size(int(message.block_size))
         if message.block_size != self.index.block_size:
             log.warning("replica %s hashes blocks of %d tokens, the router's index %d: not indexed",
                         name, message.block_size, self.index.block_size)

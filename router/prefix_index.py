@@ -9,7 +9,11 @@ many of its leading tokens that replica would serve from its cache: the longest 
 present from the first block, in whole blocks, leaving at least one token to compute, exactly as the
 worker's `BlockManager.cached_prefix` counts them.
 
-Memory is bounded: each replica keeps at most `capacity` hashes and, past it, forgets the least
+The block size is the engines': the index starts at the engine default and adopts what the first
+replica's KV event stream announces (`use_block_size`, see `kv_events.py`).
+
+Memory is bounded: each replica keeps at most `capacity` hashes (the router lowers it to the
+replica's number of KV blocks once its load report says so: it cannot cache more) and, past it, forgets the least
 recently used first (O(1) per block). Within one `add_blocks` call the earlier hashes count as more
 recently used, so a chain registered head first loses its tail before its head, as on the worker
 (a tail without its head serves nothing). A lookup touches nothing; after routing a prompt to a
@@ -128,10 +132,25 @@ class PrefixIndex:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         state = self._replica(replica)
+        if state.capacity == capacity:
+            return
         state.capacity = capacity
         while len(state.blocks) > capacity:
             state.blocks.popitem(last=False)
             state.evicted += 1
+
+    def use_block_size(self, block_size: int) -> None:
+        """Hash blocks of `block_size` tokens from now on (the replicas' engines use it). Every hash
+        held so far names blocks of the old size, so all of them are forgotten; capacities stay."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        for state in self._replicas.values():
+            state.blocks.clear()
+
+    def accepts(self, prompt: PromptHashes) -> bool:
+        """Whether `prompt` was hashed with this index's current block size."""
+        return prompt.block_size == self.block_size
 
     # ---- introspection -----------------------------------------------------------------------
     def replicas(self) -> list[str]:
@@ -143,6 +162,11 @@ class PrefixIndex:
             state = self._replicas.get(replica)
             return 0 if state is None else len(state.blocks)
         return sum(len(s.blocks) for s in self._replicas.values())
+
+    def capacity_of(self, replica: str) -> int:
+        """The most hashes held for the replica (the index default for one not seen yet)."""
+        state = self._replicas.get(replica)
+        return self.capacity if state is None else state.capacity
 
     def num_evicted(self, replica: str) -> int:
         """Hashes this index forgot for the replica's capacity (not the replica's own evictions)."""

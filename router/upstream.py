@@ -148,9 +148,11 @@ class StatsPoller:
         *,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_report: Callable[[str, Any], None] | None = None,
     ) -> None:
         self._registry = registry
         self._channels = channels
+        self._on_report = on_report  # called with each accepted report
         self.interval_s = interval_s
         self._timeout_s = timeout_s if timeout_s is not None else max(1.0, 4 * interval_s)
         self._clock = clock
@@ -179,6 +181,8 @@ class StatsPoller:
             if name not in self._latest:
                 log.info("replica %s is reporting load (model %r)", name, stats.model)
             self._latest[name] = stats
+            if self._on_report is not None:
+                self._on_report(name, stats)
         return True
 
     def _failed(self, name: str, exc: Exception) -> None:

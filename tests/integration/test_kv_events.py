@@ -258,3 +258,50 @@ def test_the_engine_core_process_carries_its_events_to_the_front(tiny_model_dir:
             await client.shutdown()
 
     asyncio.run(run())
+
+
+class WideBlockEngine(PacedEngine):
+    """An engine with twice the default block size."""
+
+    def __init__(self, config: EngineConfig, **kw: Any) -> None:
+        super().__init__(dataclasses.replace(config, block_size=2 * BS), **kw)
+
+
+def test_the_index_follows_the_workers_block_size_and_kv_capacity(tiny_model_dir: Path,
+                                                                  dataplanes: list[DataPlane]) -> None:
+    worker = Worker(tiny_model_dir, "w0", engine=WideBlockEngine)
+    router = Router([worker.flag], model_dir=tiny_model_dir)
+    try:
+        router.wait_ready(1)
+        dp = dataplanes[-1]
+        wait_for(lambda: dp.kv_events.connected("w0"), what="KV event stream")
+        assert dp.prefix_index.block_size == 2 * BS
+        blocks = worker.stub.Stats(pb.StatsRequest(), timeout=TIMEOUT).num_blocks
+        wait_for(lambda: dp.prefix_index.capacity_of("w0") == blocks, what="the capacity from the load report")
+        prompt = prompt_of(30, length=5 * BS)
+        stored = block_hashes((prompt + generate(worker, prompt))[:-1], 2 * BS)
+        wait_for(lambda: set(stored) <= index_hashes(dp, "w0"), what="the wide blocks indexed")
+        follow_up = dp.prefix_index.hash_prompt([*prompt, 3, 4])
+        assert dp.prefix_index.cached_tokens(follow_up)["w0"] == (len(prompt) // (2 * BS)) * 2 * BS
+    finally:
+        router.stop()
+        worker.stop()
+
+
+def test_workers_that_disagree_on_block_size_leave_one_unindexed(tiny_model_dir: Path,
+                                                                 dataplanes: list[DataPlane]) -> None:
+    narrow, wide = Worker(tiny_model_dir, "n0"), Worker(tiny_model_dir, "n1", engine=WideBlockEngine)
+    router = Router([narrow.flag, wide.flag], model_dir=tiny_model_dir)
+    try:
+        router.wait_ready(2)
+        dp = dataplanes[-1]
+        wait_for(lambda: dp.kv_events.connected("n0") or dp.kv_events.connected("n1"), what="a KV event stream")
+        followed = "n0" if dp.kv_events.connected("n0") else "n1"
+        other = "n1" if followed == "n0" else "n0"
+        assert dp.prefix_index.block_size == (BS if followed == "n0" else 2 * BS)
+        generate(narrow if other == "n0" else wide, prompt_of(31, length=4 * BS))
+        assert not dp.kv_events.connected(other) and dp.prefix_index.num_blocks(other) == 0
+    finally:
+        router.stop()
+        narrow.stop()
+        wide.stop()

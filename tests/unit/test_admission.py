@@ -413,6 +413,7 @@ def test_resilient_state_degrades_and_recovers() -> None:
         (dict(degraded_limit_share=1.5), "degraded_limit_share"),
         (dict(stats_staleness_s=-1), "stats_staleness_s"),
         (dict(redis_key_prefix="a{b}"), "redis_key_prefix"),
+        (dict(routing="random"), "routing"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_field(kwargs: dict[str, Any], field: str) -> None:

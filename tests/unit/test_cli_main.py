@@ -20,7 +20,7 @@ def test_the_command_imports_neither_the_benchmarks_nor_torch() -> None:
 
 
 @pytest.mark.parametrize(("argv", "usage"), [
-    (["bench", "--help"], "usage: chariot bench [-h] {capacity,peer}"),
+    (["bench", "--help"], "usage: chariot bench [-h] {capacity,peer,routing}"),
     (["bench", "capacity", "--help"], "usage: chariot bench capacity"),
     (["bench", "peer", "--help"], "usage: chariot bench peer"),
     (["tune", "--help"], "usage: chariot tune"),

@@ -212,3 +212,16 @@ def test_memory_stays_bounded_under_10000_distinct_prefixes():
     per_entry = end / (2 * capacity)
     assert per_entry < 300, f"{per_entry:.0f} bytes per remembered block"  # a 16-byte hash + its LRU links
     assert end < 1.25 * full, f"grew from {full} to {end} bytes after the capacity was reached"
+
+
+def test_a_new_block_size_forgets_every_hash_and_keeps_capacities():
+    index = PrefixIndex(block_size=4, capacity=100)
+    index.add_blocks("a", [b"x", b"y"])
+    index.set_capacity("a", 10)
+    prompt = index.hash_prompt(list(range(20)))
+    index.use_block_size(8)
+    assert index.block_size == 8 and index.num_blocks("a") == 0 and index.capacity_of("a") == 10
+    assert not index.accepts(prompt) and index.accepts(index.hash_prompt(list(range(20))))
+    assert index.capacity_of("unseen") == 100
+    with pytest.raises(ValueError):
+        index.use_block_size(0)

@@ -155,3 +155,35 @@ def test_sessions_are_bounded_and_can_be_off() -> None:
     off = Router({"a": {}}, affinity_margin_ms=0.0)
     off.finish(off.decide(10, session="s"))
     assert off.controller.session_replica("s") is None
+
+
+# --- the baseline modes -------------------------------------------------------------------------------
+
+def test_load_mode_ignores_cache_and_sessions() -> None:
+    r = Router({"a": dict(queued_prefill_tokens=200), "b": {}}, routing="load")
+    d = r.decide(1000, cached_tokens={"a": 960}, session="s")
+    # as if nothing were cached: b's empty queue wins, and the whole prompt counts as pending on it
+    assert (d.replica_name, d.reason, d.cached_tokens) == ("b", "load", 0)
+    assert d.predicted_ttft_s == pytest.approx(0.05 + 1000 / 1000.0)
+    assert {v.name: v.unprefilled_tokens for v in r.registry.snapshot()} == {"a": 0, "b": 1000}
+    assert r.controller.session_replica("s") is None
+
+
+def test_round_robin_takes_replicas_in_turn_and_skips_inadmissible_ones() -> None:
+    r = Router({"a": {}, "b": dict(queued_prefill_tokens=500), "c": {}}, routing="round_robin")
+    picks = []
+    for _ in range(6):
+        d = r.decide(100, cached_tokens={"c": 96})
+        picks.append(d.replica_name)
+        assert d.reason == "round_robin" and d.cached_tokens in (0, 96)
+        r.finish(d)
+    assert picks == ["a", "b", "c"] * 2  # neither load nor cache changes the turn
+    r.report("b", queued_prefill_tokens=5000)  # b now breaches the SLO: its turn passes to the next one
+    assert [r.decide(100).replica_name for _ in range(3)] == ["a", "c", "c"]
+
+
+def test_round_robin_sheds_like_the_other_modes() -> None:
+    r = Router({"a": dict(queued_prefill_tokens=5000), "b": dict(queued_prefill_tokens=5000)}, routing="round_robin")
+    with pytest.raises(AdmissionRejected) as info:
+        r.decide(100)
+    assert info.value.reason == "slo"

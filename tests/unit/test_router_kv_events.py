@@ -19,7 +19,7 @@ def h(i: int) -> bytes:
 
 
 def subscriber() -> KVEventSubscriber:
-    registry = ReplicaRegistry([ReplicaSpec("a", "127.0.0.1:1")])
+    registry = ReplicaRegistry([ReplicaSpec("a", "127.0.0.1:1"), ReplicaSpec("b", "127.0.0.1:2")])
     return KVEventSubscriber(registry, ReplicaChannels(registry), PrefixIndex(BS))
 
 
@@ -53,7 +53,17 @@ def test_a_new_boot_drops_the_replica_first():
     assert sub.index.lru_order("a") == [h(7)] and sub.boot_ids["a"] == "b2" and sub.resets["a"] == 2
 
 
-def test_another_block_size_is_not_indexed():
+def test_the_first_replica_followed_sets_the_block_size():
     sub = subscriber()
-    assert not sub._apply("a", msg(1, [1], snapshot=True, block_size=BS * 2))
-    assert sub.index.num_blocks("a") == 0 and not sub.connected("a")
+    sub.index.add_blocks("b", [h(99)])  # a routing decision's guess, hashed at the old size
+    assert sub._apply("a", msg(1, [1], snapshot=True, block_size=BS * 2))
+    assert sub.index.block_size == BS * 2 and sub.index.lru_order("a") == [h(1)]
+    assert sub.index.num_blocks("b") == 0  # hashes of the old size name nothing now
+
+
+def test_a_replica_with_another_block_size_than_those_followed_is_not_indexed():
+    sub = subscriber()
+    assert sub._apply("a", msg(1, [1], snapshot=True))
+    assert not sub._apply("b", msg(1, [2], snapshot=True, block_size=BS * 2))
+    assert sub.index.block_size == BS and sub.index.num_blocks("b") == 0 and not sub.connected("b")
+    assert sub.index.lru_order("a") == [h(1)]

@@ -191,3 +191,31 @@ def test_the_replay_sends_the_traces_own_tokens():
     chat = make_trace(TRACES["chat"], 1, 1.0, scale=0.1)[0]
     fresh = prompt_ids(rng, chat, 512)
     assert len(fresh) == chat.prompt_len and min(fresh) >= LOW_TOKEN_ID
+
+
+def test_salted_replays_share_no_token_at_any_position():
+    symbols = list(range(0, 1 << 20, 997))
+    plain, salted = fold_symbols(symbols, 8192, 16), fold_symbols(symbols, 8192, 16, salt=1)
+    assert len(plain) == len(salted) and all(a != b for a, b in zip(plain, salted, strict=True))
+    assert all(16 <= t < 8192 for t in salted)
+
+
+def test_closed_loop_turns_resend_the_models_own_answer():
+    """bench/driver.py: a later turn's prompt is what was sent, the model's actual answer, then the
+    turn's new question, as long as the trace's prompt; conversations come in turn order."""
+    from chariot.bench.driver import conversations as groups
+    from chariot.bench.driver import next_turn_prompt, prompt_ids
+
+    trace = make_trace(MT, 40, 1.0, seed=7, scale=0.25, max_len=2048)
+    convs = groups(trace)
+    assert sorted(i for g in convs for i in g) == list(range(len(trace)))
+    group = next(g for g in convs if len(g) >= 2)
+    assert [trace[i].turn for i in group] == list(range(len(group)))
+    first, second = trace[group[0]], trace[group[1]]
+    sent = prompt_ids(random.Random(0), first, 512, salt=3)
+    answer = [7] * first.decode_len
+    nxt = next_turn_prompt(first, sent, answer, second, 512, salt=3)
+    assert len(nxt) == second.prompt_len and nxt[:len(sent) + len(answer)] == sent + answer
+    assert nxt[len(sent) + len(answer):] == fold_symbols(second.prompt_ids[len(sent) + len(answer):], 512, 16, 3)
+    with pytest.raises(ValueError):
+        next_turn_prompt(make_trace(TRACES["chat"], 1, 1.0)[0], sent, answer, second, 512)
