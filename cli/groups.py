@@ -10,6 +10,7 @@ reports again. Other groups and the router keep serving throughout.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -63,6 +64,21 @@ class GroupSupervisor:
             children, _ = start_group(index, self.config, self.served, self.engine_core, port)
             self.groups.append(LocalGroup(index, port, children, self.clock()))
         return self.groups
+
+    def add(self) -> LocalGroup:
+        """Start one more group at the lowest free index (the autoscaler's scale up)."""
+        taken = {g.index for g in self.groups}
+        index = next(i for i in itertools.count() if i not in taken)
+        port = free_port()
+        children, _ = start_group(index, self.config, self.served, self.engine_core, port)
+        group = LocalGroup(index, port, children, self.clock())
+        self.groups.append(group)
+        return group
+
+    def remove(self, group: LocalGroup) -> None:
+        """Stop a group for good (the autoscaler's scale down, once the group is drained)."""
+        self.groups.remove(group)
+        shutdown(group.children, grace_s=5.0)
 
     def children(self) -> list[Child]:
         return [c for g in self.groups for c in g.children]

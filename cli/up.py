@@ -11,19 +11,24 @@ It sits above the worker and router packages: it starts both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import signal
 import ssl
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from chariot.cli.autoscale import LocalAutoscaler, fetch_load, write_replica_file
 from chariot.cli.groups import GroupSupervisor
+from chariot.contracts.autoscaling import AutoscalingPolicy, OfferedLoad
 from chariot.contracts.engine_settings import ENGINE_CORE
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
@@ -60,14 +65,61 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
                    help="delay before a group whose stage died is recreated, doubled per restart (as the operator)")
     p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")
+    add_autoscaling_flags(p)
     p.set_defaults(handler=_run_up)
+
+
+def add_autoscaling_flags(p: argparse.ArgumentParser) -> None:
+    """The operator's `spec.autoscaling`, for local replica processes (`chariot.cli.autoscale`)."""
+    g = p.add_argument_group("autoscaling", "size the replicas from the router's offered load, as the operator's "
+                                            "spec.autoscaling does (docs/kubernetes.md, Autoscaling)")
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale up to this many replicas (unset: a fixed --replicas)")
+    g.add_argument("--min-replicas", type=int, default=1, help="autoscale down to this many (default 1)")
+    g.add_argument("--target-utilization", type=float, default=0.7,
+                   help="share of a replica's measured capacity to plan for (default 0.7)")
+    g.add_argument("--scale-up-stabilization-seconds", type=float, default=0.0,
+                   help="a rise must be asked for this long before a replica starts (default 0)")
+    g.add_argument("--scale-down-stabilization-seconds", type=float, default=60.0,
+                   help="replicas stop only down to the highest recommendation of this window (default 60)")
+    g.add_argument("--drain-grace-seconds", type=float, default=60.0,
+                   help="a replica chosen to stop is drained first, at most this long (default 60)")
+    g.add_argument("--autoscale-interval-seconds", type=float, default=1.0, help="how often it looks (default 1)")
+    g.add_argument("--autoscale-log", default=None, metavar="FILE",
+                   help="append each look (offered load, capacity, replicas, reason) as JSON lines")
+
+
+FLAG_OF_FIELD = {"minReplicas": "min_replicas", "maxReplicas": "max_replicas",
+                 "targetUtilization": "target_utilization", "scaleUpStabilizationSeconds":
+                 "scale_up_stabilization_seconds", "scaleDownStabilizationSeconds": "scale_down_stabilization_seconds",
+                 "drainGracePeriodSeconds": "drain_grace_seconds"}
+
+
+def autoscaling_policy(args: argparse.Namespace) -> AutoscalingPolicy | None:
+    """The policy of `--max-replicas` and its flags (None without it); a `ConfigError` names the flag."""
+    if args.max_replicas is None:
+        return None
+    if args.min_replicas < 1:
+        raise ConfigError("min_replicas", f"must be >= 1 locally (scale to zero needs a Kubernetes deployment), "
+                                          f"got {args.min_replicas}")
+    try:
+        return AutoscalingPolicy(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                 target_utilization=args.target_utilization,
+                                 scale_up_stabilization_s=args.scale_up_stabilization_seconds,
+                                 scale_down_stabilization_s=args.scale_down_stabilization_seconds,
+                                 drain_grace_s=args.drain_grace_seconds, field_prefix="")
+    except ConfigError as exc:
+        raise ConfigError(FLAG_OF_FIELD.get(exc.field.lstrip("."), exc.field), exc.message) from exc
 
 
 def _run_up(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ConfigError("replicas", f"must be >= 1, got {args.replicas}")
+    policy = autoscaling_policy(args)
+    if policy is not None:
+        args.replicas = policy.bound(args.replicas)
     args.model = ensure_model(args.model)
-    return run_up(args, config_from_args(args))
+    return run_up(args, config_from_args(args), policy)
 
 
 def ensure_model(model: str | None) -> str:
@@ -81,8 +133,9 @@ def ensure_model(model: str | None) -> str:
     return str(DEFAULT_MODEL_DIR)
 
 
-def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
-    """Start everything, print the endpoints, supervise until interrupted; the exit code."""
+def run_up(args: argparse.Namespace, config_for: EngineConfig, policy: AutoscalingPolicy | None = None) -> int:
+    """Start everything, print the endpoints, supervise until interrupted; the exit code. With a
+    `policy`, the router reads its replicas from a file the autoscaler rewrites."""
     served = args.served_model_name or Path(config_for.model).name
     supervisor = GroupSupervisor(config_for, served, args.engine_core,
                                  Backoff(base_s=args.restart_backoff_seconds, max_s=args.max_restart_backoff_seconds,
@@ -96,9 +149,14 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         for group in groups:
             wait_ready(group.stage0, supervisor.children(), READY_TIMEOUT_S)
         replicas = [f"g{g.index}={g.address}" for g in groups]
-        cmd = router_command(config_for.model, served, replicas, host=args.host, http_port=args.http_port,
-                             grpc_port=args.grpc_port, redis_url=args.redis_url, tbt_slo_ms=args.tbt_slo_ms,
-                             ttft_slo_ms=args.ttft_slo_ms, routing=args.routing)
+        replica_file = None
+        if policy is not None:
+            replica_file = Path(tempfile.mkdtemp(prefix="chariot-up-")) / "replicas.json"
+            write_replica_file(replica_file, groups)
+        cmd = router_command(config_for.model, served, [] if replica_file else replicas, host=args.host,
+                             http_port=args.http_port, grpc_port=args.grpc_port, redis_url=args.redis_url,
+                             tbt_slo_ms=args.tbt_slo_ms, ttft_slo_ms=args.ttft_slo_ms, routing=args.routing,
+                             replica_file=str(replica_file) if replica_file else None)
         if args.max_queue_per_replica is not None:
             cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
         cmd += security_args(args)
@@ -107,7 +165,15 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig) -> int:
         scheme = "https" if args.tls_cert else "http"
         wait_routable(line, len(replicas), READY_TIMEOUT_S, scheme)
         print_endpoints(line, served, replicas, config_for, scheme)
-        return supervise_up(router, supervisor, stop)
+        with contextlib.ExitStack() as stack:
+            autoscaler = None
+            if policy is not None and replica_file is not None:
+                log = stack.enter_context(open(args.autoscale_log, "a")) if args.autoscale_log else None
+                autoscaler = LocalAutoscaler(policy, supervisor, replica_file, load_fetcher(line, scheme),
+                                             args.autoscale_interval_seconds, log)
+                print(f"autoscaling  {policy.min_replicas}..{policy.max_replicas} replicas, target utilization "
+                      f"{policy.target_utilization:g}", flush=True)
+            return supervise_up(router, supervisor, stop, autoscaler)
     except RuntimeError as exc:
         print(f"chariot up: {exc}", file=sys.stderr)
         return 1
@@ -139,15 +205,26 @@ def wait_routable(router_line: str, replicas: int, timeout_s: float, scheme: str
     raise RuntimeError(f"the router saw {seen} of {replicas} replica(s) ready after {timeout_s:g} s")
 
 
-def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Event) -> int:
+def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Event,
+                 autoscaler: LocalAutoscaler | None = None) -> int:
     """Until interrupted: a dead stage fails (and later recreates) its own group only; the router
-    exiting ends everything (nothing would serve)."""
+    exiting ends everything (nothing would serve); the autoscaler, if any, takes its looks."""
     while not stop.wait(0.2):
         if router.proc.poll() is not None:
             print(f"chariot up: the router exited with code {router.proc.returncode}; shutting down", file=sys.stderr)
             return 1
         supervisor.check()
+        if autoscaler is not None:
+            autoscaler.step()
     return 0
+
+
+def load_fetcher(router_line: str, scheme: str) -> Callable[[], OfferedLoad | None]:
+    """Reads the router's `GET /load` (over https without verifying: it is the router started here)."""
+    http = re.search(r"http=(\S+)", router_line)
+    url = f"{scheme}://{http.group(1) if http else '127.0.0.1:0'}/load"
+    context = ssl._create_unverified_context() if scheme == "https" else None
+    return lambda: fetch_load(url, context=context)
 
 
 def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig,

@@ -81,7 +81,15 @@ class PermissionDeniedError(ChariotError):
 
 
 class NoReplicaAvailable(ChariotError):
-    """No ready replica can serve the request."""
+    """No ready replica can serve the request; `retry_after_s` (when known) is when to try again,
+    e.g. after a request held for a first replica timed out while one is starting."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[type, tuple[str, float | None]]:
+        return type(self), (str(self), self.retry_after_s)
 
 
 class UnknownModelError(InvalidRequestError):

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from chariot.contracts.errors import AdmissionRejected, ConfigError, error_status
+from chariot.contracts.errors import AdmissionRejected, ConfigError, NoReplicaAvailable, error_status
 from chariot.proto.chariot.v1 import generation_pb2
 
 log = logging.getLogger(__name__)
@@ -176,10 +176,12 @@ async def set_health(health_servicer: Any, status: int) -> None:
 
 
 def retry_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata with the retry hint of a shed request (empty for other errors)."""
-    if not isinstance(exc, AdmissionRejected):
+    """Trailing metadata with the retry hint of a shed request, or of an unavailable one that has a
+    hint (empty for other errors)."""
+    hint = exc.retry_after_s if isinstance(exc, AdmissionRejected | NoReplicaAvailable) else None
+    if hint is None:
         return ()
-    seconds = max(0.0, exc.retry_after_s)
+    seconds = max(0.0, hint)
     return (("retry-after", str(max(1, math.ceil(seconds)))), ("retry-after-ms", str(math.ceil(seconds * 1000))))
 
 

@@ -39,6 +39,15 @@ chariot.pipeline.bubble_fraction       gauge      1             chariot_pipeline
 chariot.tensor_parallel.collective_time counter   s             chariot_tensor_parallel_collective_time_seconds_total
 chariot.prefix_cache.queries           counter    {token}       chariot_prefix_cache_queries_total
 chariot.prefix_cache.hits              counter    {token}       chariot_prefix_cache_hits_total
+chariot.router.hold_time               histogram  s             chariot_router_hold_time_seconds
+chariot.offered_load.requests          gauge      {request}     chariot_offered_load_requests
+chariot.offered_load.tokens            gauge      {token}       chariot_offered_load_tokens
+chariot.offered_load.shed              gauge      {request}     chariot_offered_load_shed
+chariot.offered_load.held              gauge      {request}     chariot_offered_load_held
+chariot.replica.capacity               gauge      {token}       chariot_replica_capacity
+chariot.autoscaler.desired_replicas    gauge      {group}       chariot_autoscaler_desired_replicas
+chariot.autoscaler.current_replicas    gauge      {group}       chariot_autoscaler_current_replicas
+chariot.autoscaler.decisions           counter    {decision}    chariot_autoscaler_decisions_total
 =====================================  =========  ============  ==========================================
 
 Attributes (Prometheus label in brackets): every point carries `component` (`router` | `worker`), and
@@ -99,6 +108,8 @@ from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
+
+    from chariot.contracts.autoscaling import OfferedLoad
 
 __all__ = [
     "ADMISSION_OUTCOMES",
@@ -246,8 +257,52 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("chariot.prefix_cache.hits", "counter", "{token}",
                    "Of those, tokens whose KV was found cached and not computed (hit rate = hits / queries).",
                    "chariot_prefix_cache_hits_total"),
+        MetricSpec("chariot.router.hold_time", "histogram", "s",
+                   "Time a request waited at the router for a first ready replica (scale from zero), by "
+                   "outcome (served | timeout).",
+                   "chariot_router_hold_time_seconds", LATENCY_BUCKETS_S),
+        MetricSpec("chariot.offered_load.requests", "gauge", "{request}",
+                   "Requests per second arriving at the router over its offered-load window (admitted, or "
+                   "refused for load).",
+                   "chariot_offered_load_requests"),
+        MetricSpec("chariot.offered_load.tokens", "gauge", "{token}",
+                   "Tokens per second offered over the window, by gen_ai.token.type (input: prompts of the "
+                   "arriving requests; output: tokens generated).",
+                   "chariot_offered_load_tokens"),
+        MetricSpec("chariot.offered_load.shed", "gauge", "{request}",
+                   "Requests per second shed for load (SLO or full queues) over the window.",
+                   "chariot_offered_load_shed"),
+        MetricSpec("chariot.offered_load.held", "gauge", "{request}",
+                   "Requests waiting at the router for a first ready replica.",
+                   "chariot_offered_load_held"),
+        MetricSpec("chariot.replica.capacity", "gauge", "{token}",
+                   "Tokens per second a replica sustains at its SLO token budget (measured from its step "
+                   "timings), by replica: the autoscaler's per-group capacity.",
+                   "chariot_replica_capacity"),
+        MetricSpec("chariot.autoscaler.desired_replicas", "gauge", "{group}",
+                   "Groups the operator's autoscaler wants for a ModelDeployment (label modeldeployment = "
+                   "namespace/name), after stabilisation and bounds.",
+                   "chariot_autoscaler_desired_replicas"),
+        MetricSpec("chariot.autoscaler.current_replicas", "gauge", "{group}",
+                   "spec.replicas of that ModelDeployment when the autoscaler last looked.",
+                   "chariot_autoscaler_current_replicas"),
+        MetricSpec("chariot.autoscaler.decisions", "counter", "{decision}",
+                   "The autoscaler's looks, by modeldeployment and reason (ScaleUp, ScaleDown, ScaleFromZero, "
+                   "Bounded, Stabilizing, Stable, NoCapacity, NoOfferedLoad, HPAConflict).",
+                   "chariot_autoscaler_decisions_total"),
     )
 }  # fmt: skip
+
+OfferedExtract = Callable[["OfferedLoad"], list[tuple[dict[str, str], float]]]
+# What each offered-load gauge reads from a snapshot: (extra attributes, value) points.
+OFFERED_GAUGES: dict[str, OfferedExtract] = {
+    "chariot.offered_load.requests": lambda o: [({}, o.arrival_rate)],
+    "chariot.offered_load.tokens": lambda o: [({TOKEN_TYPE_ATTR: "input"}, o.prompt_token_rate),
+                                              ({TOKEN_TYPE_ATTR: "output"}, o.output_token_rate)],
+    "chariot.offered_load.shed": lambda o: [({}, o.shed_rate)],
+    "chariot.offered_load.held": lambda o: [({}, float(o.held))],
+    "chariot.replica.capacity": lambda o: [({"replica": name}, value) for name, value in sorted(o.capacity.items())],
+}
 
 
 def _views() -> list[View]:
@@ -526,6 +581,18 @@ class Telemetry:
         meter.create_observable_gauge(
             spec.name, callbacks=[self._bubble_callback], unit=spec.unit, description=spec.description
         )
+        self._hold_time = hist("chariot.router.hold_time")
+        self._autoscaler_decisions = counter("chariot.autoscaler.decisions")
+        self._autoscaler_state: dict[str, tuple[int, int]] = {}  # modeldeployment -> (desired, current)
+        for name, index in (("chariot.autoscaler.desired_replicas", 0), ("chariot.autoscaler.current_replicas", 1)):
+            spec = METRICS[name]
+            meter.create_observable_gauge(spec.name, callbacks=[self._autoscaler_callback(index)], unit=spec.unit,
+                                          description=spec.description)
+        self._offered_sources: list[tuple[Callable[[], OfferedLoad], dict[str, AttributeValue]]] = []
+        for name, extract in OFFERED_GAUGES.items():
+            spec = METRICS[name]
+            meter.create_observable_gauge(spec.name, callbacks=[self._offered_callback(extract)], unit=spec.unit,
+                                          description=spec.description)
         # Start every outcome at zero so the first decision of a kind shows up in rate()/increase().
         for outcome in ADMISSION_OUTCOMES:
             self._admissions.add(0, {**self.base_attributes, "outcome": outcome})
@@ -675,6 +742,60 @@ class Telemetry:
                     self._engine_callbacks.remove(entry)
 
         return unregister
+
+    def observe_offered_load(self, source: Callable[[], OfferedLoad],
+                             attributes: Attributes | None = None) -> Callable[[], None]:
+        """Read `source()` (the router's offered-load snapshot) at every collection for the
+        `chariot.offered_load.*` and `chariot.replica.capacity` gauges; returns an unregister function."""
+        entry = (source, self._attrs(attributes))
+        with self._lock:
+            self._offered_sources.append(entry)
+
+        def unregister() -> None:
+            with self._lock:
+                if entry in self._offered_sources:
+                    self._offered_sources.remove(entry)
+
+        return unregister
+
+    def _offered_callback(self, extract: OfferedExtract) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                sources = list(self._offered_sources)
+            points = []
+            for source, attrs in sources:
+                try:
+                    load = source()
+                except Exception:
+                    log.exception("offered-load source %r failed", source)
+                    continue
+                points += [Observation(value, {**attrs, **extra}) for extra, value in extract(load)]
+            return points
+
+        return callback
+
+    def record_autoscaler(self, deployment: str, reason: str, desired: int | None, current: int) -> None:
+        """One look of the operator's autoscaler at `deployment` (`namespace/name`); `desired` None
+        forgets its gauges (autoscaling was turned off)."""
+        with self._lock:
+            if desired is None:
+                self._autoscaler_state.pop(deployment, None)
+                return
+            self._autoscaler_state[deployment] = (desired, current)
+        self._autoscaler_decisions.add(1, self._attrs(None, modeldeployment=deployment, reason=reason))
+
+    def _autoscaler_callback(self, index: int) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(options: CallbackOptions) -> Iterable[Observation]:
+            with self._lock:
+                state = dict(self._autoscaler_state)
+            return [Observation(values[index], self._attrs(None, modeldeployment=name))
+                    for name, values in sorted(state.items())]
+
+        return callback
+
+    def record_hold(self, seconds: float, outcome: str) -> None:
+        """A request held for a first ready replica was `served` (or timed out) after `seconds`."""
+        self._hold_time.record(seconds, self._attrs(None, outcome=outcome))
 
     def _engine_gauge_callback(self, key: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:

@@ -65,10 +65,14 @@ def add_operator_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=env.read(env.REDIS_URL),
                    help=f"Redis for routers of deployments that set no spec.router.redis.url (env {REDIS_ENV})")
     p.add_argument("--resync-seconds", type=float, default=30.0, help="periodic full reconcile interval")
+    p.add_argument("--autoscale-seconds", type=float, default=5.0,
+                   help="how often deployments with spec.autoscaling look at their offered load")
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
                    help="first delay before a failed group is recreated (doubles per restart)")
     p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")
     p.add_argument("--health-port", type=int, default=8080, help="liveness endpoint /healthz (0 = off)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics of the autoscaler's decisions (chariot_autoscaler_*; 0 = off)")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
 
@@ -76,13 +80,15 @@ def _handle(args: argparse.Namespace) -> int:
     backoff = Backoff(base_s=args.restart_backoff_seconds, max_s=args.max_restart_backoff_seconds,
                       reset_after_s=args.max_restart_backoff_seconds)
     return run_operator(args.namespace, image=args.image, redis_url=args.redis_url, resync_s=args.resync_seconds,
-                        backoff=backoff, health_port=args.health_port, verbose=args.verbose)
+                        backoff=backoff, health_port=args.health_port, verbose=args.verbose,
+                        autoscale_s=args.autoscale_seconds, metrics_port=args.metrics_port)
 
 
 def run_operator(namespace: str | Sequence[str] | None = None, *, image: str = DEFAULT_IMAGE,
                  redis_url: str | None = None, resync_s: float = 30.0, backoff: Backoff | None = None,
                  health_port: int = 8080, verbose: bool = False, stop_flag: threading.Event | None = None,
-                 ready_flag: threading.Event | None = None) -> int:
+                 ready_flag: threading.Event | None = None, autoscale_s: float = 5.0,
+                 metrics_port: int = 0) -> int:
     """Run until SIGINT/SIGTERM (or `stop_flag`); returns the exit status.
 
     `namespace`: one name or several; None watches the whole cluster (needs the ClusterRole)."""
@@ -95,10 +101,16 @@ def run_operator(namespace: str | Sequence[str] | None = None, *, image: str = D
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     namespaces = [namespace] if isinstance(namespace, str) else list(namespace or [])
     settings = Settings(default_image=image, default_redis_url=redis_url, backoff=backoff or Backoff(),
-                        resync_s=resync_s)
+                        resync_s=resync_s, autoscale_s=autoscale_s)
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(kopf.login_via_client)  # same credentials as our own client
-    register(registry, Controller(Kube(load_api_client()), settings), settings)
+    telemetry = None
+    if metrics_port:
+        from chariot.contracts.telemetry import setup_telemetry
+
+        telemetry = setup_telemetry("chariot-operator", "operator")
+        telemetry.start_metrics_server("0.0.0.0", metrics_port)
+    register(registry, Controller(Kube(load_api_client()), settings, telemetry=telemetry), settings)
     liveness = f"http://0.0.0.0:{health_port}/healthz" if health_port else None
     asyncio.run(kopf.operator(registry=registry, standalone=True, clusterwide=not namespaces,
                               namespaces=namespaces, liveness_endpoint=liveness, stop_flag=stop_flag,

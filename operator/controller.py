@@ -17,16 +17,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from chariot.contracts.autoscaling import OfferedLoad, Recommendation, ScaleDecision, decide
+from chariot.contracts.telemetry import Telemetry
 from chariot.operator import crd
+from chariot.operator.autoscaler import (
+    EVENT_REASONS,
+    HPA_CONFLICT,
+    NO_OFFERED_LOAD,
+    SCALING_ACTIVE,
+    OfferedLoadSource,
+    RedisOfferedLoad,
+    autoscaling_status,
+    conflicting_hpas,
+    event,
+)
 from chariot.operator.kube import ApiError, Kube, Ref
 from chariot.operator.reconcile import (
     Backoff,
     Condition,
+    Drain,
     GroupStatus,
     Plan,
     PodState,
     conditions_to_dicts,
     drain_release,
+    format_time,
     group_conditions,
     invalid_conditions,
     plan_groups,
@@ -42,6 +57,8 @@ from chariot.operator.render import (
     group_selector,
     network_policies,
     network_policy_selector,
+    redis_key_prefix,
+    replica_name,
     router_name,
     scale_selector,
     shared_object_names,
@@ -62,6 +79,7 @@ class Settings:
     default_redis_url: str | None = None
     backoff: Backoff = field(default_factory=Backoff)
     resync_s: float = 30.0
+    autoscale_s: float = 5.0  # how often deployments with spec.autoscaling look at their load
 
 
 @dataclass(frozen=True)
@@ -74,11 +92,26 @@ class Outcome:
     invalid: InvalidSpec | None = None
 
 
+@dataclass(frozen=True)
+class Autoscaled:
+    """The autoscaling step's outcome for one pass: the spec to act on (its `replicas` as decided), the
+    `status.autoscaling` to write and the `ScalingActive` condition (both None without autoscaling)."""
+
+    spec: Spec
+    generation: int
+    status: Manifest | None = None
+    condition: Condition | None = None
+
+
 class Controller:
-    def __init__(self, kube: Kube, settings: Settings, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, kube: Kube, settings: Settings, clock: Callable[[], float] = time.time,
+                 offered_load: OfferedLoadSource | None = None, telemetry: Telemetry | None = None) -> None:
         self.kube = kube
         self.settings = settings
         self.clock = clock
+        self.offered_load: OfferedLoadSource = offered_load or RedisOfferedLoad()
+        self.telemetry = telemetry  # the autoscaler's metrics (`chariot_autoscaler_*`), when served
+        self._events = 0
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
 
@@ -126,12 +159,14 @@ class Controller:
         except InvalidSpec as exc:
             self._write_status(owner, old_status, self._invalid_status(old_status, exc, generation))
             return Outcome(False, str(exc), invalid=exc)
-        spec = self._with_defaults(spec)
+        scaled = self._autoscale(owner, self._with_defaults(spec), generation, old_status)
+        spec, generation = scaled.spec, scaled.generation
+        self._record_autoscaler(owner, spec, scaled)
         image = spec.image or self.settings.default_image
         hash_ = config_hash(owner, spec, image)
         listed = self.kube.list(Ref("Pod", owner.namespace), group_selector(owner))
         pods = [p for p in (PodState.from_manifest(m) for m in listed) if p is not None]
-        plan = self._plan(spec, hash_, pods, old_status)
+        plan = self._plan(spec, hash_, pods, old_status, self._drain(owner, spec))
         groups = [g.index for g in plan.groups]
         self._apply_pruned(owner, "NetworkPolicy", network_policies(owner, groups),  # before a new group's pods
                            network_policy_selector(owner))
@@ -146,11 +181,125 @@ class Controller:
             self._apply(manifest)
         router_ready = self._router_ready(owner, spec)
         conditions = group_conditions(spec, plan, hash_, router_ready)
+        if scaled.condition is not None:
+            conditions.append(scaled.condition)
         status = self._status(owner, hash_, plan, generation, old_status, conditions)
-        self._write_status(owner, old_status, {**status, "endpoint": endpoint(owner, spec)})
+        self._write_status(owner, old_status, {**status, "endpoint": endpoint(owner, spec),
+                                               "autoscaling": scaled.status})
         converged = not plan.waiting and router_ready
         message = "; ".join(plan.waiting) or conditions[0].message
         return Outcome(converged, message, requeue_after=plan.requeue_after)
+
+    # --- autoscaling -----------------------------------------------------------------------------
+
+    def _autoscale(self, owner: Owner, spec: Spec, generation: int, old_status: Manifest) -> Autoscaled:
+        """With `spec.autoscaling`: decide the replica count from the routers' offered load and patch
+        `spec.replicas` when it changes (an Event records it); a HorizontalPodAutoscaler on the same
+        object is reported, never fought."""
+        policy = spec.autoscaling
+        if policy is None:
+            return Autoscaled(spec, generation)
+        old = old_status.get("autoscaling") or {}
+        now = self.clock()
+        hpas = self._hpas(owner)
+        if hpas:
+            return self._hpa_conflict(owner, spec, generation, old, hpas, now)
+        load, problem = self._offered(owner, spec)
+        history = [Recommendation.from_dict(r) for r in old.get("recommendations") or []]
+        decision = decide(load, spec.replicas, policy, now, history)
+        if decision.changed:
+            patched = self.kube.merge_patch(Ref(crd.KIND, owner.namespace, owner.name),
+                                            {"spec": {"replicas": decision.desired}})
+            generation = int((patched.get("metadata") or {}).get("generation") or generation)
+            log.info("%s/%s: autoscaler %s: %s", owner.namespace, owner.name, decision.reason, decision.message)
+            if decision.reason in EVENT_REASONS:
+                self._event(owner, decision.reason, decision.message, now)
+            spec = replace(spec, replicas=decision.desired)
+        status = autoscaling_status(decision, load, now, old.get("lastScaleTime"))
+        return Autoscaled(spec, generation, status, self._scaling_condition(decision, problem, status))
+
+    def _record_autoscaler(self, owner: Owner, spec: Spec, scaled: Autoscaled) -> None:
+        if self.telemetry is None:
+            return
+        name = f"{owner.namespace}/{owner.name}"
+        if scaled.status is None:
+            self.telemetry.record_autoscaler(name, "", None, spec.replicas)
+        else:
+            self.telemetry.record_autoscaler(name, scaled.status["reason"], scaled.status["desiredReplicas"],
+                                             scaled.status["currentReplicas"])
+
+    @staticmethod
+    def _scaling_condition(decision: ScaleDecision, problem: str | None, status: Manifest) -> Condition:
+        if problem is not None and decision.reason == "NoCapacity":
+            status.update(reason=NO_OFFERED_LOAD, message=problem)
+            return Condition(SCALING_ACTIVE, False, NO_OFFERED_LOAD, problem)
+        return Condition(SCALING_ACTIVE, True, decision.reason, decision.message)
+
+    def _hpa_conflict(self, owner: Owner, spec: Spec, generation: int, old: Manifest, hpas: list[str],
+                      now: float) -> Autoscaled:
+        message = (f"HorizontalPodAutoscaler {', '.join(hpas)} also scales this ModelDeployment; spec.autoscaling "
+                   "is not applied while it exists (delete the HPA or remove spec.autoscaling)")
+        if old.get("reason") != HPA_CONFLICT:
+            log.warning("%s/%s: %s", owner.namespace, owner.name, message)
+            self._event(owner, HPA_CONFLICT, message, now, warning=True)
+        status = {"desiredReplicas": spec.replicas, "currentReplicas": spec.replicas, "reason": HPA_CONFLICT,
+                  "message": message, "lastDecisionTime": old.get("lastDecisionTime") or format_time(now)}
+        if old.get("lastScaleTime"):
+            status["lastScaleTime"] = old["lastScaleTime"]
+        return Autoscaled(spec, generation, status, Condition(SCALING_ACTIVE, False, HPA_CONFLICT, message))
+
+    def _hpas(self, owner: Owner) -> list[str]:
+        """HPAs targeting this deployment; none when they cannot be listed (RBAC of an older chart)."""
+        try:
+            listed = self.kube.list(Ref("HorizontalPodAutoscaler", owner.namespace), "")
+        except ApiError as exc:
+            if exc.status not in (403, 404):
+                raise
+            log.debug("cannot list HorizontalPodAutoscalers in %s: %s", owner.namespace, exc)
+            return []
+        return conflicting_hpas(listed, owner.name)
+
+    def _offered(self, owner: Owner, spec: Spec) -> tuple[OfferedLoad | None, str | None]:
+        """The routers' offered load, or None and why not."""
+        url = spec.router.redis_url
+        if url is None:
+            return None, ("spec.autoscaling needs the routers' offered load, shared through Redis: set "
+                          "spec.router.redis.url (or the operator's --redis-url)")
+        try:
+            load = self.offered_load(url, redis_key_prefix(owner))
+        except Exception as exc:  # redis-py's errors, OSError: reported, the count holds
+            return None, f"reading the offered load from Redis failed: {type(exc).__name__}: {exc}"
+        if load is None:
+            return None, "no router has reported its offered load yet"
+        return load, None
+
+    def _drain(self, owner: Owner, spec: Spec) -> Drain | None:
+        """With autoscaling and Redis, a scale-down drains its groups first: a group may go once the
+        routers' snapshots neither route to it nor hold a request on it (a Redis that cannot be read
+        counts as not idle: the grace period still bounds the wait)."""
+        if spec.autoscaling is None or spec.router.redis_url is None:
+            return None
+        url: str = spec.router.redis_url
+        prefix = redis_key_prefix(owner)
+
+        def idle(group: int) -> bool:
+            try:
+                load = self.offered_load(url, prefix)
+            except Exception as exc:  # redis-py's errors, OSError
+                log.warning("%s/%s: cannot read the routers' load to drain group %d: %s", owner.namespace,
+                            owner.name, group, exc)
+                return False
+            return load is None or load.idle(replica_name(group))
+
+        return Drain(spec.autoscaling.drain_grace_s, idle)
+
+    def _event(self, owner: Owner, reason: str, message: str, now: float, warning: bool = False) -> None:
+        self._events += 1
+        manifest = event(owner.name, owner.namespace, owner.uid, reason, message, now, self._events, warning)
+        try:
+            self.kube.create(Ref("Event", owner.namespace), manifest)
+        except ApiError as exc:  # an Event is a courtesy: never fail the pass for it
+            log.warning("%s/%s: could not record event %s: %s", owner.namespace, owner.name, reason, exc)
 
     def _cordoned(self, name: str) -> bool:
         """Whether the node is marked unschedulable (what `kubectl drain` and `cordon` do first). Without
@@ -170,9 +319,10 @@ class Controller:
             return spec
         return replace(spec, router=replace(spec.router, redis_url=self.settings.default_redis_url))
 
-    def _plan(self, spec: Spec, hash_: str, pods: list[PodState], old_status: Manifest) -> Plan:
+    def _plan(self, spec: Spec, hash_: str, pods: list[PodState], old_status: Manifest,
+              drain: Drain | None = None) -> Plan:
         previous = {g.index: g for g in (GroupStatus.from_dict(x) for x in old_status.get("groups") or [])}
-        return plan_groups(spec, hash_, pods, previous, self.clock(), self.settings.backoff)
+        return plan_groups(spec, hash_, pods, previous, self.clock(), self.settings.backoff, drain)
 
     def _execute(self, owner: Owner, spec: Spec, image: str, hash_: str, plan: Plan, pods: list[PodState]) -> None:
         for pod in pods:

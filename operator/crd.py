@@ -33,7 +33,7 @@ CHART_CRD_PATH = "charts/chariot/files/crds/modeldeployments.chariot.dev.yaml"
 MODEL_URI_PATTERN = (r"^(preset://(tiny|small|100m|llama3-8b)|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?"
                      r"|hf://[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?|file:///.+|/.+)$")
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # Secret and PersistentVolumeClaim names
-GROUP_PHASES = ["Pending", "Starting", "Ready", "Restarting", "BackingOff", "Terminating"]
+GROUP_PHASES = ["Pending", "Starting", "Ready", "Draining", "Restarting", "BackingOff", "Terminating"]
 
 Schema = dict[str, Any]
 
@@ -146,6 +146,43 @@ def _scheduler() -> Schema:
     }, default={})
 
 
+def _number(description: str, minimum: float, maximum: float, default: float) -> Schema:
+    return {"type": "number", "description": description, "minimum": minimum, "maximum": maximum, "default": default}
+
+
+def _autoscaling() -> Schema:
+    """`spec.autoscaling` (docs/kubernetes.md, "Autoscaling"; the rules: `chariot.contracts.autoscaling`)."""
+    return _obj("Size the replica groups from the load the routers see: desired = ceil(offered tokens/s / "
+                "(a group's measured tokens/s x targetUtilization)), one step more while the routers shed, "
+                "within [minReplicas, maxReplicas], stabilised like an HPA. The operator then owns "
+                "`spec.replicas` (it patches it); a HorizontalPodAutoscaler on this ModelDeployment is "
+                "reported (condition ScalingActive=False, reason HPAConflict), not fought. The routers share "
+                "their load through Redis: set `router.redis.url` (or the operator's default Redis).", {
+        "minReplicas": _int("Fewest groups; 0 lets an idle deployment scale to zero (its router stays).",
+                            minimum=0, maximum=1024, default=1),
+        "maxReplicas": _int("Most groups.", minimum=1, maximum=1024),
+        "targetUtilization": _number("Share of a group's measured capacity to plan for (headroom for bursts "
+                                     "and for the time a new group takes to start).", 0.05, 1.0, 0.7),
+        "scaleUpStabilizationSeconds": _int("A rise must be asked for this long before groups are added "
+                                            "(the lowest recommendation of the window wins).",
+                                            minimum=0, maximum=3600, default=0),
+        "scaleDownStabilizationSeconds": _int("Groups are removed only to the highest recommendation of this "
+                                              "window, so a dip does not remove a group that is needed again "
+                                              "soon.", minimum=0, maximum=3600, default=300),
+        "shedStep": _int("Groups added per decision while the routers shed requests for load.",
+                         minimum=1, maximum=64, default=1),
+        "drainGracePeriodSeconds": _int("A group chosen to go is drained first: taken out of the routers' "
+                                        "replica list (phase Draining), its pods deleted once no router sends "
+                                        "to it and none of its requests is in flight, or after this long.",
+                                        minimum=0, maximum=3600, default=120),
+        "holdQueueLength": _int("Requests each router holds while no group is ready (scaled to zero, or every "
+                                "group restarting): the autoscaler sees them and starts a group. Beyond it, "
+                                "503 at once; 0 turns holding off.", minimum=0, maximum=100000, default=64),
+        "holdTimeoutSeconds": _int("How long a held request waits for a ready group before its 503 (with "
+                                   "Retry-After).", minimum=1, maximum=3600, default=120),
+    }, required=["maxReplicas"])
+
+
 def _string_map(description: str) -> Schema:
     return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
 
@@ -256,6 +293,7 @@ def spec_schema() -> Schema:
                              minimum=0, maximum=64, default=1),
         }, default={}),
         "scheduler": _scheduler(),
+        "autoscaling": _autoscaling(),
         "slo": _obj("Latency targets: the router's admission control and, without tokenBudget, the token budget.", {
             "ttftMs": {"type": "number", "minimum": 1, "description": "Time-to-first-token SLO in milliseconds."},
             "tbtMs": {"type": "number", "minimum": 1, "description": "Time-between-tokens SLO in milliseconds."},
@@ -307,7 +345,7 @@ def spec_schema() -> Schema:
 
 def _condition() -> Schema:
     return _obj("A standard condition.", {
-        "type": _str("Ready, Progressing or Degraded."),
+        "type": _str("Ready, Progressing, Degraded, or ScalingActive (with spec.autoscaling)."),
         "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
         "reason": _str("CamelCase reason."),
         "message": _str("Human-readable details; names the spec field when the spec is invalid."),
@@ -326,11 +364,41 @@ def _group_status() -> Schema:
         "restarts": _int("Gang restarts since the group was last stable.", minimum=0),
         "restartAfter": _str("Earliest time of the next restart (backoff).", format="date-time"),
         "readySince": _str("When the group last became Ready.", format="date-time"),
+        "drainingSince": _str("When the autoscaler chose the group to go (it serves no new requests).",
+                              format="date-time"),
         "lastFailure": _str("Why the group was last restarted."),
         "message": _str("Why the group is in this phase."),
         "started": {"type": "boolean", "description": "All stage pods of this incarnation of the group were "
                     "Running at once: from then on a failed pod restarts the whole group; before, only that pod."},
     }, required=["index", "phase"])
+
+
+def _autoscaling_status() -> Schema:
+    rate = {"type": "number", "minimum": 0}
+    return _obj("The autoscaler's last look (present while spec.autoscaling is set).", {
+        "desiredReplicas": _int("Groups the autoscaler wants now (after stabilisation and bounds).", minimum=0),
+        "currentReplicas": _int("spec.replicas when it looked.", minimum=0),
+        "recommendedReplicas": _int("What the formula asked for at that moment (before stabilisation).", minimum=0),
+        "reason": _str("ScaleUp, ScaleDown, ScaleFromZero, Bounded, Stabilizing, Stable, NoCapacity, HPAConflict or "
+                       "NoOfferedLoad."),
+        "message": _str("The decision with its inputs, in words."),
+        "lastDecisionTime": _str("When it last looked.", format="date-time"),
+        "lastScaleTime": _str("When it last changed spec.replicas.", format="date-time"),
+        "inputs": _obj("The offered load summed over the routers (per second over their window).", {
+            "arrivalRate": {**rate, "description": "Requests arriving (admitted or shed for load)."},
+            "promptTokenRate": {**rate, "description": "Their prompt tokens."},
+            "outputTokenRate": {**rate, "description": "Output tokens generated."},
+            "workRate": {**rate, "description": "Prompt plus output tokens: the work asked of the groups."},
+            "shedRate": {**rate, "description": "Requests shed for load (SLO or full queues)."},
+            "held": _int("Requests waiting for a first ready group.", minimum=0),
+            "groupCapacity": {**rate, "description": "Tokens/s one group sustains at its SLO budget (median of "
+                                                     "the measured groups)."},
+            "routers": _int("Routers that reported.", minimum=0),
+        }),
+        "recommendations": {"type": "array", "description": "Recent recommendations (the stabilisation windows).",
+                            "items": _obj("One look.", {"time": {"type": "number", "description": "Epoch seconds."},
+                                                        "replicas": _int("Groups asked for.", minimum=0)})},
+    })
 
 
 def status_schema() -> Schema:
@@ -343,7 +411,9 @@ def status_schema() -> Schema:
         "endpoint": _str("The router Service's in-cluster HTTP URL."),
         "configHash": _str("Hash of the current configuration."),
         "groups": {"type": "array", "description": "Per-group state.", "items": _group_status()},
-        "conditions": {"type": "array", "description": "Ready, Progressing, Degraded.", "items": _condition(),
+        "autoscaling": _autoscaling_status(),
+        "conditions": {"type": "array", "description": "Ready, Progressing, Degraded (and ScalingActive).",
+                       "items": _condition(),
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     })
 
@@ -355,6 +425,8 @@ def printer_columns() -> list[dict[str, Any]]:
         {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas", "description": "Desired groups."},
         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas",
          "description": "Ready groups.", "priority": 1},
+        {"name": "Desired", "type": "integer", "jsonPath": ".status.autoscaling.desiredReplicas",
+         "description": "Groups the autoscaler wants.", "priority": 1},
         {"name": "Stages", "type": "integer", "jsonPath": ".spec.parallelism.pipeline",
          "description": "Pipeline stages per replica."},
         {"name": "Policy", "type": "string", "jsonPath": ".spec.scheduler.policy", "description": "Scheduler."},

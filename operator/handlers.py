@@ -6,7 +6,8 @@ Handlers stay thin on purpose — the decisions are in `reconcile.py` (pure) and
   that is still waiting (pods starting, a rollout, a backoff) is a `TemporaryError` with the delay it
   asked for, so kopf drives the rollout to completion; API failures are `TemporaryError`s too;
 - a resync timer, and any event of an owned stage pod or router Deployment → a pass (a pod that
-  fails or vanishes triggers the gang restart at once);
+  fails or vanishes triggers the gang restart at once); with `spec.autoscaling`, a faster timer too
+  (`Settings.autoscale_s`), so the autoscaler looks at the load every few seconds;
 - deletion → explicit cleanup of every owned object (no reliance on garbage collection); the
   finalizer stays until the stage pods are gone.
 """
@@ -79,8 +80,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, settings: 
     def reconcile(*, namespace: str | None, name: str, **_: Any) -> None:
         raise_for(_reconcile(controller, namespace or "default", name))
 
-    @kopf.timer(*RESOURCE, id="resync", interval=settings.resync_s, registry=registry)
-    def resync(*, namespace: str | None, name: str, **_: Any) -> None:
+    def look(namespace: str | None, name: str) -> None:
         try:
             outcome = controller.reconcile(namespace or "default", name)
         except ApiError as exc:  # the next tick retries
@@ -88,6 +88,17 @@ def register(registry: kopf.OperatorRegistry, controller: Controller, settings: 
             return
         if outcome.invalid is None and not outcome.converged:
             log.debug("resync of %s/%s: %s", namespace, name, outcome.message)
+
+    @kopf.timer(*RESOURCE, id="resync", interval=settings.resync_s, registry=registry)
+    def resync(*, namespace: str | None, name: str, **_: Any) -> None:
+        look(namespace, name)
+
+    @kopf.timer(*RESOURCE, id="autoscale", interval=settings.autoscale_s, registry=registry,
+                when=lambda spec, **_: bool(spec.get("autoscaling")))
+    def autoscale(*, namespace: str | None, name: str, **_: Any) -> None:
+        """A pass (which takes the autoscaler's look) more often than the resync, for deployments with
+        spec.autoscaling: a held request or a load spike is acted on within seconds."""
+        look(namespace, name)
 
     owned = {LABEL_DEPLOYMENT: kopf.PRESENT}
 

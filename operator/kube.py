@@ -34,6 +34,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "Node": ("/api/v1", "nodes"),  # cluster-scoped: a Ref with namespace ""
+    "Event": ("/api/v1", "events"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     crd.KIND: (f"/apis/{crd.API_VERSION}", crd.PLURAL),
 }
 MERGE_PATCH = "application/merge-patch+json"

@@ -16,8 +16,12 @@ Rules (docs/architecture.md §6):
   at once if it is not serving anyway; a serving one, with `rollout.maxSurge` S > 0, only after an
   up-to-date group has become Ready in addition to the `replicas` serving ones (at most `replicas + S`
   groups up; capacity never drops), and with S = 0 one at a time while every other group is Ready;
-- up-to-date groups beyond `spec.replicas` are deleted (scale down: terminating, then not serving,
-  then highest index first); missing ones are created at the lowest free index (scale up);
+- up-to-date groups beyond `spec.replicas` are deleted (scale down: terminating, then draining, then
+  not serving, then highest index first); missing ones are created at the lowest free index (scale
+  up). With a `Drain` (spec.autoscaling), a serving group chosen to go is drained first: its phase
+  becomes Draining, which takes it out of the routers' replica list (new requests go elsewhere,
+  requests in flight finish), and its pods are deleted once `Drain.idle` says no router sends to it
+  and nothing is in flight there, or after the grace period;
 - a group's index is taken while any of its pods exists (pod names are fixed), and a gang-restarted
   group keeps its index through its backoff.
 """
@@ -113,6 +117,8 @@ class GroupStatus:
     message: str = ""
     started: bool = False
     """All stage pods of this incarnation of the group have been seen Running at once."""
+    draining_since: float | None = None
+    """When the group was chosen to go (scale down with a drain); None while it is not draining."""
 
     def to_dict(self) -> Manifest:
         out: Manifest = {"index": self.index, "phase": self.phase, "pods": self.pods, "readyPods": self.ready_pods,
@@ -124,6 +130,8 @@ class GroupStatus:
             out["readySince"] = format_time(self.ready_since)
         if self.last_failure:
             out["lastFailure"] = self.last_failure
+        if self.draining_since is not None:
+            out["drainingSince"] = format_time(self.draining_since)
         return out
 
     @classmethod
@@ -132,7 +140,8 @@ class GroupStatus:
                    ready_pods=raw.get("readyPods", 0), config_hash=raw.get("configHash", ""),
                    restarts=raw.get("restarts", 0), restart_after=parse_time(raw.get("restartAfter")),
                    ready_since=parse_time(raw.get("readySince")), last_failure=raw.get("lastFailure", ""),
-                   message=raw.get("message", ""), started=bool(raw.get("started", False)))
+                   message=raw.get("message", ""), started=bool(raw.get("started", False)),
+                   draining_since=parse_time(raw.get("drainingSince")))
 
 
 @dataclass
@@ -148,6 +157,7 @@ class Plan:
     removed: set[int] = field(default_factory=set)  # groups scaled away: deleted, not reported
     requeue_after: float | None = None
     waiting: list[str] = field(default_factory=list)
+    draining: dict[int, GroupStatus] = field(default_factory=dict)  # groups drained before they are deleted
 
     @property
     def groups(self) -> list[GroupStatus]:
@@ -161,6 +171,20 @@ class Plan:
         self.waiting.append(reason)
         if after is not None:
             self.requeue_after = after if self.requeue_after is None else min(self.requeue_after, after)
+
+
+@dataclass(frozen=True)
+class Drain:
+    """How a scale-down drains a group: `idle(g)` answers whether no router sends to group g any more and
+    none of its requests is in flight; after `grace_s` the group goes anyway. `poll_s`: how soon to look
+    again while a group drains."""
+
+    grace_s: float
+    idle: Callable[[int], bool]
+    poll_s: float = 2.0
+
+    def done(self, group: int, since: float, now: float) -> bool:
+        return now - since >= self.grace_s or (now > since and self.idle(group))
 
 
 def drain_release(plan: Plan, pods: Iterable[PodState], cordoned: Callable[[str], bool]) -> int | None:
@@ -198,7 +222,7 @@ def parse_time(value: str | None) -> float | None:
 # --- planning ------------------------------------------------------------------------------------
 
 def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previous: dict[int, GroupStatus],
-                now: float, backoff: Backoff) -> Plan:
+                now: float, backoff: Backoff, drain: Drain | None = None) -> Plan:
     by_group: dict[int, list[PodState]] = defaultdict(list)
     for pod in pods:
         by_group[pod.group].append(pod)
@@ -209,12 +233,16 @@ def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previou
                               backoff) for g in indexes}
     outdated = {g for g in indexes if any(p.config_hash != current_hash for p in by_group.get(g, []))}
     plan = Plan()
-    members = _scale_down(plan, [g for g in indexes if g not in outdated], planned, by_group, spec.replicas)
+    members = _scale_down(plan, [g for g in indexes if g not in outdated], planned, by_group, spec.replicas, now,
+                          drain)
     for g in indexes:
         if g in plan.removed:
             continue
+        if g in plan.draining:
+            plan.statuses[g] = plan.draining[g]
+            continue
         status, action = planned[g]
-        plan.statuses[g] = status
+        plan.statuses[g] = replace(status, draining_since=None)  # no longer chosen to go: it serves again
         if action == "create":
             plan.create.append(g)
         elif action == "delete":
@@ -232,25 +260,45 @@ def plan_groups(spec: Spec, current_hash: str, pods: Iterable[PodState], previou
 
 
 def _scale_down(plan: Plan, members: list[int], planned: dict[int, tuple[GroupStatus, str | None]],
-                by_group: dict[int, list[PodState]], replicas: int) -> list[int]:
-    """Remove up-to-date groups beyond `replicas` (terminating ones first, then groups that do not
-    serve, then the highest index); returns the members that stay."""
+                by_group: dict[int, list[PodState]], replicas: int, now: float,
+                drain: Drain | None = None) -> list[int]:
+    """Remove up-to-date groups beyond `replicas` (terminating ones first, then draining ones, then
+    groups that do not serve, then the highest index); with a `drain`, a serving victim drains before
+    it is deleted. Returns the members that stay."""
     surplus = len(members) - replicas
     if surplus <= 0:
         return members
 
-    def keep_last(g: int) -> tuple[bool, bool, int]:
-        phase = planned[g][0].phase
-        return (phase != "Terminating", phase == "Ready", -g)
+    def keep_last(g: int) -> tuple[bool, bool, bool, int]:
+        status = planned[g][0]
+        return (status.phase != "Terminating", status.draining_since is None, status.phase == "Ready", -g)
 
     victims = set(sorted(members, key=keep_last)[:surplus])
     for g in sorted(victims):
+        if drain is not None and _draining(plan, g, planned[g][0], now, drain):
+            continue
         plan.removed.add(g)
         if any(not p.terminating for p in by_group.get(g, [])):
             plan.delete.append(g)
         if by_group.get(g):
             plan.wait(f"group {g} is being removed (scale down)")
     return [g for g in members if g not in victims]
+
+
+def _draining(plan: Plan, g: int, status: GroupStatus, now: float, drain: Drain) -> bool:
+    """Whether victim `g` keeps draining this pass (recorded in `plan.draining`): a serving group, or one
+    already draining, until it is idle or its grace period is over."""
+    if status.phase != "Ready":
+        return False  # it serves nothing (or failed while draining): nothing to wait for
+    since = status.draining_since if status.draining_since is not None else now
+    if drain.done(g, since, now):
+        return False
+    left = max(0.0, since + drain.grace_s - now)
+    plan.draining[g] = replace(status, phase="Draining", draining_since=since, ready_since=None,
+                               message=f"draining: the routers stop sending to it and its requests finish "
+                                       f"(deleted at the latest in {left:.0f}s)")
+    plan.wait(f"group {g} is draining (scale down)", after=min(drain.poll_s, left) if left > 0 else drain.poll_s)
+    return True
 
 
 def _roll(plan: Plan, spec: Spec, members: list[int], rolling: list[int], current_hash: str) -> None:
@@ -362,7 +410,7 @@ def _collect_waits(plan: Plan, now: float) -> None:
     for g in plan.groups:
         if g.phase == "BackingOff" and g.restart_after is not None:
             plan.wait(f"group {g.index} backing off", after=max(g.restart_after - now, 0.0))
-        elif g.phase != "Ready":
+        elif g.phase not in ("Ready", "Draining"):  # a draining group has asked for its own look
             plan.wait(f"group {g.index} is {g.phase}")
     if plan.create or plan.delete or plan.delete_pods or plan.create_stages:
         plan.wait("pods changed")

@@ -414,7 +414,22 @@ def router_args(owner: Owner, spec: Spec, source: ModelSource) -> list[str]:
     for flag, value in optional.items():
         if value is not None:
             args += [flag, _num(value) if isinstance(value, float | int) else value]
+    if spec.router.redis_url is not None:
+        args += ["--redis-key-prefix", redis_key_prefix(owner)]
+    if spec.autoscaling is not None and spec.hold_queue > 0:  # scale from zero: hold until a group is ready
+        args += ["--hold-queue", str(spec.hold_queue), "--hold-timeout-seconds", _num(spec.hold_timeout_s)]
     return args + router_secret_args(spec)
+
+
+def replica_name(group: int) -> str:
+    """Group g's name in the routers' replica list (and in their offered-load snapshots)."""
+    return f"g{group}"
+
+
+def redis_key_prefix(owner: Owner) -> str:
+    """The prefix of one deployment's keys in Redis (router state, offered load): deployments sharing a
+    Redis must not share rate-limit buckets, replica counts (every deployment has a `g0`) or load."""
+    return f"chariot:{owner.namespace}:{owner.name}"
 
 
 def router_secret_args(spec: Spec) -> list[str]:
@@ -492,7 +507,7 @@ def router_service(owner: Owner) -> Manifest:
 
 def replicas_json(owner: Owner, ready_groups: list[int]) -> str:
     """The router's `--replica-file`: stage 0 of every ready group."""
-    replicas = [{"name": f"g{g}", "address": group_address(owner, g)} for g in sorted(ready_groups)]
+    replicas = [{"name": replica_name(g), "address": group_address(owner, g)} for g in sorted(ready_groups)]
     return json.dumps({"replicas": replicas}, indent=2, sort_keys=True) + "\n"
 
 

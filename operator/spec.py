@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from chariot.contracts import engine_settings as settings
+from chariot.contracts.autoscaling import AutoscalingPolicy
+from chariot.contracts.errors import ConfigError
 from chariot.contracts.parallelism import tensor_split_problem
 from chariot.contracts.policies import get_policy
 from chariot.operator import crd
@@ -124,6 +126,14 @@ class Spec:
     template: PodTemplate = field(default_factory=PodTemplate)
     runtime_class_name: str | None = None
     kernel_cache: KernelCacheSpec | None = None
+    autoscaling: AutoscalingPolicy | None = None
+    hold_queue: int = 0  # requests a router holds while no group is ready (spec.autoscaling.holdQueueLength)
+    hold_timeout_s: float = 120.0
+
+    @property
+    def max_groups(self) -> int:
+        """The most groups this spec can run (autoscaling may take `replicas` up to its maximum)."""
+        return max(self.replicas, self.autoscaling.max_replicas if self.autoscaling else 0)
 
 
 # --- the CRD schema, applied locally -------------------------------------------------------------
@@ -316,7 +326,7 @@ def name_errors(name: str, spec: Spec) -> list[FieldError]:
     if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
         return [FieldError("metadata.name", f"{name!r} must start with a letter and contain only lower-case "
                                             "letters, digits and '-' (it names Services and pod hostnames)")]
-    longest = f"{name}-g{max(spec.replicas - 1, 0)}-s{spec.pipeline - 1}"
+    longest = f"{name}-g{max(spec.max_groups - 1, 0)}-s{spec.pipeline - 1}"
     if len(longest) > MAX_POD_NAME:
         return [FieldError("metadata.name", f"is too long: pod hostname {longest!r} would exceed "
                                             f"{MAX_POD_NAME} characters")]
@@ -332,7 +342,10 @@ def parse_spec(raw: Any, name: str) -> Spec:
     errors = schema_errors(schema, value, "spec")
     if errors:
         raise InvalidSpec(errors)
-    spec = _from_dict(value)
+    try:
+        spec = _from_dict(value)
+    except ConfigError as exc:  # a cross-field rule of a contracts dataclass (e.g. maxReplicas < minReplicas)
+        raise InvalidSpec([FieldError(exc.field, exc.message)]) from exc
     errors = semantic_errors(spec, name)
     if errors:
         raise InvalidSpec(errors)
@@ -365,4 +378,19 @@ def _from_dict(v: dict[str, Any]) -> Spec:
         runtime_class_name=v.get("runtimeClassName"),
         kernel_cache=KernelCacheSpec(claim_name=v["kernelCache"].get("claimName"),
                                      host_path=v["kernelCache"].get("hostPath")) if v.get("kernelCache") else None,
+        autoscaling=_autoscaling(v.get("autoscaling")),
+        hold_queue=(v.get("autoscaling") or {}).get("holdQueueLength", 0),
+        hold_timeout_s=float((v.get("autoscaling") or {}).get("holdTimeoutSeconds", 120)),
     )
+
+
+def _autoscaling(raw: dict[str, Any] | None) -> AutoscalingPolicy | None:
+    """`spec.autoscaling` (already checked against the schema); `ConfigError` names a cross-field problem."""
+    if raw is None:
+        return None
+    return AutoscalingPolicy(min_replicas=raw["minReplicas"], max_replicas=raw["maxReplicas"],
+                             target_utilization=float(raw["targetUtilization"]),
+                             scale_up_stabilization_s=float(raw["scaleUpStabilizationSeconds"]),
+                             scale_down_stabilization_s=float(raw["scaleDownStabilizationSeconds"]),
+                             shed_step=raw["shedStep"], drain_grace_s=float(raw["drainGracePeriodSeconds"]),
+                             field_prefix="spec.autoscaling")

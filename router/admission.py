@@ -386,6 +386,13 @@ class AdmissionController:
         """Requests this router admitted that have not finished."""
         return len(self._tickets)
 
+    def in_flight_by_replica(self) -> dict[str, int]:
+        """This router's admitted, unfinished requests per replica (also of replicas no longer in the set)."""
+        counts: dict[str, int] = {}
+        for ticket in self._tickets.values():
+            counts[ticket.replica] = counts.get(ticket.replica, 0) + 1
+        return counts
+
     async def replica_of(self, request_id: str) -> str | None:
         """The replica serving `request_id`, admitted by this router or another one (cancellation)."""
         ticket = self._tickets.get(request_id)

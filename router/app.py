@@ -47,6 +47,7 @@ from chariot.router.dataplane import DataPlane
 from chariot.router.grpc_front import NOT_SERVING, HealthReporter, bind_grpc, build_grpc_server
 from chariot.router.http_front import build_http_app
 from chariot.router.launch import add_security_flags
+from chariot.router.offered_load import OfferedLoadPublisher
 from chariot.router.registry import ReplicaRegistry
 from chariot.router.state import make_state, upkeep_interval_s
 from chariot.router.tls import CertificateFiles
@@ -83,6 +84,11 @@ async def run_router(config: RouterConfig, ready: ReadyCallback | None = None,
                               request_limiter=RequestLimiter(state, config.max_retry_after_s))
         stack.push_async_callback(dataplane.aclose)
         dataplane.start()
+        if config.redis_url is not None:
+            publisher = OfferedLoadPublisher.from_url(config.redis_url, config.redis_key_prefix, dataplane.offered_load,
+                                                      config.offered_load_publish_s)
+            stack.push_async_callback(publisher.aclose)
+            publisher.start()
         if config.replica_file:
             _cancel_on_exit(stack, registry.start_watching(config.replica_poll_s))
         if keys is not None:
@@ -236,6 +242,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         "tbt_slo_ms": args.tbt_slo_ms,
         "max_queue_per_replica": args.max_queue_per_replica,
         "routing": args.routing,
+        "redis_key_prefix": args.redis_key_prefix,
+        "hold_queue": args.hold_queue,
+        "hold_timeout_s": args.hold_timeout_seconds,
     }
     return RouterConfig(
         host=args.host,
@@ -285,6 +294,13 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help='JSON {"replicas": [{"name": ..., "address": "host:port"}]}, watched for changes '
                         "(wins over --replica)")  # fmt: skip
     p.add_argument("--redis-url", default=None, help="share router state through Redis (several routers)")
+    p.add_argument("--redis-key-prefix", default=None,
+                   help="prefix of this deployment's Redis keys (default 'chariot'); routers of one deployment "
+                        "share it, deployments sharing a Redis need their own")  # fmt: skip
+    p.add_argument("--hold-queue", type=int, default=None,
+                   help="requests held while no replica is ready, e.g. scaled to zero (default 0: 503 at once)")
+    p.add_argument("--hold-timeout-seconds", type=float, default=None,
+                   help="how long a held request waits for a ready replica before its 503 (default 120)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="time-to-first-token SLO (default 2000)")
     p.add_argument("--tbt-slo-ms", type=float, default=None, help="time-between-tokens SLO (default 200)")
     p.add_argument(

@@ -90,6 +90,14 @@ class RouterConfig:
       Shedding is the same in all three; "load" and "round_robin" exist to measure "prefix" against.
     - `replica_file` / `replica_poll_s`: the JSON replica list (a mounted ConfigMap) and how often its
       modification time is checked.
+
+    The offered load (`chariot.router.offered_load`, read by the autoscaler):
+    - `offered_load_window_s`: the sliding window its rates are measured over.
+    - `offered_load_publish_s`: how often it is written to Redis (with `redis_url`).
+    - `hold_queue`: requests held while no replica is ready (scale from zero: the autoscaler sees
+      them in the offered load and starts a group); 0 answers 503 at once. Beyond it, 503 too.
+    - `hold_timeout_s`: how long a held request waits for a ready replica before its 503 (with
+      `Retry-After`).
     """
 
     host: str = DEFAULT_HOST
@@ -128,6 +136,10 @@ class RouterConfig:
     affinity_margin_ms: float = 50.0
     max_sessions: int = 65536
     routing: Routing = "prefix"
+    offered_load_window_s: float = 30.0
+    offered_load_publish_s: float = 1.0
+    hold_queue: int = 0
+    hold_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         self._validate_process()
@@ -150,6 +162,11 @@ class RouterConfig:
         _positive("max_sessions", self.max_sessions)
         if self.routing not in ROUTING_MODES:
             raise ConfigError("routing", f"must be one of {ROUTING_MODES}, got {self.routing!r}")
+        _positive("offered_load_window_s", self.offered_load_window_s)
+        _positive("offered_load_publish_s", self.offered_load_publish_s)
+        if isinstance(self.hold_queue, bool) or not isinstance(self.hold_queue, int) or self.hold_queue < 0:
+            raise ConfigError("hold_queue", f"must be an integer >= 0, got {self.hold_queue!r}")
+        _positive("hold_timeout_s", self.hold_timeout_s)
 
     def _validate_process(self) -> None:
         for name in ("host", "served_model"):

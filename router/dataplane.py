@@ -47,6 +47,7 @@ from typing import Any
 
 import grpc
 
+from chariot.contracts.autoscaling import OfferedLoad
 from chariot.contracts.errors import (
     AdmissionRejected,
     AuthenticationError,
@@ -66,6 +67,7 @@ from chariot.router.admission import DEFAULT_TENANT, AdmissionController, Decisi
 from chariot.router.auth import KeyStore, Principal, RequestLimiter
 from chariot.router.config import RouterConfig
 from chariot.router.kv_events import KVEventSubscriber
+from chariot.router.offered_load import LoadMeter, snapshot
 from chariot.router.prefix_index import PrefixIndex, PromptHashes
 from chariot.router.registry import RegistryChange, ReplicaRegistry, ReplicaView
 from chariot.router.state import StateHealth
@@ -96,6 +98,10 @@ log = logging.getLogger(__name__)
 BYTES_PER_TOKEN_ESTIMATE = 4
 # Texts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 8192
+# The key of the offered-load gauges' registration among the per-replica ones (no replica has this name).
+OFFERED_GAUGES_KEY = "\0offered-load"
+# How often a request held for a first ready replica looks again (scale from zero).
+HOLD_POLL_S = 0.05
 # Replicas a request may be re-sent to when its replica fails it before the first token.
 MAX_RETRIES = 2
 # The tenant label of every tenant that is not configured (see `DataPlane.tenant_label`).
@@ -198,6 +204,9 @@ class DataPlane:
         self.prefix_index = PrefixIndex()
         # Keeps prefix_index current from each replica's KV event stream (`kv_events.py`).
         self.kv_events = KVEventSubscriber(registry, self.channels, self.prefix_index)
+        # What arrives here, for the autoscaler (`offered_load.py`; `GET /load`, Redis).
+        self.load_meter = LoadMeter(config.offered_load_window_s)
+        self.held = 0  # requests waiting for a first ready replica (`_decide_or_hold`)
         self._gauges: dict[str, Any] = {}
         registry.subscribe(self._on_replicas_changed)
 
@@ -216,6 +225,7 @@ class DataPlane:
     def start(self) -> None:
         """Start polling every replica's Stats and following its KV events (on the serving event loop)."""
         self._sync_gauges()
+        self._gauges[OFFERED_GAUGES_KEY] = self.telemetry.observe_offered_load(self.offered_load)
         self.poller.start()
         self.kv_events.start()
 
@@ -236,6 +246,11 @@ class DataPlane:
     def models(self) -> list[ModelInfo]:
         ready = self.registry.ready()
         return [ModelInfo(self.served_model, _max_model_len(ready), len(ready), len(self.registry.names()))]
+
+    def offered_load(self) -> OfferedLoad:
+        """This router's offered load, each replica's capacity and in-flight count (`GET /load`)."""
+        return snapshot(self.load_meter, self.registry, self.config.tbt_slo_ms / 1000.0,
+                        self.admission.in_flight_by_replica(), self.held)
 
     def stats(self) -> Any:
         """The deployment's load: every ready replica's latest report, aggregated (`StatsResponse`)."""
@@ -325,6 +340,7 @@ class DataPlane:
     async def _admit(self, req: GenerateInput) -> _Flight:
         timer = self.telemetry.request_timer()
         started_ns = time.time_ns()
+        prompt_tokens = -1  # unknown until counted: a request refused before then is not offered load
         try:
             if req.model and req.model != self.served_model:
                 raise UnknownModelError(req.model, self.served_model)
@@ -333,12 +349,15 @@ class DataPlane:
             prompt = await self.tokenize(req.prompt)
             prompt_tokens = self.count_prompt_tokens(prompt, req.params.max_tokens)
             hashes = None if isinstance(prompt, str) else self.prefix_index.hash_prompt(prompt)
-            decision = await self._decide(req, prompt_tokens, hashes)
+            decision = await self._decide_or_hold(req, prompt_tokens, hashes)
         except Exception as exc:
+            if prompt_tokens >= 0 and is_load_refusal(exc):
+                self.load_meter.arrival(prompt_tokens, shed=isinstance(exc, AdmissionRejected))
             self.reject(exc, req.tenant)
             trace = self.telemetry.request_span(req.request_id, parent=req.trace_parent, timestamp_ns=started_ns)
             trace.end(exc)
             raise
+        self.load_meter.arrival(prompt_tokens)
         tenant = self.tenant_label(req.tenant)
         self.telemetry.record_tenant_request(tenant)
         self.telemetry.record_admission("admitted")
@@ -352,6 +371,38 @@ class DataPlane:
                                             timestamp_ns=started_ns)
         trace.stage("queue")  # until the first token: queued and prefilled on the replica
         return _Flight(decision, timer, trace, prompt, prompt_tokens, hashes, tenant=tenant)
+
+    async def _decide_or_hold(self, req: GenerateInput, prompt_tokens: int, hashes: PromptHashes | None) -> Decision:
+        """Admit; while no replica at all is ready (scaled to zero, or every group restarting), hold the
+        request for a first ready replica: at most `hold_queue` requests, each at most `hold_timeout_s`
+        (then 503 with `Retry-After`). Held requests show in the offered load (`held`), which is what
+        makes the autoscaler start a group; the wait is recorded (`chariot.router.hold_time`)."""
+        try:
+            return await self._decide(req, prompt_tokens, hashes)
+        except NoReplicaAvailable:
+            if self.registry.ready() or self.held >= self.config.hold_queue:
+                raise
+        started = time.monotonic()
+        deadline = started + self.config.hold_timeout_s
+        self.held += 1
+        try:
+            while True:
+                await asyncio.sleep(HOLD_POLL_S)
+                if self.registry.ready():
+                    try:
+                        decision = await self._decide(req, prompt_tokens, hashes)
+                    except NoReplicaAvailable:
+                        if time.monotonic() < deadline:
+                            continue
+                        raise
+                    self.telemetry.record_hold(time.monotonic() - started, "served")
+                    return decision
+                if time.monotonic() >= deadline:
+                    self.telemetry.record_hold(time.monotonic() - started, "timeout")
+                    raise NoReplicaAvailable(f"no replica became ready within {self.config.hold_timeout_s:g}s",
+                                             retry_after_s=self.config.queue_retry_after_s)
+        finally:
+            self.held -= 1
 
     async def _decide(self, req: GenerateInput, prompt_tokens: int, hashes: PromptHashes | None) -> Decision:
         """Charge the key's request bucket, then admit; the request is refunded if admission refuses."""
@@ -412,6 +463,7 @@ class DataPlane:
             flight.trace.stage("decode")
             flight.trace.event("first_token")
         flight.timer.tokens(n)
+        self.load_meter.output(n)
         flight.prompt_tokens = out.num_prompt_tokens or flight.prompt_tokens
         flight.completion_tokens = out.num_output_tokens
         if out.error:
@@ -443,10 +495,10 @@ class DataPlane:
 
     def _sync_gauges(self) -> None:
         """One running/waiting/KV-usage gauge series per replica (label `replica`)."""
-        names = set(self.registry.names())
+        names = set(self.registry.names()) | {OFFERED_GAUGES_KEY}
         for gone in set(self._gauges) - names:
             self._gauges.pop(gone)()
-        for name in names - set(self._gauges):
+        for name in names - set(self._gauges) - {OFFERED_GAUGES_KEY}:
             self._gauges[name] = self.telemetry.observe_engine(
                 functools.partial(self._replica_gauges, name), {"replica": name}
             )
@@ -468,6 +520,14 @@ def rejection_reason(exc: BaseException) -> str:
     if isinstance(exc, AdmissionRejected):
         return exc.reason if exc.reason in ("slo", "queue", "rate_limit") else "queue"
     return admission_outcome(exc) or "error"
+
+
+def is_load_refusal(exc: BaseException) -> bool:
+    """Refused for lack of capacity (shed for the SLO or full queues, or no ready replica): demand the
+    autoscaler must see. Rate limits and bad requests are not."""
+    if isinstance(exc, AdmissionRejected):
+        return exc.reason in ("slo", "queue")
+    return isinstance(exc, NoReplicaAvailable)
 
 
 def _error_type(error: BaseException | str | None) -> str | None:

@@ -9,7 +9,8 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as ser
 one `data: {json}` event per chunk the replica streams, the last one with `finish_reason`, an optional
 usage chunk, then `data: [DONE]` — or one JSON response), `GET /v1/models`, `GET /health` (200 when
 at least one replica is ready, else 503: readiness), `GET /health/live` (200 while the process
-serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition).
+serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition), `GET /load` (the
+offered load over the last window and each replica's capacity, JSON: what the autoscaler reads).
 
 API keys (`chariot.router.auth`): when the router has a key file, every path but `/health`,
 `/health/live` and `/metrics` (probes and scraping stay open) needs `Authorization: Bearer <key>`;
@@ -82,7 +83,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; never 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE_EVENT = b"data: [DONE]\n\n"
 MAX_SESSION_CHARS = 256  # an X-Session-Id is a routing hint: longer ones are cut, never refused
-OPEN_PATHS = frozenset({"/health", "/health/live", "/metrics"})  # no API key needed: probes and scraping
+OPEN_PATHS = frozenset({"/health", "/health/live", "/metrics", "/load"})  # no API key: probes, scraping, autoscaler
 PRINCIPAL_SCOPE_KEY = "chariot.principal"  # where `RequireApiKey` leaves the request's `Principal`
 
 log = logging.getLogger(__name__)
@@ -388,6 +389,10 @@ class OpenAIFront:
         }
         return JSONResponse(body, status_code=200 if h.serving else 503)
 
+    async def load(self, request: Request) -> Response:
+        """This router's offered load (`chariot.router.offered_load`): what the autoscaler reads."""
+        return JSONResponse(self._dp.offered_load().to_dict())
+
     async def metrics(self, request: Request) -> Response:
         body, content_type = self._dp.telemetry.prometheus_response(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
@@ -577,6 +582,7 @@ def build_http_app(dataplane: DataPlane) -> Any:
         Route("/health", front.health, methods=["GET"]),
         Route("/health/live", front.live, methods=["GET"]),
         Route("/metrics", front.metrics, methods=["GET"]),
+        Route("/load", front.load, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _http_error})
     return RequireApiKey(app, dataplane) if dataplane.keys is not None else app

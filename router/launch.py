@@ -32,8 +32,9 @@ def security_args(args: argparse.Namespace) -> list[str]:
 def router_command(model: str, served: str, replicas: Sequence[str], *, host: str = "127.0.0.1",
                    http_port: int = 0, grpc_port: int = 0, redis_url: str | None = None,
                    tbt_slo_ms: float | None = None, ttft_slo_ms: float | None = None,
-                   routing: str | None = None) -> list[str]:
-    """`chariot router` fronting `replicas` (`NAME=HOST:PORT` each) on the given ports (0 = free)."""
+                   routing: str | None = None, replica_file: str | None = None) -> list[str]:
+    """`chariot router` fronting `replicas` (`NAME=HOST:PORT` each), or the replicas listed in the
+    watched `replica_file`, on the given ports (0 = free)."""
     cmd = [sys.executable, "-m", "chariot.router", "router", "--host", host, "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--served-model-name", served, "--model", model]
     for replica in replicas:
@@ -46,4 +47,6 @@ def router_command(model: str, served: str, replicas: Sequence[str], *, host: st
         cmd += ["--ttft-slo-ms", str(ttft_slo_ms)]
     if routing is not None:
         cmd += ["--routing", routing]
+    if replica_file is not None:
+        cmd += ["--replica-file", replica_file]
     return cmd

@@ -38,6 +38,7 @@ from chariot.contracts.errors import (
     AdmissionRejected,
     AuthenticationError,
     InvalidRequestError,
+    NoReplicaAvailable,
     PermissionDeniedError,
     UnknownModelError,
     error_status,
@@ -500,8 +501,8 @@ def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, st
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": error_code}}  # fmt: skip
     headers = {}
-    if isinstance(exc, AdmissionRejected):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if isinstance(exc, AdmissionRejected) or (isinstance(exc, NoReplicaAvailable) and exc.retry_after_s is not None):
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s or 0.0)))
     if isinstance(exc, AuthenticationError):
         headers["WWW-Authenticate"] = 'Bearer realm="chariot"'
     return status, body, headers

@@ -383,8 +383,9 @@ def test_kubectl_get_shows_status_columns(cluster: Cluster) -> None:
     cluster.apply(example("cols", replicas=2))
     cluster.wait_ready("cols")
     wide = cluster.kubectl("get", "mdep", "cols", "-n", cluster.namespace, "-o", "wide").stdout.split("\n")
-    assert wide[0].split() == ["NAME", "READY", "REPLICAS", "AVAILABLE", "STAGES", "POLICY", "ENDPOINT", "AGE"]
-    assert wide[1].split()[:7] == ["cols", "True", "2", "2", "2", "sarathi",
+    assert wide[0].split() == ["NAME", "READY", "REPLICAS", "AVAILABLE", "DESIRED", "STAGES", "POLICY", "ENDPOINT",
+                               "AGE"]
+    assert wide[1].split()[:7] == ["cols", "True", "2", "2", "2", "sarathi",  # DESIRED is blank: autoscaling only
                                    f"http://cols-router.{cluster.namespace}.svc:8000"]
 
 

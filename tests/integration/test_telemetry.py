@@ -25,6 +25,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NoOpTracer, StatusCode
 
+from chariot.contracts.autoscaling import OfferedLoad
 from chariot.contracts.telemetry import (
     ADMISSION_OUTCOMES,
     LATENCY_BUCKETS_S,
@@ -66,6 +67,11 @@ def record_everything(t: Telemetry) -> None:
     t.record_tenant_tokens("team-a", 12, 4)
     t.record_prefix_cache(10, 4)
     t.add_collective_time(0, 1, 0.05)
+    t.record_hold(2.5, "served")
+    t.record_autoscaler("prod/llama", "ScaleUp", 3, 1)
+    t.observe_offered_load(lambda: OfferedLoad(window_s=30.0, arrival_rate=2.0, prompt_token_rate=300.0,
+                                               output_token_rate=100.0, shed_rate=0.5, held=1,
+                                               capacity={"g0": 900.0}))
 
 
 def type_lines(text: str) -> dict[str, str]:
@@ -363,6 +369,10 @@ def test_real_prometheus_scrape(prometheus) -> None:
         router.record_tenant_tokens("team-a", 100, 50)
         worker.record_prefix_cache(600, 256)
         worker.add_collective_time(0, 0, 0.02)
+        router.record_hold(1.5, "served")
+        router.record_autoscaler("prod/llama", "ScaleUp", 3, 1)  # the operator's; any Telemetry records it
+        router.observe_offered_load(lambda: OfferedLoad(window_s=30.0, arrival_rate=2.0, prompt_token_rate=300.0,
+                                                        output_token_rate=100.0, capacity={"g0": 900.0, "g1": 800.0}))
 
         prom.wait_for_scrape()  # both targets scraped after the last point was recorded
         assert prom.value(f"{TBT}_count") == 1 + len(tbts)
@@ -375,6 +385,9 @@ def test_real_prometheus_scrape(prometheus) -> None:
         tokens = 'sum by (tenant, gen_ai_token_type) (chariot_tenant_tokens_total{component="router"})'
         assert {(r["metric"]["tenant"], r["metric"]["gen_ai_token_type"]) for r in prom.query(tokens)} == {
             ("team-a", "input"), ("team-a", "output")}  # what the dashboard's tenant panel groups by
+        # The autoscaling panel: offered tokens/s against the serving replicas' capacity.
+        assert prom.value('sum(chariot_offered_load_tokens{component="router"})') == 400.0
+        assert prom.value('sum(max by (replica) (chariot_replica_capacity{component="router"}))') == 1700.0
         assert prom.value("chariot_prefix_cache_hits_total") / prom.value("chariot_prefix_cache_queries_total") == \
             pytest.approx(256 / 600)  # the hit rate a dashboard plots
         assert {r["metric"]["component"] for r in prom.query("chariot_admission_decisions_total")} == {

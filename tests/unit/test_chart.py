@@ -143,6 +143,7 @@ REQUIRED = {  # what the operator (and kopf) call, per (apiGroup, resource)
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "create", "patch", "delete"},
     ("policy", "poddisruptionbudgets"): {"get", "list", "create", "patch", "delete"},
     ("", "events"): {"create", "patch"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list"},
 }
 
 
@@ -214,7 +215,7 @@ def test_dashboard_panels_cover_the_serving_metrics() -> None:
     for needle in ("gen_ai_server_request_duration_seconds_count", "chariot_admission_decisions_total",
                    "chariot_kv_cache_usage", "chariot_batch_tokens", "chariot_stage_idle_time_seconds_total",
                    "chariot_prefix_cache_hits_total", "chariot_router_prefix_hit_tokens_total",
-                   "chariot_router_routed_total"):
+                   "chariot_router_routed_total", "chariot_offered_load_tokens", "chariot_replica_capacity"):
         assert needle in flat, needle
     assert dashboard["uid"] == "chariot-serving" and dashboard["title"] == "Chariot serving"
 

@@ -62,6 +62,9 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]  # spec.autoscaling: an HPA on the same ModelDeployment is reported
+  verbs: [list]
 {{- end -}}
 
 {{- define "chariot.uninstallName" -}}
