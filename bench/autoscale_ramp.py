@@ -1,7 +1,7 @@
 """A load ramp against `chariot up --max-replicas`: does the autoscaler start a second replica when the
 load rises, keep the SLO once it is ready, and stop it on the ramp down without a failed request?
 
-    python -m chariot.bench.autoscale_ramp --model DIR --out bench/results/autoscale
+    python -m chariot.bench.autoscale_ramp --model DIR --out docs/img/autoscale
 
 Starts `chariot up` (tiny model by default, one stage per replica, `--max-replicas 2`,
 `--autoscale-log`), then sends a `chat` trace (`chariot.bench.traces`, lengths scaled) open loop with
@@ -204,7 +204,7 @@ def plot(sent: list[Sent], looks: list[dict[str, Any]], out: Path, ttft_slo_s: f
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chariot.bench.autoscale_ramp", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="model directory (e.g. the tiny preset)")
-    p.add_argument("--out", default="bench/results/autoscale", help="results folder")
+    p.add_argument("--out", default="docs/img/autoscale", help="results folder")
     p.add_argument("--low-qps", type=float, default=1.0)
     p.add_argument("--peak-qps", type=float, default=12.0)
     p.add_argument("--up-seconds", type=float, default=40.0)
