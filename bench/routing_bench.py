@@ -5,21 +5,29 @@ For each trace and each routing mode (`RouterConfig.routing`) it starts a fresh 
 with prefix caching on and one router in that mode, the processes `chariot up --replicas R --routing
 MODE` runs — and replays the trace at each load of a shared ladder, from the lowest up, until the
 first load the mode fails. Per load it reports TTFT p50/p99, TBT p99, the prompt tokens the
-replicas computed and those they served from cache; the highest load that passed is the mode's
-capacity (a bound: the next rung up failed).
+replicas computed and those they served from cache. A mode's capacity under a median-TTFT target is
+the highest load it served (see below) with its median TTFT within the target, below the first rung
+that missed: a bracket up to that rung, or a bound when none or every rung met it.
 
 Why it is built this way:
 - The multi-turn trace is replayed closed loop per conversation: a turn is sent its think time after
   the previous turn's answer came back, and its prompt resends the conversation with the model's
   actual answer, as a chat client does. So a replica that served turn k holds turn k+1's whole
   history, answer included, and only routing decides whether the next turn finds it.
+- Load is the offered turn rate: conversations start as a Poisson process at `qps / mean turns`.
+  A closed loop sends a conversation's turns no faster than it is answered, so the rate actually
+  sent (`sent_qps`, recorded per probe) reaches the offered one only when a probe holds many more
+  conversations than run at once: use enough `--requests` for the loads asked.
 - Every probe uses its own `salt` (see `traces.fold_symbols`), so nothing one probe cached serves a
   later one, while lengths, arrivals and think times stay identical across probes and modes.
 - Probes run to completion (a mode's last rung is its first failure, kept whole so the loads all
   modes ran compare in full); only the drain limit cuts a run short.
-- A load passes when no request failed, P99 TBT ≤ the SLO and median scheduling delay ≤ 2 s
-  (Sarathi-Serve §5.1, as `chariot bench capacity`); the router's admission is opened wide so that it
-  never sheds (a shed request would make the router, not the routing, decide capacity).
+- A load is served when no request failed, P99 TBT ≤ the SLO and median scheduling delay ≤ 2 s
+  (Sarathi-Serve §5.1, as `chariot bench capacity`). A closed loop throttles itself (a slower answer
+  delays the next turn), so past saturation TTFT grows more than TBT: capacity is judged against
+  several median-TTFT targets, all from the same probes. A mode stops climbing after the first rung
+  it does not serve or that misses the loosest target. The router's admission is opened wide so that
+  it never sheds (a shed request would make the router, not the routing, decide capacity).
 
     chariot bench routing --model models/100m --replicas 2
 """
@@ -35,6 +43,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
@@ -59,6 +68,7 @@ if TYPE_CHECKING:
 
 DEFAULT_QPS = "0.5,1,1.5,2,3"
 DEFAULT_TRACES = "multiturn,chat"
+DEFAULT_TTFT_SLOS = "250,500,1000,2000"
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class RoutingRun:
     max_len: int
     seed: int
     tbt_slo_ms: float
+    ttft_slos_ms: tuple[float, ...]
     drain_s: float
     threads: int
     think_s: float | None = None  # the multi-turn trace's median think time (None: the trace's own)
@@ -100,6 +111,8 @@ class RoutingRun:
             raise ConfigError("replicas", "replicas, requests and threads must be >= 1")
         if self.scale <= 0 or self.max_len < 2 or self.tbt_slo_ms <= 0 or self.drain_s <= 0:
             raise ConfigError("scale", "scale, tbt_slo_ms and drain_s must be > 0 and max_len >= 2")
+        if not self.ttft_slos_ms or min(self.ttft_slos_ms) <= 0:
+            raise ConfigError("ttft_slo_ms", f"must be positive numbers, got {self.ttft_slos_ms}")
         if self.think_s is not None and self.think_s <= 0:
             raise ConfigError("think_s", f"must be > 0, got {self.think_s}")
 
@@ -181,7 +194,10 @@ def probe_row(trace: str, mode: str, result: DriverResult, routed: dict[str, flo
     p99_tbt = percentile(tbts, 99)
     delay = statistics.median(delays) if delays else math.nan
     passed = failed == 0 and result.gave_up is None and p99_tbt <= slo_s and delay <= MAX_SCHEDULING_DELAY_S
+    sent = sorted(t.arrival for t in result.traces if t.token_times or t.ok)
+    sent_qps = (len(sent) - 1) / (sent[-1] - sent[0]) if len(sent) > 1 and sent[-1] > sent[0] else None
     return {"trace": trace, "mode": mode, "qps": result.metrics.qps, "salt": salt, "requests": len(result.traces),
+            "sent_qps": None if sent_qps is None else round(sent_qps, 3),
             "failed": failed, "ttft_p50_s": _num(percentile(ttfts, 50)), "ttft_p99_s": _num(percentile(ttfts, 99)),
             "tbt_p50_s": _num(percentile(tbts, 50)), "tbt_p99_s": _num(p99_tbt),
             "median_scheduling_delay_s": _num(delay), "prompt_tokens": prompt, "cached_tokens": cached,
@@ -222,7 +238,7 @@ class Ladder:
             rows.append(row)
             traces[f"{qps:g}"] = list(result.traces)
             tqdm.write(probe_line(row), file=sys.stderr)
-            if not row["passed"]:
+            if not meets(row, max(self.run.ttft_slos_ms) / 1e3):
                 break
         return rows, traces
 
@@ -238,11 +254,16 @@ def probe_line(row: dict[str, Any]) -> str:
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def capacity(rows: Sequence[dict[str, Any]]) -> float:
-    """The highest load that passed before the first failure (0: none did)."""
+def meets(row: dict[str, Any], ttft_slo_s: float) -> bool:
+    """Served (no failure, P99 TBT and median delay within limits) with median TTFT ≤ the target."""
+    return bool(row["passed"]) and row["ttft_p50_s"] is not None and row["ttft_p50_s"] <= ttft_slo_s
+
+
+def capacity(rows: Sequence[dict[str, Any]], ttft_slo_s: float) -> float:
+    """The highest load that met the target before the first rung that did not (0: none did)."""
     best = 0.0
     for row in rows:
-        if not row["passed"]:
+        if not meets(row, ttft_slo_s):
             break
         best = row["qps"]
     return best
@@ -270,13 +291,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def machine_record() -> dict[str, Any]:
+    """The CPU (model, flags, count) and the code (the git commit, when run from a checkout)."""
     cpu = parse_cpuinfo(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     return {"cpu_model": cpu.model, "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus,
-            "machine": platform.machine(), "python": platform.python_version()}
+            "machine": platform.machine(), "python": platform.python_version(), "commit": commit or None}
 
 
 def run_routing(args: argparse.Namespace) -> int:
     """The `chariot bench routing` handler."""
+    if args.redraw:
+        return redraw(Path(args.redraw), parse_ms(args.ttft_slo_ms) if args.ttft_slo_ms else None)
+    if not args.model:
+        raise ConfigError("model", "is required (unless --redraw)")
     run = resolve(args)
     model = ModelConfig.from_dir(args.model)
     engine = EngineConfig(model=str(args.model), policy=args.policy, token_budget=args.token_budget,
@@ -300,21 +331,62 @@ def run_routing(args: argparse.Namespace) -> int:
             write_results(out, setup, rows, traces)
     plots = write_plots(out, rows)
     print(summary(rows))
+    print()
+    print(capacity_table(capacities(rows, run.ttft_slos_ms), rows))
     print(f"\nwrote {out / 'routing.json'}, traces.json, {', '.join(p.name for p in plots)}")
     return 0
 
 
 def write_results(out: Path, setup: dict[str, Any], rows: list[dict[str, Any]], traces: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    caps = {f"{t}/{m}": capacity([r for r in rows if r["trace"] == t and r["mode"] == m])
-            for t, m in dict.fromkeys((r["trace"], r["mode"]) for r in rows)}
+    caps = capacities(rows, setup["ttft_slos_ms"])
     doc = {"setup": setup, "capacity_qps": caps, "comparisons": comparisons(rows), "probes": rows}
     (out / "routing.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "traces.json").write_text(json.dumps(traces) + "\n")
 
 
+def capacities(rows: Sequence[dict[str, Any]], ttft_slos_ms: Sequence[float]) -> dict[str, dict[str, float]]:
+    """Per `trace/mode`, the capacity under each median-TTFT target (ms, as a string key)."""
+    out = {}
+    for trace, mode in dict.fromkeys((r["trace"], r["mode"]) for r in rows):
+        mine = [r for r in rows if r["trace"] == trace and r["mode"] == mode]
+        out[f"{trace}/{mode}"] = {f"{t:g}": capacity(mine, t / 1e3) for t in ttft_slos_ms}
+    return out
+
+
+def capacity_table(caps: dict[str, dict[str, float]], rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown: one row per trace/mode, one column per target; `≥ x` when the top rung met it."""
+    targets = list(next(iter(caps.values()))) if caps else []
+    lines = ["| trace/mode | " + " | ".join(f"median TTFT ≤ {t} ms" for t in targets) + " |",
+             "|---" + "|---:" * len(targets) + "|"]
+    for key, by_target in caps.items():
+        climbed = [r["qps"] for r in rows if f"{r['trace']}/{r['mode']}" == key]
+        cells = []
+        for t in targets:
+            cap = by_target[t]
+            above = [q for q in climbed if q > cap]
+            cells.append(f"< {climbed[0]:g}" if cap == 0 else f"[{cap:g}, {above[0]:g})" if above else f"≥ {cap:g}")
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def redraw(out: Path, ttft_slos_ms: Sequence[float] | None = None) -> int:
+    """Recompute a finished run's capacities, comparisons and plots (e.g. under other TTFT targets)."""
+    doc = json.loads((out / "routing.json").read_text())
+    setup, rows = doc["setup"], doc["probes"]
+    if ttft_slos_ms or "ttft_slos_ms" not in setup:
+        setup["ttft_slos_ms"] = list(ttft_slos_ms or parse_ms(DEFAULT_TTFT_SLOS))
+    traces = json.loads((out / "traces.json").read_text()) if (out / "traces.json").exists() else {}
+    write_results(out, setup, rows, traces)
+    write_plots(out, rows)
+    print(summary(rows))
+    print()
+    print(capacity_table(capacities(rows, setup["ttft_slos_ms"]), rows))
+    return 0
+
+
 def summary(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| trace | mode | QPS | TTFT p50 | TTFT p99 | TBT p99 | prefill computed | cached | verdict |",
+    lines = ["| trace | mode | QPS | TTFT p50 | TTFT p99 | TBT p99 | prefill computed | cached | served |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
@@ -324,7 +396,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
 
         lines.append(f"| {r['trace']} | {r['mode']} | {r['qps']:g} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
                      f"{ms(r['tbt_p99_s'])} | {r['prefill_tokens_computed']:,} | {share:.0%} | "
-                     f"{'pass' if r['passed'] else 'fail'} |")
+                     f"{'yes' if r['passed'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -343,14 +415,17 @@ def write_plots(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
             for ax, key in zip(axes[:2], ("ttft_p50_s", "ttft_p99_s"), strict=True):
                 ax.plot(qps, [r[key] if r[key] is not None else math.nan for r in mine], marker="o", label=mode)
             axes[2].plot(qps, [r["prefill_tokens_computed"] for r in mine], marker="o", label=mode)
+        loads = [r["qps"] for r in rows if r["trace"] == trace]
         for ax, title in zip(axes, ("median TTFT (s)", "P99 TTFT (s)", "prompt tokens computed"), strict=True):
             ax.set_title(title)
-            ax.set_xlabel("offered load (QPS)")
+            ax.set_xlabel("offered load (requests/s)")
+            if max(loads) >= 4 * min(loads):
+                ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
         axes[0].set_yscale("log")
         axes[1].set_yscale("log")
         axes[0].legend()
-        fig.suptitle(f"routing modes, {trace} trace (a mode's last point is its first failing load)")
+        fig.suptitle(f"routing modes, {trace} trace (each mode climbs the loads until one it does not serve)")
         path = out / f"routing_{trace}.png"
         FigureCanvasAgg(fig)
         fig.savefig(path, dpi=120)
@@ -362,7 +437,7 @@ def write_plots(out: Path, rows: Sequence[dict[str, Any]]) -> list[Path]:
 def add_routing_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("routing", help="prefix-aware routing vs load-only vs round robin on R local replicas",
                        description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model", required=True, metavar="DIR", help="model directory (e.g. models/100m)")
+    p.add_argument("--model", metavar="DIR", help="model directory (e.g. models/100m)")
     p.add_argument("--replicas", type=int, default=2, help="replicas (default 2)")
     p.add_argument("--modes", default=",".join(ROUTING_MODES), help="routing modes to compare (default all)")
     p.add_argument("--traces", default=DEFAULT_TRACES, help=f"traces (default {DEFAULT_TRACES})")
@@ -375,6 +450,8 @@ def add_routing_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--think-s", type=float, default=None,
                    help="median think time between a conversation's turns (default: the multiturn trace's, 10 s)")
     p.add_argument("--tbt-slo-ms", type=float, default=200.0, help="P99 TBT SLO of the pass check (default 200)")
+    p.add_argument("--ttft-slo-ms", default=None,
+                   help=f"median-TTFT targets capacity is judged against (default {DEFAULT_TTFT_SLOS})")
     p.add_argument("--drain-s", type=float, default=120.0, help="a probe is cut off this long after its last "
                                                                "planned arrival (default 120)")
     p.add_argument("--threads", type=int, default=None,
@@ -383,7 +460,16 @@ def add_routing_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-budget", type=int, default=None, help="token budget (default: the policy's)")
     p.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV capacity per replica (default 32768)")
     p.add_argument("--out", default="bench/results/routing", metavar="DIR")
+    p.add_argument("--redraw", default=None, metavar="DIR",
+                   help="only recompute a finished run's capacities, comparisons and plots (with --ttft-slo-ms)")
     p.set_defaults(handler=run_routing)
+
+
+def parse_ms(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(sorted({float(x) for x in text.split(",") if x.strip()}))
+    except ValueError as exc:
+        raise ConfigError("ttft_slo_ms", f"must be comma-separated numbers, got {text!r}") from exc
 
 
 def resolve(args: argparse.Namespace) -> RoutingRun:
@@ -395,5 +481,6 @@ def resolve(args: argparse.Namespace) -> RoutingRun:
     return RoutingRun(traces=tuple(t.strip() for t in args.traces.split(",") if t.strip()),
                       modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), loads=loads,
                       replicas=args.replicas, requests=args.requests, scale=args.scale, max_len=args.max_len,
-                      seed=args.seed, tbt_slo_ms=args.tbt_slo_ms, drain_s=args.drain_s, threads=threads,
-                      think_s=args.think_s)
+                      seed=args.seed, tbt_slo_ms=args.tbt_slo_ms,
+                      ttft_slos_ms=parse_ms(args.ttft_slo_ms or DEFAULT_TTFT_SLOS), drain_s=args.drain_s,
+                      threads=threads, think_s=args.think_s)

@@ -66,7 +66,16 @@ def test_bench_routing_command(tiny_model_dir, tmp_path):
     assert rows["prefix"]["cached_tokens"] > 0
     assert rows["prefix"]["prefill_tokens_computed"] <= rows["round_robin"]["prefill_tokens_computed"]
     assert set(doc["capacity_qps"]) == {"multiturn/prefix", "multiturn/load", "multiturn/round_robin"}
+    for mode, row in rows.items():  # one rung: capacity is that rung where its median TTFT met the target
+        assert doc["capacity_qps"][f"multiturn/{mode}"] == {
+            t: (2.0 if row["ttft_p50_s"] <= float(t) / 1e3 else 0.0) for t in ("250", "500", "1000", "2000")}
     assert {c["mode"] for c in doc["comparisons"]} == {"prefix", "round_robin"}
     assert doc["setup"]["cpu_flags"] and doc["setup"]["replicas"] == 2
     h, w, _ = imread(tmp_path / "routing_multiturn.png").shape
     assert h > 100 and w > 100
+    # the same probes judged against other targets, without running anything
+    loose = parser.parse_args(["bench", "routing", "--redraw", str(tmp_path), "--ttft-slo-ms", "0.001,60000"])
+    assert loose.handler(loose) == 0
+    again = json.loads((tmp_path / "routing.json").read_text())
+    assert again["probes"] == doc["probes"]
+    assert all(c == {"0.001": 0.0, "60000": 2.0} for c in again["capacity_qps"].values())
