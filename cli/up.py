@@ -85,6 +85,8 @@ def add_autoscaling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-grace-seconds", type=float, default=60.0,
                    help="a replica chosen to stop is drained first, at most this long (default 60)")
     g.add_argument("--autoscale-interval-seconds", type=float, default=1.0, help="how often it looks (default 1)")
+    g.add_argument("--offered-load-window-seconds", type=float, default=None,
+                   help="the router's window over the offered load (default 30): shorter reacts sooner")
     g.add_argument("--autoscale-log", default=None, metavar="FILE",
                    help="append each look (offered load, capacity, replicas, reason) as JSON lines")
 
@@ -156,7 +158,8 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig, policy: Autoscali
         cmd = router_command(config_for.model, served, [] if replica_file else replicas, host=args.host,
                              http_port=args.http_port, grpc_port=args.grpc_port, redis_url=args.redis_url,
                              tbt_slo_ms=args.tbt_slo_ms, ttft_slo_ms=args.ttft_slo_ms, routing=args.routing,
-                             replica_file=str(replica_file) if replica_file else None)
+                             replica_file=str(replica_file) if replica_file else None,
+                             offered_load_window_s=args.offered_load_window_seconds)
         if args.max_queue_per_replica is not None:
             cmd += ["--max-queue-per-replica", str(args.max_queue_per_replica)]
         cmd += security_args(args)

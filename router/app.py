@@ -243,6 +243,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         "max_queue_per_replica": args.max_queue_per_replica,
         "routing": args.routing,
         "redis_key_prefix": args.redis_key_prefix,
+        "offered_load_window_s": args.offered_load_window_seconds,
         "hold_queue": args.hold_queue,
         "hold_timeout_s": args.hold_timeout_seconds,
     }
@@ -297,6 +298,8 @@ def add_router_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--redis-key-prefix", default=None,
                    help="prefix of this deployment's Redis keys (default 'chariot'); routers of one deployment "
                         "share it, deployments sharing a Redis need their own")  # fmt: skip
+    p.add_argument("--offered-load-window-seconds", type=float, default=None,
+                   help="window of the offered load the autoscaler reads (GET /load, Redis; default 30)")
     p.add_argument("--hold-queue", type=int, default=None,
                    help="requests held while no replica is ready, e.g. scaled to zero (default 0: 503 at once)")
     p.add_argument("--hold-timeout-seconds", type=float, default=None,

@@ -32,7 +32,8 @@ def security_args(args: argparse.Namespace) -> list[str]:
 def router_command(model: str, served: str, replicas: Sequence[str], *, host: str = "127.0.0.1",
                    http_port: int = 0, grpc_port: int = 0, redis_url: str | None = None,
                    tbt_slo_ms: float | None = None, ttft_slo_ms: float | None = None,
-                   routing: str | None = None, replica_file: str | None = None) -> list[str]:
+                   routing: str | None = None, replica_file: str | None = None,
+                   offered_load_window_s: float | None = None) -> list[str]:
     """`chariot router` fronting `replicas` (`NAME=HOST:PORT` each), or the replicas listed in the
     watched `replica_file`, on the given ports (0 = free)."""
     cmd = [sys.executable, "-m", "chariot.router", "router", "--host", host, "--http-port", str(http_port),
@@ -49,4 +50,6 @@ def router_command(model: str, served: str, replicas: Sequence[str], *, host: st
         cmd += ["--routing", routing]
     if replica_file is not None:
         cmd += ["--replica-file", replica_file]
+    if offered_load_window_s is not None:
+        cmd += ["--offered-load-window-seconds", str(offered_load_window_s)]
     return cmd

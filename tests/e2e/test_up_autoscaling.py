@@ -35,7 +35,7 @@ def test_a_burst_starts_a_second_replica_and_its_end_stops_it(tiny_model_dir: Pa
     log = tmp_path / "autoscale.jsonl"
     proc, url = start_up(str(tiny_model_dir), log, tmp_path / "up.stderr.log", [
         "--max-queue-per-replica", "2", "--target-utilization", "1.0", "--autoscale-interval-seconds", "0.5",
-        "--scale-down-stabilization-seconds", "2", "--drain-grace-seconds", "30"])
+        "--scale-down-stabilization-seconds", "2", "--drain-grace-seconds", "30", "--offered-load-window-seconds", "5"])
     outcomes: Counter[str] = Counter()
     replicas: Counter[str] = Counter()
     stop = threading.Event()
