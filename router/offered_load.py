@@ -102,14 +102,15 @@ class LoadMeter:
         now = self._clock()
         self._trim(int(now))
         age = max(now - self._started, MIN_SPAN_S)
-        span, shed_span = min(self.window_s, age), min(self.shed_window_s, self.window_s, age)
+        shed_window = min(self.shed_window_s, self.window_s)
+        span, shed_span = min(self.window_s, age), min(shed_window, age)
         arrivals = prompt = output = shed = 0
         for b in self._buckets:
             if b.second > now - self.window_s:
                 arrivals += b.arrivals
                 prompt += b.prompt_tokens
                 output += b.output_tokens
-            if b.second > now - shed_span:
+            if b.second > now - shed_window:
                 shed += b.shed
         return arrivals / span, prompt / span, output / span, shed / shed_span
 

@@ -58,3 +58,12 @@ def test_snapshot_has_capacity_of_ready_replicas_and_in_flight_of_any() -> None:
     assert dict(offered.in_flight) == {"g0": 2, "g9": 1}  # g9: a replica no longer routed to, still streaming
     assert offered.replicas == ("g0", "g1")
     assert not offered.idle("g9") and not offered.idle("g1") and offered.idle("g7")
+
+
+def test_a_young_meter_counts_sheds_of_its_first_seconds() -> None:
+    clock = Clock()
+    clock.t = 100.9
+    meter = LoadMeter(window_s=30.0, clock=clock)
+    meter.arrival(10, shed=True)  # in the bucket of second 100
+    clock.t = 101.5  # the next second, 0.6 s after the start
+    assert meter.rates()[3] == pytest.approx(1.0)
