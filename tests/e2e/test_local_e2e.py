@@ -7,8 +7,9 @@ container (`chariot make-model ... --preset tiny`, i.e. `make_model`) and contai
 processes — env and flags remapped to loopback and free ports, the ConfigMap projected into files
 (the mapping table is in kubelet.py) — and reports readiness from the pods' own probes; the operator
 turns the ready group into `replicas.json`, the router picks it up, and a completion streams
-through the router's OpenAI endpoint. Then a real Prometheus scrapes the router and both stages,
-and every panel query of the Grafana dashboard must return data.
+through the router's OpenAI endpoint. Then a real Prometheus scrapes the router, both stages and the
+operator (its autoscaler looks at the deployment: `spec.autoscaling` pinned to one group, the load
+shared through a real redis-server), and every panel query of the Grafana dashboard must return data.
 
 `$CHARIOT_E2E_COMMAND` (shell words) replaces the `chariot` entry point the pods run, if needed.
 """
@@ -31,6 +32,7 @@ from chariot.operator import crd
 from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot
 from tests.prometheus import PrometheusServer, PrometheusUnavailable, find_prometheus
+from tests.redis_server import RedisServer, find_redis_server, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,9 +52,19 @@ def chariot_command() -> list[str]:
     return shlex.split(override) if override else which_chariot()
 
 
+def autoscaled(redis_url: str) -> dict[str, Any]:
+    """MANIFEST with its routers sharing their load through Redis and `spec.autoscaling` pinned to one
+    group: the operator's autoscaler looks at it (and exports its metrics) without changing it."""
+    manifest = json.loads(json.dumps(MANIFEST))
+    manifest["spec"]["router"]["redis"] = {"url": redis_url}
+    manifest["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 1}
+    return manifest
+
+
 class Deployment:
-    def __init__(self, cluster: Cluster, runtime: LocalRuntime) -> None:
+    def __init__(self, cluster: Cluster, runtime: LocalRuntime, operator_metrics: str = "") -> None:
         self.cluster, self.runtime = cluster, runtime
+        self.operator_metrics = operator_metrics  # host:port of the operator's /metrics
 
     def pod_names(self, component: str) -> list[str]:
         return sorted(p["metadata"]["name"] for p in self.cluster.list(
@@ -69,17 +81,21 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("local-e2e")
-    with make_cluster(tmp, "local") as cluster:
+    redis_binary = find_redis_server()
+    if redis_binary is None:
+        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    metrics_port = free_port()
+    with RedisServer(redis_binary) as redis, make_cluster(tmp, "local") as cluster:
         # Probes run at a tenth of their declared periods and delays (the counts stay).
         runtime = LocalRuntime(cluster.kube, tmp / "pods", chariot=chariot_command(), probe_time_scale=0.1)
         with TestKubelet(cluster.kube, cluster.namespace, runtime, poll_s=0.2), \
-                operator_process(cluster, tmp / "operator.log"):
-            cluster.apply(MANIFEST)
+                operator_process(cluster, tmp / "operator.log", "--metrics-port", str(metrics_port)):
+            cluster.apply(autoscaled(redis.url))
             try:
                 cluster.wait_ready(NAME, timeout=240)
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n--- pod logs ---\n{runtime.logs()}") from None
-            yield Deployment(cluster, runtime)
+            yield Deployment(cluster, runtime, f"127.0.0.1:{metrics_port}")
             # --wait=false + polling: kubectl's own wait can miss the emulator's DELETED event when
             # the operator's cleanup finishes before kubectl starts watching.
             cluster.kubectl("delete", "mdep", NAME, "-n", cluster.namespace, "--wait=false")
@@ -100,6 +116,16 @@ def complete(router: str, prompt: str, max_tokens: int = 8, stream: bool = True)
     return [json.loads(e) for e in events[:-1]]
 
 
+def refused(router: str) -> None:
+    """A request for a model the router does not serve: 404, counted as a rejection (reason invalid)."""
+    body = json.dumps({"model": "not-served", "prompt": "hello", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"http://{router}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 404
+
+
 def test_a_completion_streams_through_the_router(deployment: Deployment) -> None:
     status = deployment.cluster.mdep(NAME)["status"]
     assert (status["readyReplicas"], status["groups"][0]["phase"]) == (1, "Ready")
@@ -116,12 +142,14 @@ def test_every_dashboard_panel_returns_data_from_prometheus(deployment: Deployme
     except PrometheusUnavailable as exc:
         pytest.fail(str(exc), pytrace=False)
     dashboard = json.loads((ROOT / "charts/chariot/dashboards/chariot-serving.json").read_text())
-    targets = {"router": [deployment.router_http()], "stages": deployment.stage_metrics()}
+    targets = {"router": [deployment.router_http()], "stages": deployment.stage_metrics(),
+               "operator": [deployment.operator_metrics]}  # the autoscaler's panel
     with PrometheusServer(targets, scrape_interval_s=0.5, binary=binary) as prom:
-        prom.wait_for("up", lambda r: len(r) == 3 and all(s["value"][1] == "1" for s in r), timeout=30)
+        prom.wait_for("up", lambda r: len(r) == 4 and all(s["value"][1] == "1" for s in r), timeout=30)
         router = deployment.router_http()
         for i in range(6):  # traffic across two scrapes, so rate() over the window sees it
             complete(router, f"Request number {i} says", max_tokens=12, stream=i % 2 == 0)
+            refused(router)  # the tenants' rejections panel needs a refused request
             time.sleep(0.3)
         prom.wait_for_scrape()
         for panel in dashboard["panels"]:
