@@ -55,10 +55,10 @@ class _Live:
     arrival: float | None = None
     scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
     done: bool = False
     error: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # what was sampled (a closed loop's next turn resends it)
+    cached_tokens: int = 0  # prompt tokens the replica served from its prefix cache
 
     def trace(self) -> RequestTrace:
         ok = self.done and self.error is None and self.arrival is not None

@@ -148,6 +148,9 @@ def test_falling_load_drains_a_group_before_its_pods_go(cluster: Cluster, redis_
         assert stage_pods(cluster, "fall") == ["fall-g0-s0", "fall-g0-s1", "fall-g1-s0", "fall-g1-s1"]
         routers.offer(200.0, replicas=("g0",))  # the last request finished
         cluster.wait_for("g1's pods gone", lambda: stage_pods(cluster, "fall") == ["fall-g0-s0", "fall-g0-s1"])
+        # the pods go first, the group's status entry with the pass after: wait for both
+        cluster.wait_for("g1 gone from the status", lambda: [
+            g["index"] for g in cluster.mdep("fall")["status"]["groups"]] == [0])
         status = cluster.wait_ready("fall")["status"]
         assert [g["index"] for g in status["groups"]] == [0]
         assert status["autoscaling"]["reason"] in ("ScaleDown", "Stable")
@@ -201,7 +204,7 @@ def test_an_hpa_on_the_same_object_is_reported_not_fought(cluster: Cluster, redi
         time.sleep(2.0)
         assert spec_replicas(cluster, "hpa") == 1, "the operator leaves spec.replicas to the HPA"
         assert [e["reason"] for e in events(cluster, "hpa")] == ["HPAConflict"]
-        cluster.kubectl("delete", "hpa", "hpa-hpa", "-n", cluster.namespace)
+        cluster.kubectl("delete", "-f", "-", stdin=yaml.safe_dump(hpa))  # by its manifest: autoscaling/v2
         cluster.wait_for("the autoscaler takes over", lambda: spec_replicas(cluster, "hpa") == 3)
     finally:
         routers.close()
