@@ -167,11 +167,11 @@ def running_stack(config: EngineConfig, served: str = "bench", timeout_s: float 
     try:
         group, stage0 = start_group(0, config, served)
         children += group
-        worker = _grpc_address(wait_ready(stage0, children, timeout_s))
+        worker = ready_address(wait_ready(stage0, children, timeout_s))
         router = spawn("router", bench_router_cmd(config.model, served, worker), dict(os.environ),
                        ROUTER_READY_PREFIX)
         children.append(router)
-        yield Stack(children, _grpc_address(wait_ready(router, children, timeout_s)), worker, served)
+        yield Stack(children, ready_address(wait_ready(router, children, timeout_s)), worker, served)
     finally:
         shutdown(children)
 
@@ -184,10 +184,11 @@ def bench_router_cmd(model: str, served: str, worker: str) -> list[str]:
             "--max-queue-per-replica", str(NO_SHED_QUEUE)]
 
 
-def _grpc_address(ready_line: str) -> str:
-    found = re.search(r"grpc=(\S+)", ready_line)
+def ready_address(ready_line: str, kind: str = "grpc") -> str:
+    """The `kind=HOST:PORT` address (grpc, http) a worker's or router's ready line announces."""
+    found = re.search(rf"{kind}=(\S+)", ready_line)
     if found is None:
-        raise RuntimeError(f"no grpc= address in ready line {ready_line!r}")
+        raise RuntimeError(f"no {kind}= address in ready line {ready_line!r}")
     return found.group(1)
 
 

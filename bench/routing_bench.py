@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -55,7 +54,14 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, percentile
-from chariot.bench.capacity_cli import NO_SHED_QUEUE, NO_SHED_TTFT_MS, STACK_READY_TIMEOUT_S, wait_idle, warm_up
+from chariot.bench.capacity_cli import (
+    NO_SHED_QUEUE,
+    NO_SHED_TTFT_MS,
+    STACK_READY_TIMEOUT_S,
+    ready_address,
+    wait_idle,
+    warm_up,
+)
 from chariot.bench.driver import DriverResult, drive
 from chariot.bench.peer import parse_cpuinfo
 from chariot.bench.traces import TRACES, TraceSpec
@@ -142,27 +148,20 @@ def running_replicas(config: EngineConfig, replicas: int, routing: str, threads:
             group, stage0 = start_group(index, config, served)
             children += group
             stage0s.append(stage0)
-        workers = [_address("grpc", wait_ready(s, children, STACK_READY_TIMEOUT_S)) for s in stage0s]
+        workers = [ready_address(wait_ready(s, children, STACK_READY_TIMEOUT_S)) for s in stage0s]
         cmd = [*router_command(config.model, served, [f"g{i}={w}" for i, w in enumerate(workers)],
                                ttft_slo_ms=NO_SHED_TTFT_MS, routing=routing),
                "--max-queue-per-replica", str(NO_SHED_QUEUE)]
         router = spawn("router", cmd, dict(os.environ), ROUTER_READY_PREFIX)
         children.append(router)
         line = wait_ready(router, children, STACK_READY_TIMEOUT_S)
-        yield Replicas(_address("grpc", line), f"http://{_address('http', line)}/metrics", workers)
+        yield Replicas(ready_address(line), f"http://{ready_address(line, 'http')}/metrics", workers)
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = saved
         shutdown(children)
-
-
-def _address(kind: str, ready_line: str) -> str:
-    found = re.search(rf"{kind}=(\S+)", ready_line)
-    if found is None:
-        raise RuntimeError(f"no {kind}= address in ready line {ready_line!r}")
-    return found.group(1)
 
 
 def routed_counts(metrics_url: str) -> dict[str, float]:
@@ -243,13 +242,14 @@ class Ladder:
         return rows, traces
 
 
-def probe_line(row: dict[str, Any]) -> str:
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x * 1e3:.0f} ms"
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.0f} ms"
 
+
+def probe_line(row: dict[str, Any]) -> str:
     share = row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
-    return (f"{row['trace']:>9} {row['mode']:>11} {row['qps']:5.2f} QPS  TTFT p50 {ms(row['ttft_p50_s'])} "
-            f"p99 {ms(row['ttft_p99_s'])}  TBT p99 {ms(row['tbt_p99_s'])}  computed {row['prefill_tokens_computed']}"
+    return (f"{row['trace']:>9} {row['mode']:>11} {row['qps']:5.2f} QPS  TTFT p50 {_ms(row['ttft_p50_s'])} "
+            f"p99 {_ms(row['ttft_p99_s'])}  TBT p99 {_ms(row['tbt_p99_s'])}  computed {row['prefill_tokens_computed']}"
             f" (cached {share:.0%})  failed {row['failed']}  {'pass' if row['passed'] else 'FAIL'}")
 
 
@@ -315,7 +315,7 @@ def run_routing(args: argparse.Namespace) -> int:
     out = Path(args.out)
     setup = {"command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": str(args.model),
              "policy": args.policy, "token_budget": engine.token_budget, "kv_cache_tokens": args.kv_cache_tokens,
-             **{k: v for k, v in vars(run).items()}, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             **vars(run), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
              **machine_record()}
     salts = iter(range(1, 1 << 20))
     rows: list[dict[str, Any]] = []
@@ -390,12 +390,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         share = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
-
-        def ms(x: float | None) -> str:
-            return "–" if x is None else f"{x * 1e3:.0f} ms"
-
-        lines.append(f"| {r['trace']} | {r['mode']} | {r['qps']:g} | {ms(r['ttft_p50_s'])} | {ms(r['ttft_p99_s'])} | "
-                     f"{ms(r['tbt_p99_s'])} | {r['prefill_tokens_computed']:,} | {share:.0%} | "
+        lines.append(f"| {r['trace']} | {r['mode']} | {r['qps']:g} | {_ms(r['ttft_p50_s'])} | {_ms(r['ttft_p99_s'])} | "
+                     f"{_ms(r['tbt_p99_s'])} | {r['prefill_tokens_computed']:,} | {share:.0%} | "
                      f"{'yes' if r['passed'] else 'no'} |")
     return "\n".join(lines)
 
