@@ -113,16 +113,16 @@ class AutoscalingPolicy:
         return min(max(replicas, self.min_replicas), self.max_replicas)
 
 
-def replica_capacity(token_budget: int, prefill_tokens_per_s: float, tbt_slo_s: float) -> float:
+def replica_capacity(token_budget: int, budget_tokens_per_s: float, tbt_slo_s: float) -> float:
     """Tokens per second one group sustains at its SLO budget.
 
-    Measured when the group has worked through queued prompts (`prefill_tokens_per_s`, from its own
-    step timings: prompt tokens per second of wall time with decodes sharing those batches, so a
-    conservative figure for all batch tokens); before that, the budget model: a full `token_budget`
+    Measured once the group has run steps of at least two batch sizes (`budget_tokens_per_s`: its
+    step seconds fitted as a line in batch tokens, read at the budget; prefill and decode tokens
+    alike, as the offered work counts them); before that, the budget model: a full `token_budget`
     batch per TBT period, which is how the budget was chosen (docs/architecture.md, "Token budget
     from the SLO"). 0.0 when neither is known."""
-    if prefill_tokens_per_s > 0:
-        return float(prefill_tokens_per_s)
+    if budget_tokens_per_s > 0:
+        return float(budget_tokens_per_s)
     if token_budget > 0 and tbt_slo_s > 0:
         return token_budget / tbt_slo_s
     return 0.0

@@ -36,6 +36,8 @@ def finish_reason_to_proto(reason: FinishReason | None) -> pb.FinishReason:
 
 # Key of `EngineStats.extra` that the Stats RPC reports as `prefill_tokens_per_s` (set by AsyncEngine).
 PREFILL_TOKENS_PER_S = "prefill_tokens_per_s"
+# Key of `EngineStats.extra` that the Stats RPC reports as `budget_tokens_per_s` (set by AsyncEngine).
+BUDGET_TOKENS_PER_S = "budget_tokens_per_s"
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -207,7 +209,8 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
 def stats_to_proto(stats: EngineStats, model: str, max_model_len: int) -> Any:
     """The `StatsResponse` load report.
 
-    `prefill_tokens_per_s` comes from `stats.extra` (AsyncEngine measures it; 0 when absent).
+    `prefill_tokens_per_s` and `budget_tokens_per_s` come from `stats.extra` (AsyncEngine measures
+    them; 0 when absent).
     """
     return pb.StatsResponse(
         model=model,
@@ -223,6 +226,7 @@ def stats_to_proto(stats: EngineStats, model: str, max_model_len: int) -> Any:
         num_preemptions=stats.num_preemptions,
         last_iteration_s=stats.last_iteration_s,
         prefill_tokens_per_s=float(stats.extra.get(PREFILL_TOKENS_PER_S, 0.0)),
+        budget_tokens_per_s=float(stats.extra.get(BUDGET_TOKENS_PER_S, 0.0)),
         pipeline_stages=stats.pipeline_stages,
         bubble_fraction=stats.bubble_fraction,
         iterations=stats.iterations,

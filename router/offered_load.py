@@ -121,7 +121,7 @@ def snapshot(meter: LoadMeter, registry: ReplicaRegistry, tbt_slo_s: float, in_f
     routes to, and `in_flight` (its admitted, unfinished requests per replica, including replicas it no
     longer routes to: a draining group's last requests)."""
     arrivals, prompt, output, shed = meter.rates()
-    capacity = {view.name: replica_capacity(view.load.token_budget, view.load.prefill_tokens_per_s, tbt_slo_s)
+    capacity = {view.name: replica_capacity(view.load.token_budget, view.load.budget_tokens_per_s, tbt_slo_s)
                 for view in registry.snapshot() if view.ready and view.load is not None}
     return OfferedLoad(window_s=meter.window_s, arrival_rate=arrivals, prompt_token_rate=prompt,
                        output_token_rate=output, shed_rate=shed, held=held, capacity=capacity,

@@ -48,6 +48,7 @@ class ReplicaLoad:
     max_model_len: int = 0
     last_iteration_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    budget_tokens_per_s: float = 0.0
     pipeline_stages: int = 1
     reported_at: float = 0.0
 
@@ -64,6 +65,7 @@ class ReplicaLoad:
             max_model_len=int(stats.max_model_len),
             last_iteration_s=float(stats.last_iteration_s),
             prefill_tokens_per_s=float(stats.prefill_tokens_per_s),
+            budget_tokens_per_s=float(stats.budget_tokens_per_s),
             pipeline_stages=int(stats.pipeline_stages) or 1,
             reported_at=reported_at,
         )

@@ -251,6 +251,7 @@ def aggregate_stats(reports: Iterable[Any], model: str) -> Any:
     ):
         setattr(out, field, sum(int(getattr(s, field)) for s in items))
     out.prefill_tokens_per_s = sum(float(s.prefill_tokens_per_s) for s in items)
+    out.budget_tokens_per_s = sum(float(s.budget_tokens_per_s) for s in items)
     out.kv_cache_usage = sum(float(s.kv_cache_usage) for s in items) / len(items)
     out.bubble_fraction = sum(float(s.bubble_fraction) for s in items) / len(items)
     out.last_iteration_s = max(float(s.last_iteration_s) for s in items)

@@ -27,6 +27,14 @@ rate = their prompt tokens / their wall time, i.e. how fast this replica works t
 prompts while it has some (decodes sharing those batches included). It is 0.0 until the first
 prompt has been processed; an idle replica keeps its last measured rate.
 
+Capacity at the budget (the Stats RPC's `budget_tokens_per_s`, the autoscaler's per-group capacity)
+is what a full `token_budget` batch would sustain: a straight line, step seconds = a + b × batch tokens,
+is fitted to the last `STEP_COST_WINDOW` steps (prefill and decode tokens alike: each takes one
+budget slot) and read at the budget, rate = budget / (a + b × budget). Unlike the prefill rate, which
+counts only the tokens a step happened to get (small at light load, large under a queue), it
+does not swing with the load: light load lays down the intercept, heavy load the slope. 0.0 until the
+steps span at least two batch sizes.
+
 Failure: the child exiting, a load error or an engine failure all set `failed` and resolve
 `wait_failed()`; streams in flight end with `EngineDeadError`. The child ignores SIGINT and SIGTERM
 (the front decides) and exits when told to or when the pipe closes, so it never outlives its front.
@@ -53,7 +61,7 @@ from typing import Any, TypeAlias
 
 from chariot.contracts.errors import EngineDeadError, InvalidRequestError
 from chariot.contracts.outputs import EngineStats, RequestOutput
-from chariot.contracts.proto_codec import PREFILL_TOKENS_PER_S
+from chariot.contracts.proto_codec import BUDGET_TOKENS_PER_S, PREFILL_TOKENS_PER_S
 from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.engine import Engine
@@ -64,6 +72,7 @@ from chariot.worker.output_processor import OutputProcessor, run_step
 log = logging.getLogger(__name__)
 
 PREFILL_WINDOW = 64  # steps that took on prompt tokens, averaged for prefill_tokens_per_s
+STEP_COST_WINDOW = 256  # steps the step-cost line is fitted to, for budget_tokens_per_s
 HEALTH_POLL_S = 0.5  # while idle, how often the engine is asked to check its pipeline (`check_health`)
 JOIN_TIMEOUT_S = 30.0
 
@@ -89,6 +98,39 @@ class PrefillMeter:
         return sum(n for n, _ in self._samples) / seconds if seconds > 0 else 0.0
 
 
+class StepCostMeter:
+    """Step seconds as a line in batch tokens over the last `window` steps, read at a full budget."""
+
+    def __init__(self, window: int = STEP_COST_WINDOW, min_samples: int = 8) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._min_samples = min_samples
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self._samples.append((tokens, seconds))
+
+    def step_seconds(self, tokens: int) -> float:
+        """The fitted seconds of a `tokens` batch (least squares; intercept and slope kept >= 0), or
+        0.0 while the samples are too few or all of one batch size."""
+        n = len(self._samples)
+        if n < self._min_samples:
+            return 0.0
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        if var_x <= 0:
+            return 0.0
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var_x, 0.0)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0:  # no fixed cost measurable: a line through the origin
+            intercept, slope = 0.0, sum(x * y for x, y in self._samples) / sum(x * x for x, _ in self._samples)
+        return intercept + slope * tokens
+
+    def tokens_per_s_at(self, budget: int) -> float:
+        seconds = self.step_seconds(budget) if budget > 0 else 0.0
+        return budget / seconds if seconds > 0 else 0.0
+
+
 class EngineCore:
     """One engine plus what turns its steps into deltas. Not thread-safe: one loop owns it.
 
@@ -99,6 +141,7 @@ class EngineCore:
         self.engine = engine
         self.processor = OutputProcessor(engine.tokenizer)
         self._meter = PrefillMeter()
+        self._step_cost = StepCostMeter()
         self._live: set[str] = set()
 
     @property
@@ -125,6 +168,7 @@ class EngineCore:
         result, outputs = run_step(self.engine, self.processor)
         if result.batch is not None:
             self._meter.record(result.batch.num_prefill_tokens, result.times.total)
+            self._step_cost.record(result.batch.num_tokens, result.times.total)
         return result, self._track(outputs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -161,9 +205,11 @@ class EngineCore:
         return ((), ()) if blocks is None else blocks.drain_events()
 
     def stats(self) -> EngineStats:
-        """The engine's load report with the measured prefill rate in `extra`."""
+        """The engine's load report with the measured prefill rate and capacity at the budget in `extra`."""
         stats = self.engine.stats()
-        return dataclasses.replace(stats, extra={**stats.extra, PREFILL_TOKENS_PER_S: self._meter.tokens_per_s})
+        measured = {PREFILL_TOKENS_PER_S: self._meter.tokens_per_s,
+                    BUDGET_TOKENS_PER_S: self._step_cost.tokens_per_s_at(stats.token_budget)}
+        return dataclasses.replace(stats, extra={**stats.extra, **measured})
 
     def shutdown(self) -> None:
         try:

@@ -83,7 +83,8 @@ def test_routers_measure_and_share_their_offered_load(worker: Worker, redis_serv
         assert local.arrival_rate > 0 and local.shed_rate == 0.0
         assert local.output_token_rate / local.arrival_rate == pytest.approx(MAX_TOKENS)  # same window, same span
         assert local.prompt_token_rate > local.arrival_rate  # several prompt tokens per request
-        assert local.capacity["g0"] > 0, "the worker measured its prefill rate"
+        assert worker.stats().budget_tokens_per_s > 0, "the worker fitted its step cost"
+        assert local.capacity["g0"] > 0, "the worker's capacity at its budget"
         assert local.replicas == ("g0",) and dict(local.in_flight) == {}
 
         def shared() -> OfferedLoad | None:  # both routers' snapshots, published after their last request

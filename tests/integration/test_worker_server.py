@@ -242,7 +242,9 @@ def test_stream_matches_offline_greedy(server: RunningServer, offline: LLM, voca
         )
         assert (last.prompt_tokens, last.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
         assert 0 < last.timing.arrival <= last.timing.first_token <= last.timing.last_token
-    assert server.stats().prefill_tokens_per_s > 0
+    stats = server.stats()
+    assert stats.prefill_tokens_per_s > 0
+    assert stats.budget_tokens_per_s > 0, "steps of several batch sizes: the step-cost line is fitted"
 
 
 def test_concurrent_requests_interleave(server: RunningServer, offline: LLM) -> None:

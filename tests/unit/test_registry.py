@@ -207,10 +207,11 @@ def test_load_from_a_stats_response() -> None:
         max_model_len=4096,
         last_iteration_s=0.04,
         prefill_tokens_per_s=9000.0,
+        budget_tokens_per_s=12000.0,
         pipeline_stages=2,
     )
     got = ReplicaLoad.from_stats(stats, reported_at=12.5)
-    assert got == ReplicaLoad(3, 7, 1234, 0.5, 512, 64, 4096, 0.04, 9000.0, 2, 12.5)
+    assert got == ReplicaLoad(3, 7, 1234, 0.5, 512, 64, 4096, 0.04, 9000.0, 12000.0, 2, 12.5)
     assert ReplicaLoad.from_stats(pb.StatsResponse(), 0.0).pipeline_stages == 1
 
 

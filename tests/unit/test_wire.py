@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from chariot.contracts.errors import InvalidRequestError, UnknownModelError, error_status
 from chariot.contracts.outputs import EngineStats, RequestOutput, TokenLogprobs
 from chariot.contracts.proto_codec import (
+    BUDGET_TOKENS_PER_S,
     DEFAULT_MAX_TOKENS,
     PREFILL_TOKENS_PER_S,
     finish_reason_from_proto,
@@ -168,7 +169,8 @@ def test_stats_to_proto() -> None:
     stats = EngineStats(
         num_waiting=2, num_running=3, queued_prefill_tokens=100, kv_cache_usage=0.25, num_free_blocks=96,
         num_blocks=128, token_budget=512, max_batch_size=64, num_preemptions=1, last_iteration_s=0.02,
-        iterations=7, pipeline_stages=2, bubble_fraction=0.1, extra={PREFILL_TOKENS_PER_S: 1234.5},
+        iterations=7, pipeline_stages=2, bubble_fraction=0.1,
+        extra={PREFILL_TOKENS_PER_S: 1234.5, BUDGET_TOKENS_PER_S: 4321.0},
     )
     msg = stats_to_proto(stats, MODEL, 256)
     assert msg.model == MODEL and msg.max_model_len == 256
@@ -177,7 +179,9 @@ def test_stats_to_proto() -> None:
     assert (msg.num_preemptions, msg.iterations, msg.pipeline_stages) == (1, 7, 2)
     assert msg.kv_cache_usage == pytest.approx(0.25) and msg.last_iteration_s == pytest.approx(0.02)
     assert msg.prefill_tokens_per_s == pytest.approx(1234.5) and msg.bubble_fraction == pytest.approx(0.1)
-    assert stats_to_proto(EngineStats(**{**stats.__dict__, "extra": {}}), MODEL, 256).prefill_tokens_per_s == 0.0
+    assert msg.budget_tokens_per_s == pytest.approx(4321.0)
+    unmeasured = stats_to_proto(EngineStats(**{**stats.__dict__, "extra": {}}), MODEL, 256)
+    assert unmeasured.prefill_tokens_per_s == 0.0 and unmeasured.budget_tokens_per_s == 0.0
 
 
 def test_logprobs_travel_in_the_response() -> None:

@@ -136,7 +136,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("model", "num_waiting", "num_running", "queued_prefill_tokens", "kv_cache_usage", "num_free_blocks", "num_blocks", "token_budget", "max_batch_size", "max_model_len", "num_preemptions", "last_iteration_s", "prefill_tokens_per_s", "pipeline_stages", "bubble_fraction", "iterations")
+    __slots__ = ("model", "num_waiting", "num_running", "queued_prefill_tokens", "kv_cache_usage", "num_free_blocks", "num_blocks", "token_budget", "max_batch_size", "max_model_len", "num_preemptions", "last_iteration_s", "prefill_tokens_per_s", "pipeline_stages", "bubble_fraction", "iterations", "budget_tokens_per_s")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class StatsResponse(_message.Message):
     PIPELINE_STAGES_FIELD_NUMBER: _ClassVar[int]
     BUBBLE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_waiting: int
     num_running: int
@@ -169,7 +170,8 @@ class StatsResponse(_message.Message):
     pipeline_stages: int
     bubble_fraction: float
     iterations: int
-    def __init__(self, model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., bubble_fraction: _Optional[float] = ..., iterations: _Optional[int] = ...) -> None: ...
+    budget_tokens_per_s: float
+    def __init__(self, model: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., token_budget: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., last_iteration_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., pipeline_stages: _Optional[int] = ..., bubble_fraction: _Optional[float] = ..., iterations: _Optional[int] = ..., budget_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class KvEventsRequest(_message.Message):
     __slots__ = ("last_sequence", "boot_id")
