@@ -464,7 +464,7 @@ def router_pod_spec(owner: Owner, spec: Spec, image: str) -> Manifest:
     source = model_source(spec)
     scheme = router_scheme(spec)
     secret_volumes, secret_mounts = router_secret_volumes(spec)
-    ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT, "scheme": scheme}}  # follows the backends
+    ready = {"httpGet": {"path": "/health", "port": ROUTER_HTTP_PORT, "scheme": scheme}}  # backends, or holding
     alive = {"httpGet": {"path": "/health/live", "port": ROUTER_HTTP_PORT, "scheme": scheme}}  # the process serves
     container = {
         "name": ROUTER, "image": image, "imagePullPolicy": "IfNotPresent",

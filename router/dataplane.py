@@ -137,16 +137,20 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Health:
-    """Serving when at least one replica is ready; `state` tells whether shared state is degraded."""
+    """Serving (readiness) when at least one replica is ready, or when the router holds requests while
+    none is (`holds`: a hold queue, i.e. scale from zero): a router scaled to zero must stay in its
+    Service's endpoints, or the request that would wake a group never reaches it. `state` tells
+    whether shared state is degraded."""
 
     ready_replicas: int
     replicas: int
     state: StateHealth
     in_flight: int = 0  # requests this router admitted that have not finished
+    holds: bool = False  # requests wait for a first ready replica instead of a 503 (`hold_queue` > 0)
 
     @property
     def serving(self) -> bool:
-        return self.ready_replicas > 0
+        return self.ready_replicas > 0 or self.holds
 
 
 def admission_outcome(exc: BaseException) -> str | None:
@@ -241,7 +245,8 @@ class DataPlane:
 
     def health(self) -> Health:
         ready, known = len(self.registry.ready()), len(self.registry.names())
-        return Health(ready, known, self.admission.health(), self.admission.in_flight)
+        return Health(ready, known, self.admission.health(), self.admission.in_flight,
+                      holds=self.config.hold_queue > 0)
 
     def models(self) -> list[ModelInfo]:
         ready = self.registry.ready()

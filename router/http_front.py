@@ -8,7 +8,8 @@ routes and streams. Generation goes through the shared `DataPlane`, errors throu
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as server-sent events —
 one `data: {json}` event per chunk the replica streams, the last one with `finish_reason`, an optional
 usage chunk, then `data: [DONE]` — or one JSON response), `GET /v1/models`, `GET /health` (200 when
-at least one replica is ready, else 503: readiness), `GET /health/live` (200 while the process
+at least one replica is ready or, with a hold queue, while requests would be held for one; else 503:
+readiness), `GET /health/live` (200 while the process
 serves, whatever its replicas: liveness), `GET /metrics` (Prometheus exposition), `GET /load` (the
 offered load over the last window and each replica's capacity, JSON: what the autoscaler reads).
 
@@ -381,7 +382,7 @@ class OpenAIFront:
     async def health(self, request: Request) -> Response:
         h = self._dp.health()
         body = {
-            "status": "ok" if h.serving else "unavailable",
+            "status": "ok" if h.ready_replicas else "holding" if h.serving else "unavailable",
             "ready_replicas": h.ready_replicas,
             "replicas": h.replicas,
             "in_flight": h.in_flight,

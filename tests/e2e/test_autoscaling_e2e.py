@@ -7,8 +7,9 @@ tests/integration/test_offered_load.py shows real routers writing them. Each tes
 ModelDeployment and drives the load: rising load scales up within the scale-up window; falling load
 drains the chosen group (out of the routers' list, pods kept while requests are in flight) before its
 pods go; noisy load keeps the count within bounds and does not flap; an idle deployment with
-minReplicas 0 scales to zero and a held request brings one group back (the router's side of that:
-tests/integration/test_offered_load.py); an HPA on the same object is reported, not fought.
+minReplicas 0 scales to zero and a held request brings one group back; an HPA on the same object is
+reported, not fought. Scale from zero with a real router holding a real request, real worker pods and
+no snapshot written by the test is one chained test: tests/e2e/test_scale_from_zero_e2e.py.
 """
 
 from __future__ import annotations

@@ -103,12 +103,13 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             cluster.wait_for("stage pods gone", lambda: not cluster.list("Pod", f"chariot.dev/deployment={NAME}"))
 
 
-def complete(router: str, prompt: str, max_tokens: int = 8, stream: bool = True) -> list[dict[str, Any]]:
-    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+def complete(router: str, prompt: str, max_tokens: int = 8, stream: bool = True, model: str = NAME,
+             timeout: float = 120.0) -> list[dict[str, Any]]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": stream}).encode()
     request = urllib.request.Request(f"http://{router}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as resp:
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
         if not stream:
             return [json.loads(resp.read())]
         events = [line.decode().removeprefix("data: ").strip() for line in resp if line.startswith(b"data: ")]

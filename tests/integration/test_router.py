@@ -857,6 +857,21 @@ def test_no_ready_replica_is_503_and_unavailable(tiny_model_dir: Path) -> None:
             r.stop()
 
 
+def test_a_router_that_holds_requests_stays_ready_without_replicas(tiny_model_dir: Path) -> None:
+    """Scaled to zero with a hold queue, the router must stay in its Service's endpoints (readiness 200,
+    gRPC SERVING), or the request that makes the autoscaler start a group never reaches it. Liveness
+    and the replica count still say that no replica is ready."""
+    r = Router([], dataclasses.replace(RELAXED, hold_queue=4, hold_timeout_s=30.0), model_dir=tiny_model_dir)
+    try:
+        time.sleep(3 * STATS_INTERVAL_S)
+        health = r.client.get("/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["status"] == "holding" and health.json()["ready_replicas"] == 0
+        status = health_pb2_grpc.HealthStub(r.channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        r.stop()
+
 def test_a_failing_replica_is_a_clear_unavailable_error(tiny_model_dir: Path) -> None:
     worker = Worker(tiny_model_dir, "doomed", engine=CrashingEngine)
     r = Router([worker.flag])
