@@ -10,6 +10,11 @@ then idles while the autoscaler scales down. Each request streams (OpenAI comple
 ids); its arrival, status, TTFT and replica are recorded. Writes `requests.csv`, the autoscaler's
 `autoscale.jsonl`, `summary.json` and `autoscale_ramp.png` (offered load and capacity, replicas,
 TTFT over time) to `--out`.
+
+`--threads-per-replica N` gives each replica's torch N threads (`OMP_NUM_THREADS`), so that on a small
+machine a second replica runs on cores of its own rather than sharing the first one's; pass
+`-- --max-replicas 1` for the same ramp on one replica, the baseline the second replica is judged
+against (`ttft_p99_at_peak_s`: requests that arrived during the hold at the peak).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import httpx
 
 from chariot.bench.driver import random_prompt
+from chariot.bench.routing_bench import machine_record
 from chariot.bench.traces import TRACES, make_trace
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-tokens", "8192"]
@@ -124,11 +130,13 @@ async def send_ramp(url: str, model: str, ramp: Ramp, seed: int, scale: float,
     return sent, wall0
 
 
-def start_up(model: str, log: Path, stderr: Path, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_up(model: str, log: Path, stderr: Path, extra: list[str],
+             threads: int | None = None) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     cmd = [sys.executable, "-m", "chariot.cli", "up", "--model", model, "--stages", "1", "--http-port", "0",
            "--grpc-port", "0", *ENGINE_FLAGS, "--min-replicas", "1", "--max-replicas", "2",
            "--autoscale-log", str(log), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("chariot up ready"):
@@ -146,17 +154,23 @@ def stop_up(proc: subprocess.Popen[str]) -> None:
         proc.kill()
 
 
-def summarize(sent: list[Sent], looks: list[dict[str, Any]], ttft_slo_s: float) -> dict[str, Any]:
+def summarize(sent: list[Sent], looks: list[dict[str, Any]], ttft_slo_s: float, ramp: Ramp) -> dict[str, Any]:
     ok = [s for s in sent if s.status == 200 and not s.error and s.ttft_s is not None]
     failed = [s for s in sent if s.status not in (200, 429) or (s.status == 200 and s.error)]
     two = [row["t"] for row in looks if row.get("ready", 0) >= 2]
     after = [s.ttft_s for s in ok if two and s.arrival_s >= two[0] and s.ttft_s is not None]
+    at_peak = [s for s in sent if ramp.up_s <= s.arrival_s < ramp.up_s + ramp.hold_s]
+    peak_ttft = [s.ttft_s for s in at_peak if s in ok and s.ttft_s is not None]
     return {"requests": len(sent), "ok": len(ok), "shed_429": sum(s.status == 429 for s in sent),
             "failed": len(failed), "max_replicas": max((row["replicas"] for row in looks), default=0),
             "second_replica_ready_at_s": two[0] if two else None,
             "replicas_at_end": looks[-1]["replicas"] if looks else None,
             "ttft_p50_s": _quantile([s.ttft_s for s in ok if s.ttft_s is not None], 0.5),
-            "ttft_p99_after_second_ready_s": _quantile(after, 0.99), "ttft_slo_s": ttft_slo_s,
+            "ttft_p50_after_second_ready_s": _quantile(after, 0.5),
+            "ttft_p99_after_second_ready_s": _quantile(after, 0.99),
+            "requests_at_peak": len(at_peak), "shed_at_peak": sum(s.status == 429 for s in at_peak),
+            "ttft_p50_at_peak_s": _quantile(peak_ttft, 0.5), "ttft_p99_at_peak_s": _quantile(peak_ttft, 0.99),
+            "ttft_slo_s": ttft_slo_s,
             "replicas_by_name": sorted({s.replica for s in ok})}
 
 
@@ -214,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=0.1, help="chat trace length scale")
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     p.add_argument("--seed", type=int, default=41)
+    p.add_argument("--threads-per-replica", type=int, default=None,
+                   help="torch threads of each replica (OMP_NUM_THREADS; default: torch's own choice)")
     p.add_argument("up_flags", nargs="*", help="more `chariot up` flags (after --)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -223,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ramp = Ramp(args.low_qps, args.peak_qps, args.up_seconds, args.hold_seconds, args.down_seconds, args.tail_seconds)
     vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     extra = ["--ttft-slo-ms", str(args.ttft_slo_ms), *args.up_flags]
-    proc, url = start_up(args.model, log, out / "chariot_up.stderr.log", extra)
+    proc, url = start_up(args.model, log, out / "chariot_up.stderr.log", extra, args.threads_per_replica)
     try:
         sent, wall0 = asyncio.run(send_ramp(url, Path(args.model).name, ramp, args.seed, args.scale, vocab))
     finally:
@@ -237,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             writer.writerows(asdict(s) for s in sent)
     shown = [a.replace(str(Path.home()), "~") for a in (argv or sys.argv[1:])]  # no machine paths in results
     summary = {"command": " ".join(["python -m chariot.bench.autoscale_ramp", *shown]),
-               "ramp": asdict(ramp), "cpu": os.cpu_count(), **summarize(sent, looks, args.ttft_slo_ms / 1000.0)}
+               "ramp": asdict(ramp), "cpu": os.cpu_count(), "machine": machine_record(),
+               **summarize(sent, looks, args.ttft_slo_ms / 1000.0, ramp)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(plot(sent, looks, out, args.ttft_slo_ms / 1000.0))
