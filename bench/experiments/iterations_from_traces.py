@@ -20,7 +20,7 @@ iterations are longer at the same batch or whether it runs different batches.
     .venv/bin/python -m chariot.bench.experiments.iterations_from_traces PEER_JSON[.gz] [OUT_DIR]
 
 Writes OUT_DIR/iterations.json (default: beside PEER_JSON) and iterations.png (the interval against
-the batch, both systems, at the highest load both served).
+the batch, both systems, at the highest load both passed in the first search).
 """
 
 from __future__ import annotations
@@ -128,16 +128,25 @@ def report(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def plot_load(rows: Sequence[Mapping[str, Any]], search: int = 0) -> float | None:
+    """The highest load of `search` that every system passed (a failed probe is cut short and shows
+    little); else the highest load they all ran."""
+    systems = {row["system"] for row in rows}
+    probes = [row for row in rows if row["qps"] is not None and row["search"] == search]
+
+    def common(ok: bool) -> set[float]:
+        per = [{r["qps"] for r in probes if r["system"] == s and (not ok or r["verdict"] == "pass")} for s in systems]
+        return set.intersection(*per) if per else set()
+
+    loads = common(True) or common(False)
+    return max(loads) if loads else None
+
+
 def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out: Path) -> Path | None:
-    """Interval against batch for each system at the highest load both systems were probed at."""
-    loads: dict[str, set[float]] = {}
-    for row in rows:
-        if row["qps"] is not None:
-            loads.setdefault(row["system"], set()).add(row["qps"])
-    common = set.intersection(*loads.values()) if len(loads) >= 2 else set()
-    if not common:
+    """Interval against batch for each system at `plot_load` of the first search."""
+    qps = plot_load(rows)
+    if qps is None:
         return None
-    qps = max(common)
     import matplotlib
 
     matplotlib.use("Agg")

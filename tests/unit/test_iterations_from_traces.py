@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from chariot.bench.experiments.iterations_from_traces import busy, iterations, line, probe_report
+from chariot.bench.experiments.iterations_from_traces import busy, iterations, line, plot_load, probe_report
 
 FIXED, PER_SEQ = 0.020, 0.002  # an iteration of b requests takes 20 ms + 2 ms per request
 
@@ -57,3 +57,16 @@ def test_failed_requests_and_no_tokens_are_ignored() -> None:
     its = iterations(traces)
     assert [it.tokens for it in its] == [1, 1, 1]
     assert line(its) == {"fixed_ms": None, "per_seq_ms": None}, "one batch size: no line"
+
+
+def test_the_plot_shows_the_highest_load_every_system_passed() -> None:
+    rows = [{"system": "chariot", "search": 0, "qps": q, "verdict": v} for q, v in ((1.0, "pass"), (1.5, "pass"),
+                                                                                     (2.0, "FAIL"))]
+    rows += [{"system": "vllm", "search": 0, "qps": q, "verdict": v} for q, v in ((1.0, "pass"), (1.5, "FAIL"),
+                                                                                  (2.0, "FAIL"))]
+    rows += [{"system": "vllm", "search": 1, "qps": 1.75, "verdict": "pass"},
+             {"system": "vllm", "search": 0, "qps": None, "verdict": "offline"}]
+    assert plot_load(rows) == 1.0
+    failed_everywhere = [{**r, "verdict": "FAIL"} for r in rows if r["qps"] is not None]
+    assert plot_load(failed_everywhere) == 2.0, "no common pass: the highest common load"
+    assert plot_load(rows, search=3) is None
