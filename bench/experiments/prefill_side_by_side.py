@@ -104,6 +104,17 @@ def serve(system: str, dtype: str) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------------------
+def vllm_allocator() -> Path:
+    """The tcmalloc library vLLM's process preloads (`chariot.bench.peer.find_tcmalloc`); an error naming
+    the package when there is none, rather than a vLLM slower than its documented setup."""
+    from chariot.bench.peer import TCMALLOC_PACKAGE, find_tcmalloc
+
+    lib = find_tcmalloc()
+    if lib is None:
+        raise RuntimeError(f"vLLM-CPU runs with tcmalloc preloaded: apt-get install -y {TCMALLOC_PACKAGE}")
+    return lib
+
+
 class Engine:
     """One engine's process: `script serve SYSTEM DTYPE` in that system's venv, talked to over stdin/stdout."""
 
@@ -111,6 +122,11 @@ class Engine:
         python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        self.allocator = vllm_allocator() if system == "vllm" else None
+        if self.allocator is not None:  # vLLM as its CPU guide runs it, and as `chariot bench peer` does
+            from chariot.bench.peer import compose_preload
+
+            env["LD_PRELOAD"] = compose_preload(env.get("LD_PRELOAD"), self.allocator)
         command = [str(python), str(script.resolve()), "serve", system, dtype]
         self.proc = subprocess.Popen(command, cwd=tempfile.gettempdir(), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -100,6 +100,7 @@ def main(rounds: int, dtype: str, out_dir: Path) -> None:
     peer.add_peer_args(p)
     cfg = peer.resolve_config(p.parse_args(["--model", str(MODEL), "--dtype", dtype,
                                             "--out", tempfile.mkdtemp(prefix="serving-cpu-")]))
+    cfg = peer.with_vllm_allocator(cfg)  # tcmalloc preloaded, as the peer benchmark runs vLLM
     servers: dict[str, AbstractContextManager[peer.Server]] = {
         "chariot": peer.chariot_server(cfg), "vllm": peer.vllm_server(cfg)}
     results: dict[str, list[dict[str, Any]]] = {}
@@ -113,7 +114,8 @@ def main(rounds: int, dtype: str, out_dir: Path) -> None:
                   "; ".join(f"{x['command'][:60]}: {x['cpu_s']:.2f} s" for x in top if x["cpu_s"] > 0.05),
                   file=sys.stderr, flush=True)
     (out_dir / f"serving_cpu_{dtype}.json").write_text(json.dumps(
-        {"machine": cpu_record(), "dtype": dtype, "rounds": results}, indent=1))
+        {"machine": cpu_record(), "vllm_allocator": str(cfg.vllm_allocator), "dtype": dtype, "rounds": results},
+        indent=1))
 
 
 if __name__ == "__main__":

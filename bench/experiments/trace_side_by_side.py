@@ -157,7 +157,8 @@ def drive(dtype: str, out_dir: Path) -> None:
                "bound_if_only_linear_left": bound, "gemm_gflop_per_s_512_rows": rates}
     print(json.dumps(summary, indent=1))
     (out_dir / f"trace_side_by_side_{dtype}.json").write_text(json.dumps(
-        {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "trace": {"prompt_tokens": sum(lengths),
+        {"machine": cpu_record(), "vllm_allocator": str(engines[1].allocator), "dtype": dtype, "rounds": ROUNDS,
+         "trace": {"prompt_tokens": sum(lengths),
          "output_tokens": sum(outputs), **flops}, "walls_s": walls, "summary": summary, "profiles": profiles},
         indent=1))
 
