@@ -127,8 +127,9 @@ REDIS_SERVER = Knob(
     "tests only: the Redis the router tests start (unset: `redis-server` on PATH)", ("tests/redis_server.py",))
 E2E_COMMAND = Knob(
     "CHARIOT_E2E_COMMAND", "shell words", None,
-    "tests only: replaces the `chariot` entry point the local end-to-end tests' pods run",
-    ("tests/e2e/test_local_e2e.py", "tests/e2e/test_scale_from_zero_e2e.py"))
+    "tests only: replaces the `chariot` entry point the local end-to-end tests' pods run (read by "
+    "`chariot_command`, which tests/e2e/test_scale_from_zero_e2e.py shares)",
+    ("tests/e2e/test_local_e2e.py",))
 
 KNOBS: tuple[Knob, ...] = (
     ATTENTION_BACKEND, KERNEL_CACHE, KERNEL_BASELINE, KERNEL_BUILD, CPU_LAYER_OPS, CPU_KEEP_FREED_MEMORY,

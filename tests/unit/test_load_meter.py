@@ -50,11 +50,13 @@ def test_a_fresh_meter_divides_by_at_least_a_second() -> None:
 def test_snapshot_has_capacity_of_ready_replicas_and_in_flight_of_any() -> None:
     clock = Clock()
     registry = ReplicaRegistry([ReplicaSpec("g0", "h:1"), ReplicaSpec("g1", "h:2")], clock=clock)
-    registry.update_load("g0", ReplicaLoad(token_budget=256, prefill_tokens_per_s=900.0, reported_at=clock.t))
-    registry.update_load("g1", ReplicaLoad(token_budget=256, reported_at=clock.t))
+    registry.update_load("g0", ReplicaLoad(token_budget=256, prefill_tokens_per_s=400.0, budget_tokens_per_s=900.0,
+                                           reported_at=clock.t))
+    registry.update_load("g1", ReplicaLoad(token_budget=256, prefill_tokens_per_s=400.0, reported_at=clock.t))
     meter = LoadMeter(clock=clock)
     offered = snapshot(meter, registry, tbt_slo_s=0.2, in_flight={"g0": 2, "g9": 1, "g1": 0})
-    assert dict(offered.capacity) == {"g0": 900.0, "g1": pytest.approx(1280.0)}  # measured; else the budget model
+    # measured at the budget; else the budget model (the prefill rate is the router's, not a capacity)
+    assert dict(offered.capacity) == {"g0": 900.0, "g1": pytest.approx(1280.0)}
     assert dict(offered.in_flight) == {"g0": 2, "g9": 1}  # g9: a replica no longer routed to, still streaming
     assert offered.replicas == ("g0", "g1")
     assert not offered.idle("g9") and not offered.idle("g1") and offered.idle("g7")
