@@ -46,6 +46,16 @@ def find_redis_server() -> str | None:
     return None
 
 
+def require_redis_server() -> str:
+    """The redis-server binary, or the test fails (never skips) naming how to install one."""
+    binary = find_redis_server()
+    if binary is None:
+        import pytest
+
+        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    return binary
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

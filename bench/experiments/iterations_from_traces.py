@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chariot.bench.capacity import percentile
+
 GAP_S = 0.003  # tokens closer than this belong to one iteration (iterations here take ≥ 10 ms)
 
 
@@ -78,11 +80,8 @@ def busy(its: Sequence[Iteration]) -> list[Iteration]:
 
 
 def quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    """Nearest-rank p50/p90/p99, as the peer benchmark's own summaries take them."""
+    return {f"p{q}": percentile(values, q) if values else None for q in (50, 90, 99)}
 
 
 def line(its: Sequence[Iteration]) -> dict[str, float | None]:

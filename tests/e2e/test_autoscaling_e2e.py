@@ -33,7 +33,7 @@ if _ROOT not in sys.path:
 
 from chariot.contracts.autoscaling import OfferedLoad, offered_key  # noqa: E402
 from tests.e2e.cluster import Cluster, example  # noqa: E402
-from tests.redis_server import RedisServer, find_redis_server  # noqa: E402
+from tests.redis_server import RedisServer, require_redis_server  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("operator"), pytest.mark.slow]
 CAPACITY = 1000.0  # tokens/s of one group, as the routers measure it
@@ -41,9 +41,7 @@ CAPACITY = 1000.0  # tokens/s of one group, as the routers measure it
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
-    binary = find_redis_server()
-    if binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    binary = require_redis_server()
     with RedisServer(binary) as server:
         yield server
 

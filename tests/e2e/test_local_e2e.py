@@ -32,7 +32,7 @@ from chariot.operator import crd
 from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet, which_chariot
 from tests.prometheus import PrometheusServer, PrometheusUnavailable, find_prometheus
-from tests.redis_server import RedisServer, find_redis_server, free_port
+from tests.redis_server import RedisServer, free_port, require_redis_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,9 +81,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("local-e2e")
-    redis_binary = find_redis_server()
-    if redis_binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    redis_binary = require_redis_server()
     metrics_port = free_port()
     with RedisServer(redis_binary) as redis, make_cluster(tmp, "local") as cluster:
         # Probes run at a tenth of their declared periods and delays (the counts stay).

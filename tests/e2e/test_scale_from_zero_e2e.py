@@ -32,7 +32,7 @@ from tests.e2e.cluster import Cluster, make_cluster, operator_process
 from tests.e2e.kubelet import LocalRuntime, TestKubelet
 from tests.e2e.test_autoscaling_e2e import events, routed, spec_replicas, stage_pods
 from tests.e2e.test_local_e2e import chariot_command, complete
-from tests.redis_server import RedisServer, find_redis_server
+from tests.redis_server import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -86,9 +86,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("scale-from-zero")
-    redis_binary = find_redis_server()
-    if redis_binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    redis_binary = require_redis_server()
     with RedisServer(redis_binary) as redis, make_cluster(tmp, "wake") as cluster:
         # Probes run at a tenth of their declared periods and delays (the counts stay).
         runtime = LocalRuntime(cluster.kube, tmp / "pods", chariot=chariot_command(), probe_time_scale=0.1)

@@ -31,7 +31,7 @@ from chariot.contracts.autoscaling import OfferedLoad  # noqa: E402
 from chariot.operator.autoscaler import RedisOfferedLoad  # noqa: E402
 from chariot.router.config import RouterConfig  # noqa: E402
 from tests.integration.test_router import Router, Worker, wait_for  # noqa: E402
-from tests.redis_server import RedisServer, find_redis_server  # noqa: E402
+from tests.redis_server import RedisServer, require_redis_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PREFIX = "chariot:serving:tiny"
@@ -41,9 +41,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[RedisServer]:
     """Started before the worker: forking redis-server while gRPC threads run can hang the child."""
-    binary = find_redis_server()
-    if binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    binary = require_redis_server()
     with RedisServer(binary) as server:
         yield server
 

@@ -43,7 +43,7 @@ from tests.integration.test_router import (
     Worker,
     wait_for,
 )
-from tests.redis_server import RedisServer, find_redis_server
+from tests.redis_server import RedisServer, require_redis_server
 
 BS = BLOCK_SIZE.default
 TURN = 24
@@ -267,9 +267,7 @@ def test_session_hint_is_honoured_only_within_the_slo(router: Router, replicas: 
 def test_redis_down_still_routes_by_prefix(replicas: dict[str, Replica], tiny_model_dir: Path) -> None:
     """A router sharing its load through Redis: when Redis dies it decides locally, and a
     conversation's turns still find their history (the prefix index is the router's, never in Redis)."""
-    binary = find_redis_server()
-    if binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    binary = require_redis_server()
     with RedisServer(binary) as redis:
         config = dataclasses.replace(RELAXED, redis_url=redis.url, redis_timeout_s=0.1)
         r = Router([x.worker.flag for x in replicas.values()], config=config, model_dir=tiny_model_dir)

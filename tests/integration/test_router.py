@@ -51,7 +51,7 @@ from chariot.worker import server as worker_server
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
 from chariot.worker.server import serve
-from tests.redis_server import RedisServer, find_redis_server, free_port
+from tests.redis_server import RedisServer, free_port, require_redis_server
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 256
@@ -281,9 +281,7 @@ def vocab(tiny_model_dir: Path) -> int:
 
 @pytest.fixture(scope="module")
 def redis_binary() -> str:
-    binary = find_redis_server()
-    if binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    binary = require_redis_server()
     return binary
 
 

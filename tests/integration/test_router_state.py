@@ -29,7 +29,7 @@ from chariot.router.state import (  # noqa: E402
     SharedState,
     make_state,
 )
-from tests.redis_server import RedisServer, find_redis_server, free_port  # noqa: E402
+from tests.redis_server import RedisServer, free_port, require_redis_server  # noqa: E402
 
 REPLICAS = ("g0", "g1")
 
@@ -37,9 +37,7 @@ REPLICAS = ("g0", "g1")
 @pytest.fixture(scope="module")
 def redis_binary() -> str:
     """Debian's redis-server is a declared test dependency: a missing one fails loudly."""
-    binary = find_redis_server()
-    if binary is None:
-        pytest.fail("redis-server not found: apt-get install redis-server (or set CHARIOT_REDIS_SERVER)", pytrace=False)
+    binary = require_redis_server()
     return binary
 
 
