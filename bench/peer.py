@@ -67,6 +67,7 @@ from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetr
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
 from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
+from chariot.contracts.engine_settings import PREFILL_ORDER
 from chariot.contracts.errors import ConfigError
 
 if TYPE_CHECKING:  # httpx and the process helpers load when a run starts (`chariot --help` stays light)
@@ -149,6 +150,7 @@ class PeerConfig:
     searches: int = 1  # phases per system and variant, the systems' order alternating
     vllm_tcmalloc: bool = True  # vLLM runs with tcmalloc preloaded (an opt-out is recorded)
     vllm_allocator: Path | None = None  # the tcmalloc library found for it (`with_vllm_allocator`)
+    prefill_order: str = PREFILL_ORDER.default  # Chariot's --prefill-order (recorded in the setup)
 
     @property
     def limits(self) -> Limits:
@@ -193,7 +195,7 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
         drain_s=args.drain_s, single_output=d.single_output,
         offline_rounds=_pick(args.offline_rounds, d.offline_rounds), searches=_pick(args.searches, d.searches),
-        vllm_tcmalloc=not args.no_vllm_tcmalloc)
+        vllm_tcmalloc=not args.no_vllm_tcmalloc, prefill_order=args.chariot_prefill_order)
     validate(cfg)
     return cfg
 
@@ -693,7 +695,8 @@ def chariot_command(cfg: PeerConfig) -> list[str]:
     router admission opened wide so it never sheds."""
     kv_tokens = cfg.kv_cache_gib * GIB // kv_bytes_per_token(cfg.model, cfg.dtype)
     return [sys.executable, "-m", "chariot.cli", "up", "--model", str(cfg.model.resolve()), "--stages", "1",
-            "--policy", "sarathi", "--token-budget", str(cfg.token_budget), "--dtype", cfg.dtype,
+            "--policy", "sarathi", "--token-budget", str(cfg.token_budget), "--prefill-order", cfg.prefill_order,
+            "--dtype", cfg.dtype,
             "--max-model-len", str(cfg.max_len), "--max-batch-size", str(MAX_BATCH), "--kv-cache-tokens",
             str(kv_tokens), "--engine-seed", str(cfg.seed), "--served-model-name", SERVED_NAME,
             "--http-port", "0", "--grpc-port", "0", "--ttft-slo-ms", str(NO_SHED_TTFT_MS),
@@ -1134,7 +1137,7 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "variants": list(cfg.variants), "order": cfg.order, "quick": cfg.quick, "seed": cfg.seed,
             "kv_cache_gib": cfg.kv_cache_gib, "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
             "searches": cfg.searches, "offline_rounds": cfg.offline_rounds, "default_grid": grid_note(cfg) is None,
-            "vllm_tcmalloc": cfg.vllm_tcmalloc,
+            "vllm_tcmalloc": cfg.vllm_tcmalloc, "chariot_prefill_order": cfg.prefill_order,
             "vllm_allocator": None if cfg.vllm_allocator is None else str(cfg.vllm_allocator),
             "vllm_ld_preload": vllm_env(cfg).get("LD_PRELOAD") if "vllm" in cfg.systems else None,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
@@ -1398,6 +1401,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=512,
                    help="tokens per iteration: vLLM --max-num-batched-tokens, Chariot --token-budget (default 512)")
     p.add_argument("--trace", default="chat", help=f"length distribution: {', '.join(sorted(TRACES))} (default chat)")
+    p.add_argument("--chariot-prefill-order", choices=PREFILL_ORDER.choices, default=PREFILL_ORDER.default,
+                   help=f"Chariot's --prefill-order (default {PREFILL_ORDER.default}; vLLM serves prompts in "
+                        "arrival order)")
     p.add_argument("--scale", type=float, default=0.25, help="multiplies prompt and decode lengths (default 0.25)")
     p.add_argument("--requests", type=int, default=64, help="requests per probe (default 64)")
     p.add_argument("--tbt-slo-ms", type=float, default=1000.0, help="P99 TBT SLO (default 1000)")

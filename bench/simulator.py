@@ -49,6 +49,7 @@ class SimConfig:
     block_size: int = 16
     watermark: float = 0.01
     attention_cost: float = 0.0  # the model's `ModelConfig.attention_cost`, as the engine's scheduler uses it
+    prefill_order: str = "fcfs"
 
     def scheduler_config(self) -> SchedulerConfig:
         """Validated and resolved exactly as the engine does (policy default budgets included)."""
@@ -57,9 +58,10 @@ class SimConfig:
         cfg = EngineConfig(model="", policy=self.policy, token_budget=self.token_budget,
                            max_batch_size=self.max_batch_size, block_size=self.block_size,
                            kv_cache_tokens=self.kv_cache_tokens, max_model_len=self.max_model_len,
-                           watermark=self.watermark)
+                           watermark=self.watermark, prefill_order=self.prefill_order)
         budget = cfg.resolved_token_budget(self.max_model_len)
-        return SchedulerConfig(self.policy, budget, self.max_batch_size, self.max_model_len, self.attention_cost)
+        return SchedulerConfig(self.policy, budget, self.max_batch_size, self.max_model_len, self.attention_cost,
+                               prefill_order=cfg.prefill_order)
 
     @property
     def num_blocks(self) -> int:

@@ -30,6 +30,7 @@ DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 ENGINE_CORES: tuple[str, ...] = ("process", "thread")
 CUDA_GRAPH_MODES: tuple[str, ...] = ("auto", "on", "off")
 ASYNC_SCHEDULING_MODES: tuple[str, ...] = ("auto", "on", "off")
+PREFILL_ORDERS: tuple[str, ...] = ("fcfs", "shortest")
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,15 @@ TOKEN_BUDGET: Setting[int | None] = Setting(
                  "Tokens per iteration. Unset: derived from `slo.tbtMs` and `tuneProfile` when both are set "
                  "(sarathi), else the policy's default (512 for sarathi, maxModelLen for the others, which must "
                  "fit a whole prompt)."))
+PREFILL_ORDER: Setting[str] = Setting(
+    "prefill_order", str, "fcfs",
+    "which prompts get the token budget left after the decodes: fcfs = arrival order; shortest = the fewest "
+    "prompt tokens left first, aged by one token budget per iteration waited so a long prompt is passed only by "
+    "prompts that arrive within its own prefill time (lower median time to first token under load, higher for "
+    "the longest prompts)", flag="--prefill-order", choices=PREFILL_ORDERS,
+    crd=CrdField("scheduler.prefillOrder",
+                 "Order prompts get the budget in: `fcfs` (arrival) or `shortest` (fewest prompt tokens left "
+                 "first, aged so none starves)."))
 MAX_BATCH_SIZE: Setting[int] = Setting(
     "max_batch_size", int, 128, "most sequences in one iteration", flag="--max-batch-size", minimum=1,
     crd=CrdField("scheduler.maxBatchSize", "Most sequences in one iteration."))
@@ -218,7 +228,7 @@ ASYNC_SCHEDULING: Setting[str] = Setting(
     "off = every step waits for the last", flag="--async-scheduling", choices=ASYNC_SCHEDULING_MODES)
 
 ENGINE_SETTINGS: tuple[Setting[Any], ...] = (
-    POLICY, TOKEN_BUDGET, MAX_BATCH_SIZE, PIPELINE_STAGES, TENSOR_PARALLEL_SIZE, DTYPE, BLOCK_SIZE,
+    POLICY, TOKEN_BUDGET, PREFILL_ORDER, MAX_BATCH_SIZE, PIPELINE_STAGES, TENSOR_PARALLEL_SIZE, DTYPE, BLOCK_SIZE,
     KV_CACHE_TOKENS, KV_CACHE_MEMORY_FRACTION, MAX_MODEL_LEN, WATERMARK, DEVICE, SEED, LAYER_SPLIT,
     STAGE_TIMEOUT_S, RENDEZVOUS_TIMEOUT_S, ATTENTION_AWARE_CHUNKS, PREFIX_CACHING, CUDA_GRAPHS, ASYNC_SCHEDULING,
 )

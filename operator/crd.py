@@ -142,7 +142,7 @@ def _scheduler() -> Schema:
         "tuneProfile": _str("Path, inside the stage pods (e.g. in the model volume), of a `chariot tune` profile "
                             "made on the stage's hardware; with `slo.tbtMs` and no tokenBudget the workers derive "
                             "the token budget from it (sarathi only).", maxLength=4096),
-        **_engine(settings.MAX_BATCH_SIZE, settings.BLOCK_SIZE),
+        **_engine(settings.MAX_BATCH_SIZE, settings.BLOCK_SIZE, settings.PREFILL_ORDER),
     }, default={})
 
 

@@ -266,7 +266,8 @@ def engine_args(spec: Spec, source: ModelSource) -> list[str]:
     """`chariot worker` flags shared by every stage of a group (docs/cli-contract.md)."""
     s = spec.scheduler
     args = ["--model", source.path, "--policy", s.policy, "--max-batch-size", str(s.max_batch_size),
-            "--block-size", str(s.block_size), "--dtype", spec.model.dtype, "--stages", str(spec.pipeline),
+            "--block-size", str(s.block_size), "--prefill-order", s.prefill_order,
+            "--dtype", spec.model.dtype, "--stages", str(spec.pipeline),
             "--device", "cuda" if spec.resources.gpus_per_stage > 0 else "cpu"]
     # The TBT SLO always goes to the router (admission). Workers get an explicit budget, or derive it
     # from the SLO with a `chariot tune` profile (validated: only with tbtMs and without tokenBudget),

@@ -78,6 +78,7 @@ class SchedulerSpec:
     max_batch_size: int = settings.MAX_BATCH_SIZE.crd_default()
     block_size: int = settings.BLOCK_SIZE.crd_default()
     tune_profile: str | None = None
+    prefill_order: str = settings.PREFILL_ORDER.crd_default()
 
 
 @dataclass(frozen=True)
@@ -363,7 +364,7 @@ def _from_dict(v: dict[str, Any]) -> Spec:
         rendezvous_timeout_s=p["rendezvousTimeoutSeconds"], max_surge=v["rollout"]["maxSurge"],
         scheduler=SchedulerSpec(policy=s["policy"], token_budget=s.get("tokenBudget"),
                                 max_batch_size=s["maxBatchSize"], block_size=s["blockSize"],
-                                tune_profile=s.get("tuneProfile")),
+                                tune_profile=s.get("tuneProfile"), prefill_order=s["prefillOrder"]),
         ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
         resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"]),
                                shm_size=str(r["shmSize"])),

@@ -191,11 +191,14 @@ class EngineConfig:
     `cuda_graphs` routes decode-only iterations through the graph runner (`graph_runner.py`).
     `async_scheduling` lets the engine build the next batch while the current one runs
     (`engine.schedules_ahead`, `SchedulerConfig.ahead`).
+    `prefill_order` picks which prompts get the budget left after the decodes
+    (`SchedulerConfig.prefill_order`).
     """
 
     model: str
     policy: str = settings.POLICY.default
     token_budget: int | None = settings.TOKEN_BUDGET.default
+    prefill_order: str = settings.PREFILL_ORDER.default
     max_batch_size: int = settings.MAX_BATCH_SIZE.default
     pipeline_stages: int = settings.PIPELINE_STAGES.default
     tensor_parallel_size: int = settings.TENSOR_PARALLEL_SIZE.default

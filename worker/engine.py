@@ -98,7 +98,7 @@ class Engine:
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len,
                             self.model_config.attention_cost if config.attention_aware_chunks else 0.0,
-                            ahead=self.ahead),
+                            ahead=self.ahead, prefill_order=config.prefill_order),
             self.blocks,
         )
         self.inputs = InputBuilder(self.blocks, self.eos_token_ids)

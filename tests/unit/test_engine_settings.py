@@ -34,6 +34,7 @@ SPEC_FIELDS: dict[str, tuple[type, str, str]] = {
     "token_budget": (operator_spec.SchedulerSpec, "scheduler", "token_budget"),
     "max_batch_size": (operator_spec.SchedulerSpec, "scheduler", "max_batch_size"),
     "block_size": (operator_spec.SchedulerSpec, "scheduler", "block_size"),
+    "prefill_order": (operator_spec.SchedulerSpec, "scheduler", "prefill_order"),
     "dtype": (operator_spec.ModelSpec, "model", "dtype"),
     "max_model_len": (operator_spec.ModelSpec, "model", "max_model_len"),
     "pipeline_stages": (operator_spec.Spec, "", "pipeline"),

@@ -183,6 +183,10 @@ def test_both_servers_get_the_same_model_dtype_budget_and_kv_bytes(tiny_model_di
     assert vllm_env(cfg)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in vllm_env(replace(cfg, vllm_reserved_cpus=None))
     assert resolve_config(args("--vllm-reserved-cpus", "-1")).vllm_reserved_cpus is None
+    # Chariot serves prompts in arrival order, as vLLM does, unless the run asks for another order
+    assert flag(ours, "--prefill-order") == "fcfs"
+    shortest = resolve_config(args("--chariot-prefill-order", "shortest"))
+    assert flag(chariot_command(replace(cfg, prefill_order=shortest.prefill_order)), "--prefill-order") == "shortest"
     assert float(flag(ours, "--ttft-slo-ms")) >= 3_600_000 and int(flag(ours, "--max-queue-per-replica")) >= 10**6
     assert flag(theirs, "--port") == "12345" and flag(ours, "--http-port") == "0"
 

@@ -175,12 +175,14 @@ def test_only_pipelined_groups_get_a_rendezvous_timeout() -> None:
 
 
 def test_engine_flags_come_from_the_spec() -> None:
-    spec = spec_of(2, scheduler={"policy": "orca", "tokenBudget": 4096, "maxBatchSize": 8, "blockSize": 32},
+    spec = spec_of(2, scheduler={"policy": "orca", "tokenBudget": 4096, "maxBatchSize": 8, "blockSize": 32,
+                                 "prefillOrder": "shortest"},
                    model={"uri": "/opt/m", "dtype": "bfloat16", "maxModelLen": 4096, "name": "m7"},
                    observability={"otlpEndpoint": "http://otel:4317"})
     args = render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"]
     pairs = dict(zip(args[::2], args[1::2], strict=True))
     assert pairs == {"--model": "/opt/m", "--policy": "orca", "--max-batch-size": "8", "--block-size": "32",
+                     "--prefill-order": "shortest",
                      "--dtype": "bfloat16", "--stages": "2", "--device": "cuda", "--token-budget": "4096",
                      "--max-model-len": "4096", "--host": "0.0.0.0", "--port": "50061",
                      "--metrics-host": "0.0.0.0", "--metrics-port": "9400", "--served-model-name": "m7",

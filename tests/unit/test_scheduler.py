@@ -24,10 +24,11 @@ class FakeRun:
 
     def __init__(self, policy: str, budget: int, max_batch: int, num_blocks: int, in_flight: int = 1,
                  attention_cost: float = 0.0, max_len: int = 64, prefix_caching: bool = False,
-                 ahead: bool = False) -> None:
+                 ahead: bool = False, prefill_order: str = "fcfs") -> None:
         budget = budget if policy == "sarathi" else max(budget, max_len)
         self.blocks = BlockManager(num_blocks, BLOCK, watermark=0.0, prefix_caching=prefix_caching)
-        self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost, ahead=ahead)
+        self.config = SchedulerConfig(policy, budget, max_batch, max_len, attention_cost, ahead=ahead,
+                                      prefill_order=prefill_order)
         self.sched = make_scheduler(self.config, self.blocks)
         self.in_flight: deque[SchedulerOutput] = deque()
         self.depth = in_flight
@@ -123,16 +124,17 @@ request = st.tuples(st.integers(0, 6), st.integers(1, 40), st.integers(1, 20))  
     abort_seed=st.integers(0, 3),
     prefix_caching=st.booleans(),
     ahead=st.booleans(),
+    prefill_order=st.sampled_from(["fcfs", "shortest"]),
 )
 def test_invariants_under_random_load(policy, reqs, budget, max_batch, num_blocks, in_flight, abort_seed,
-                                      prefix_caching, ahead):
+                                      prefix_caching, ahead, prefill_order):
     """Every batch within budget and batch size, stall-free for sarathi, no starvation, no request past
-    its max_tokens, no block leaked. Scheduling ahead (`SchedulerConfig.ahead`, two batches in flight
-    whose sequences may overlap), a decode scheduled ahead only continues a sequence whose pending
-    token its batch in flight samples."""
+    its max_tokens, no block leaked, in either prefill order. Scheduling ahead (`SchedulerConfig.ahead`,
+    two batches in flight whose sequences may overlap), a decode scheduled ahead only continues a
+    sequence whose pending token its batch in flight samples."""
     depth = 2 if ahead else in_flight
-    random_load(FakeRun(policy, budget, max_batch, num_blocks, depth, prefix_caching=prefix_caching, ahead=ahead),
-                reqs, abort_seed)
+    random_load(FakeRun(policy, budget, max_batch, num_blocks, depth, prefix_caching=prefix_caching, ahead=ahead,
+                        prefill_order=prefill_order), reqs, abort_seed)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
@@ -303,6 +305,70 @@ def test_fcfs_head_of_line_blocks_later_requests():
             if c.start == 0:
                 order.append(c.seq_id)
     assert order == [0, 1, 2]
+
+
+def first_token_steps(run: FakeRun, arrivals: dict[int, list[tuple[int, int]]], steps: int) -> dict[int, int]:
+    """Drive `run` for `steps` iterations, adding `arrivals[step]` = [(seq_id, prompt_len)] (one output
+    token each) before that step; the step at which each request sampled its first token."""
+    first: dict[int, int] = {}
+    for step in range(steps):
+        for seq_id, prompt_len in arrivals.get(step, []):
+            run.add(seq_id, prompt_len, 1)
+        for chunk in run.step().chunks:
+            if chunk.samples:
+                first.setdefault(chunk.seq_id, step)
+    return first
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "orca"])
+def test_shortest_order_serves_a_short_prompt_before_an_older_long_one(policy: str) -> None:
+    """A 6-token prompt queued just behind a 60-token one: arrival order makes it wait for the long
+    prefill's chunks (sarathi, budget 8) or for an iteration of its own (orca, where the two do not fit
+    one 64-token iteration); shortest-first serves it at once."""
+    arrivals = {0: [(0, 60), (1, 6)]}
+    fcfs = first_token_steps(FakeRun(policy, 8, 8, 64), arrivals, 16)
+    shortest = first_token_steps(FakeRun(policy, 8, 8, 64, prefill_order="shortest"), arrivals, 16)
+    assert shortest[1] == 0 and fcfs[1] > 0
+    assert shortest[0] <= fcfs[0] + 1  # the long prompt loses at most the short one's iteration
+
+
+def test_shortest_order_continues_the_prompt_with_the_fewest_tokens_left() -> None:
+    """Prompts of 24, 16 and 4 tokens arriving together, budget 12: the 4-token one first, then the
+    16-token one; once started, that one (8 left) goes on before the untouched 24-token one."""
+    run = FakeRun("sarathi", 12, 8, 64, prefill_order="shortest")
+    for seq_id, prompt_len in enumerate((24, 16, 4)):
+        run.add(seq_id, prompt_len, 1)
+    batches = [[(c.seq_id, c.num_tokens) for c in run.step().chunks] for _ in range(3)]
+    assert batches == [[(2, 4), (1, 8)], [(1, 8), (0, 4)], [(0, 12)]]
+
+
+def test_shortest_order_ages_a_long_prompt_past_a_stream_of_short_ones() -> None:
+    """Without ageing, a 64-token prompt would wait forever behind one new 8-token prompt per
+    iteration (budget 8, so each fills an iteration). Aged by a budget per iteration waited, it ranks
+    first once it has waited about its own prefill time, and its prefill ends within twice that."""
+    budget, long_len, steps = 8, 64, 40
+    arrivals = {step: [(step + 1, budget)] for step in range(steps)}
+    arrivals[0].insert(0, (0, long_len))
+    first = first_token_steps(FakeRun("sarathi", budget, 64, 512, prefill_order="shortest"), arrivals, steps)
+    assert 0 in first and first[0] <= 2 * long_len // budget + 1
+    assert first[1] == 0  # short prompts still went first while the long one was young
+
+
+def test_prefill_order_reaches_the_scheduler_through_flags_and_the_llm_keyword(tiny_model_dir):
+    """`--prefill-order shortest` survives the config → argv → config round trip of local stages,
+    and an unknown order is refused naming the field and the choices."""
+    import argparse
+
+    from chariot.contracts.errors import ConfigError
+    from chariot.worker.config import EngineConfig
+    from chariot.worker.flags import add_engine_flags, config_from_args, config_to_argv
+
+    cfg = EngineConfig(model=str(tiny_model_dir), prefill_order="shortest")
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert config_from_args(p.parse_args(config_to_argv(cfg))) == cfg
+    with pytest.raises(ConfigError, match=r"prefill_order.*fcfs, shortest"):
+        EngineConfig(model=str(tiny_model_dir), prefill_order="sjf")
 
 
 def test_attention_aware_chunks_flag_reaches_child_stages(tiny_model_dir):

@@ -1,8 +1,8 @@
 """Scheduler base: request queues, block accounting and preemption shared by every policy.
 
 A policy only decides *which* sequences get *how many* tokens this iteration; the mechanics
-(growing block tables for decodes, preempting by recompute, FCFS admission, in-flight exclusion for
-pipelining) live here once. `schedule()` never blocks and never touches tensors.
+(growing block tables for decodes, preempting by recompute, serving prompts in `prefill_order`,
+in-flight exclusion for pipelining) live here once. `schedule()` never blocks and never touches tensors.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class SchedulerConfig:
     """Schedule ahead: a sequence in flight in one batch may join the next one too, which the engine
     builds while the first still runs. Its next prompt chunk is known; its next decode takes the
     token the first batch samples, still on the device (`ahead_ok` says when that is allowed)."""
+    prefill_order: str = "fcfs"
+    """Which prompts get the budget left after the decodes. `fcfs`: arrival order. `shortest`: the
+    fewest prompt tokens left first, aged so nothing starves (`Scheduler.prefill_rank`)."""
 
     @property
     def max_running(self) -> int:
@@ -78,7 +81,7 @@ class BatchBuilder:
 
 
 class Scheduler(ABC):
-    """FCFS iteration-level scheduler over one block manager; subclasses implement `_fill`."""
+    """Iteration-level scheduler over one block manager; subclasses implement `_fill`."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -90,11 +93,14 @@ class Scheduler(ABC):
         self.num_preemptions = 0
         self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache at admission
         self.prefix_hit_tokens = 0  # of those, tokens whose KV was found cached
+        self.iteration = 0  # schedule() calls so far: the clock prompts age by
+        self._queued_at: dict[int, int] = {}  # seq_id -> iteration it was added (kept through preemption)
 
     # ---- request lifecycle -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+        self._queued_at[seq.seq_id] = self.iteration
 
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence (finished or aborted) and free its blocks."""
@@ -105,6 +111,7 @@ class Scheduler(ABC):
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
         self.seqs.pop(seq.seq_id, None)
+        self._queued_at.pop(seq.seq_id, None)
 
     @property
     def has_unfinished(self) -> bool:
@@ -127,6 +134,7 @@ class Scheduler(ABC):
         """Pick the next batch; marks its sequences in flight and advances their progress."""
         builder = BatchBuilder(self.config.token_budget, self.config.max_batch_size)
         self._fill(builder)
+        self.iteration += 1
         now = time.time()
         for chunk in builder.chunks:
             seq = self.seqs[chunk.seq_id]
@@ -214,6 +222,35 @@ class Scheduler(ABC):
         self.waiting.appendleft(seq)
         builder.preempted.append(seq.seq_id)
 
+    def prefill_rank(self, seq: Sequence) -> tuple[int, int, int]:
+        """Sort key of a prompt under `shortest` order: its tokens left, less one token budget for
+        every iteration since it arrived; then arrival order.
+
+        Why aged by the budget: an iteration moves at most one budget of work, so a prompt of L
+        tokens is passed only by prompts that arrive within L / budget iterations after it: it waits
+        behind at most about its own length of newer work and never starves. The ageing needs no
+        clock, so the engine and the simulator rank the same queue the same way."""
+        queued = self._queued_at[seq.seq_id]
+        age = self.iteration - queued
+        return seq.num_remaining - age * self.config.token_budget, queued, seq.seq_id
+
+    def _schedule_prefills(self, builder: BatchBuilder) -> None:
+        """Give the budget left after the decodes to prompts: ongoing ones, then new ones in arrival
+        order (`fcfs`), or all of them by `prefill_rank` (`shortest`)."""
+        if self.config.prefill_order == "fcfs":
+            self._schedule_partial_prefills(builder)
+            self._admit_waiting(builder)
+            return
+        ongoing = [s for s in self._idle_running() if not s.is_decode and s.seq_id not in builder.seq_ids]
+        admitting = True
+        for seq in sorted([*ongoing, *self.waiting], key=self.prefill_rank):
+            if not builder.has_room:
+                return
+            if seq.status is SequenceStatus.RUNNING:
+                self._add_prefill_chunk(seq, builder)
+            elif admitting:  # a prompt that does not fit stops newer-ranked ones overtaking it for good
+                admitting = self._admit(seq, builder)
+
     def _schedule_partial_prefills(self, builder: BatchBuilder) -> None:
         for seq in self._idle_running():
             if seq.is_decode or seq.seq_id in builder.seq_ids or not builder.has_room:
@@ -221,25 +258,37 @@ class Scheduler(ABC):
             self._add_prefill_chunk(seq, builder)
 
     def _admit_waiting(self, builder: BatchBuilder) -> None:
-        """FCFS admission: the head of the queue blocks the rest if it does not fit."""
-        while self.waiting and builder.has_room and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
-            hit = self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens))
-            if not self.chunked_prefill and seq.num_tokens - hit.num_tokens > builder.tokens_left:
+        """Admission in queue order (arrival, or `prefill_rank` under `shortest`): the first prompt
+        that does not fit blocks the rest."""
+        if self.config.prefill_order == "fcfs":
+            queue = list(self.waiting)
+        else:
+            queue = sorted(self.waiting, key=self.prefill_rank)
+        for seq in queue:
+            if not (builder.has_room and self._admit(seq, builder)):
                 return
-            if not self.blocks.can_admit(seq.num_tokens, hit):
-                return
-            self.waiting.popleft()
-            self.blocks.allocate(seq.seq_id, seq.num_tokens, hit)
-            seq.num_computed_tokens = hit.num_tokens
-            seq.num_cached_tokens += hit.num_tokens
-            if seq.num_preemptions == 0:  # first admission: nothing of it computed by the request itself
-                seq.cached_prompt_tokens = hit.num_tokens
-            self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_tokens += hit.num_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._add_prefill_chunk(seq, builder)
+
+    def _admit(self, seq: Sequence, builder: BatchBuilder) -> bool:
+        """Move a waiting sequence to running with its blocks and first chunk; False if it does not fit."""
+        if len(self.running) >= self.config.max_running:
+            return False
+        hit = self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens))
+        if not self.chunked_prefill and seq.num_tokens - hit.num_tokens > builder.tokens_left:
+            return False
+        if not self.blocks.can_admit(seq.num_tokens, hit):
+            return False
+        self.waiting.remove(seq)
+        self.blocks.allocate(seq.seq_id, seq.num_tokens, hit)
+        seq.num_computed_tokens = hit.num_tokens
+        seq.num_cached_tokens += hit.num_tokens
+        if seq.num_preemptions == 0:  # first admission: nothing of it computed by the request itself
+            seq.cached_prompt_tokens = hit.num_tokens
+        self.prefix_query_tokens += seq.num_tokens
+        self.prefix_hit_tokens += hit.num_tokens
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add_prefill_chunk(seq, builder)
+        return True
 
     def _add_prefill_chunk(self, seq: Sequence, builder: BatchBuilder) -> None:
         if self.chunked_prefill:
@@ -265,5 +314,7 @@ def chunk_tokens(room: int, start: int, attention_cost: float) -> int:
         return room
     limit = room + attention_cost * room * room
     b = 1.0 + attention_cost * start
-    c = int((-b + math.sqrt(b * b + 4.0 * attention_cost * limit)) / (2.0 * attention_cost))
-    return max(1, min(room, c))
+    c = min(room, int((-b + math.sqrt(b * b + 4.0 * attention_cost * limit)) / (2.0 * attention_cost)))
+    while c > 1 and c + attention_cost * c * (start + c) > limit:  # the root's round-off for a tiny ρ
+        c -= 1
+    return max(1, c)

@@ -1,4 +1,5 @@
-"""The four batching policies compared in the Sarathi-Serve paper, all FCFS over one block manager."""
+"""The four batching policies compared in the Sarathi-Serve paper, over one block manager; each serves
+prompts in `SchedulerConfig.prefill_order` (arrival order by default)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ class SarathiScheduler(Scheduler):
 
     def _fill(self, builder: BatchBuilder) -> None:
         self._schedule_decodes(builder)
-        self._schedule_partial_prefills(builder)
-        self._admit_waiting(builder)
+        self._schedule_prefills(builder)
 
 
 class VLLMScheduler(Scheduler):
