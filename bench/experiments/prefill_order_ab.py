@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = peer.resolve_config(peer_args.parse_args(["--dtype", args.dtype, "--systems", "chariot"]))
     peer.ensure_model(cfg.model)
     qps_list = [float(q) for q in args.qps.split(",")]
+    setup = {**peer.setup_record(cfg), "qps": qps_list, "rounds": args.rounds}
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for order in (ORDERS if r % 2 == 0 else ORDERS[::-1]):
             rows += run_order(cfg, order, r, qps_list)
     args.out.mkdir(parents=True, exist_ok=True)
-    setup = {**peer.setup_record(cfg), "qps": qps_list, "rounds": args.rounds}
     (args.out / "prefill_order_ab.json").write_text(json.dumps({"setup": setup, "probes": rows}, indent=1))
     print(table(rows, qps_list))
     return 0

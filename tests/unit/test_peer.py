@@ -73,6 +73,7 @@ from chariot.bench.peer import (
     wait_idle,
     warm_up,
     with_vllm_allocator,
+    with_vllm_openmp,
 )
 from chariot.bench.traces import TRACES
 from chariot.cli.main import parser as chariot_parser
@@ -464,6 +465,26 @@ def test_ld_preload_puts_tcmalloc_first_and_keeps_what_was_there(tmp_path: Path,
     assert vllm_env(peer_cfg())["LD_PRELOAD"] == "/opt/trace.so"
     monkeypatch.delenv("LD_PRELOAD")
     assert "LD_PRELOAD" not in vllm_env(peer_cfg())
+
+
+def test_intel_openmp_comes_from_vllms_venv_after_tcmalloc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--vllm-openmp intel` preloads the venv's libiomp5 behind tcmalloc (the allocator must come
+    first); a venv without it fails naming the setting and the pip command; `gnu` preloads nothing."""
+    venv = tmp_path / "venv"
+    intel = peer_cfg(vllm_openmp="intel")
+    with pytest.raises(ConfigError) as err:
+        with_vllm_openmp(intel, venv)
+    assert err.value.field == "vllm_openmp" and "pip install intel-openmp" in err.value.message
+    iomp = fake_library(venv / "lib" / "libiomp5.so")
+    assert with_vllm_openmp(intel, venv).vllm_openmp_lib == iomp.resolve()
+    assert with_vllm_openmp(peer_cfg(), venv).vllm_openmp_lib is None
+    assert with_vllm_openmp(replace(intel, systems=("chariot",)), venv).vllm_openmp_lib is None
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
+    env = vllm_env(replace(intel, vllm_allocator=tcmalloc, vllm_openmp_lib=iomp))
+    assert env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
+    assert resolve_config(args("--vllm-openmp", "intel")).vllm_openmp == "intel"
+    assert resolve_config(args()).vllm_openmp == "gnu"
 
 
 # ---- repeated searches ---------------------------------------------------------------------------
