@@ -35,6 +35,9 @@ counts only the tokens a step happened to get (small at light load, large under 
 does not swing with the load: light load lays down the intercept, heavy load the slope. 0.0 until the
 steps span at least two batch sizes.
 
+Stalls: a step far slower than the step-cost line predicts, or a loop turn spending long outside
+the step while requests wait, is logged with its parts and the collector's share (`stalls.py`).
+
 Failure: the child exiting, a load error or an engine failure all set `failed` and resolve
 `wait_failed()`; streams in flight end with `EngineDeadError`. The child ignores SIGINT and SIGTERM
 (the front decides) and exits when told to or when the pipe closes, so it never outlives its front.
@@ -68,6 +71,7 @@ from chariot.worker.engine import Engine
 from chariot.worker.engine_output import StepResult
 from chariot.worker.kv_events import KVEventLog
 from chariot.worker.output_processor import OutputProcessor, run_step
+from chariot.worker.stalls import GcPauses, StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,8 @@ class EngineCore:
         self._meter = PrefillMeter()
         self._step_cost = StepCostMeter()
         self._live: set[str] = set()
+        self.stalls = StallWatch()
+        self.gc = GcPauses().install()
 
     @property
     def has_unfinished(self) -> bool:
@@ -165,10 +171,17 @@ class EngineCore:
 
     def step(self) -> tuple[StepResult, tuple[RequestOutput, ...]]:
         """schedule → execute → postprocess, then text and stop strings."""
+        gc_before = self.gc.total_s
         result, outputs = run_step(self.engine, self.processor)
-        if result.batch is not None:
-            self._meter.record(result.batch.num_prefill_tokens, result.times.total)
-            self._step_cost.record(result.batch.num_tokens, result.times.total)
+        batch, times = result.batch, result.times
+        if batch is not None:
+            expected = self._step_cost.step_seconds(batch.num_tokens)
+            self.stalls.step(times.total, expected, self.gc.total_s - gc_before,
+                             f"{batch.num_tokens} tokens ({batch.num_prefill_tokens} prompt, {batch.num_decodes} "
+                             f"decodes): schedule {times.schedule * 1e3:.0f}, prepare {times.prepare * 1e3:.0f}, "
+                             f"execute {times.execute * 1e3:.0f}, postprocess {times.postprocess * 1e3:.0f} ms")
+            self._meter.record(batch.num_prefill_tokens, times.total)
+            self._step_cost.record(batch.num_tokens, times.total)
         return result, self._track(outputs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -212,6 +225,7 @@ class EngineCore:
         return dataclasses.replace(stats, extra={**stats.extra, **measured})
 
     def shutdown(self) -> None:
+        self.gc.uninstall()
         try:
             self.engine.shutdown()
         except Exception:
@@ -335,11 +349,14 @@ class _CoreLoop:
     def run(self) -> None:
         last_health = time.monotonic()
         while True:
-            messages = self._receive(0.0 if self.core.has_unfinished else HEALTH_POLL_S)
+            busy = self.core.has_unfinished  # work queued: time outside the step is a gap in its tokens
+            started, gc_before = time.perf_counter(), self.core.gc.total_s
+            messages = self._receive(0.0 if busy else HEALTH_POLL_S)
             if any(isinstance(m, ShutdownCore) for m in messages):
                 return
             for message in messages:
                 self._apply(message)
+            received, gc_received = time.perf_counter(), self.core.gc.total_s
             step: StepResult | None = None
             if self.core.has_unfinished:
                 try:
@@ -351,9 +368,19 @@ class _CoreLoop:
             elif not messages or time.monotonic() - last_health >= HEALTH_POLL_S:
                 last_health = time.monotonic()
                 self._outputs.extend(self.core.check_health())
+            stepped, gc_stepped = time.perf_counter(), self.core.gc.total_s
             if messages or step is not None or self._outputs:
                 self._send_turn(step)
             self._notice_failure()
+            if busy:
+                gc_outside = (gc_received - gc_before) + (self.core.gc.total_s - gc_stepped)
+                self._watch_gap(received - started, time.perf_counter() - stepped, len(messages), gc_outside)
+
+    def _watch_gap(self, receive_s: float, send_s: float, messages: int, gc_s: float) -> None:
+        """The turn's time outside the step, while requests waited for their next token."""
+        self.core.stalls.loop_gap(receive_s + send_s, gc_s, f"receiving and applying {messages} messages "
+                                                            f"{receive_s * 1e3:.0f} ms, sending the step's outputs "
+                                                            f"{send_s * 1e3:.0f} ms")
 
     def _receive(self, timeout: float) -> list[object]:
         """Every message waiting (after up to `timeout` s for the first); EOFError once the pipe closed."""
