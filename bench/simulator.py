@@ -27,6 +27,7 @@ from pathlib import Path
 
 from chariot.bench.capacity import CapacityResult, RequestTrace, RunMetrics, search_capacity
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
+from chariot.contracts.engine_settings import PREFILL_ORDER
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.budget import BatchShape, CostModel, load_profile
@@ -212,10 +213,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="max_model_len and trace length cap (default: chat 2048, arxiv 4096)")
     p.add_argument("--kv-cache-tokens", type=int, default=64 * 1024)
     p.add_argument("--max-batch-size", type=int, default=128)
+    p.add_argument("--prefill-order", choices=PREFILL_ORDER.choices, default=PREFILL_ORDER.default,
+                   help="the engine's --prefill-order")
     args = p.parse_args(argv)
     model = load_cost_model(args.profile)
     cfg = SimConfig(max_model_len=args.max_len or BENCH_MAX_LEN[args.trace], kv_cache_tokens=args.kv_cache_tokens,
-                    max_batch_size=args.max_batch_size, attention_cost=profile_attention_cost(args.profile))
+                    max_batch_size=args.max_batch_size, attention_cost=profile_attention_cost(args.profile),
+                    prefill_order=args.prefill_order)
     print(f"{args.trace} trace ×{args.scale}, {args.requests} requests, P99 TBT ≤ {args.tbt_slo_ms:g} ms\n")
     print("| policy | budget | predicted capacity (QPS) | search |")
     print("|---|---:|---:|---|")

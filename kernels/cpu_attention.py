@@ -24,14 +24,15 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from chariot.kernels import cpu_build
 from chariot.kernels.attention import AttentionBackend, AttentionMetadata, FunctionBackend
 from chariot.kernels.cpu_build import CACHE_ENV, build_dir, load_ops
 from chariot.kernels.cpu_layer_ops import write_kv
 
-__all__ = ["BACKEND", "CACHE_ENV", "bf16_dot_tiles", "build_problem", "cache_dir", "load_kernel", "paged_attention",
-           "write_kv"]
+__all__ = ["BACKEND", "CACHE_ENV", "amx_tiles", "bf16_dot_tiles", "build_problem", "cache_dir", "load_kernel",
+           "paged_attention", "sdpa_prefill", "sdpa_prefills", "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 STEM = "cpu_attention"
@@ -66,6 +67,21 @@ def build_problem() -> str | None:
     return cpu_build.build_problem(load_kernel, "C++ attention kernel")
 
 
+@cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (`amx_bf16`), which oneDNN's bf16 GEMMs, and so PyTorch's flash
+    attention, run on."""
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def sdpa_prefills(dtype: torch.dtype) -> bool:
+    """Whether prompt chunks go to PyTorch's flash attention (`sdpa_prefill`) instead of this kernel:
+    for bf16 and fp16 on a CPU with AMX tiles. There its blocked GEMMs run on the tiles, 2.6–3.5× this
+    kernel's VDPBF16PS dot products on 512- to 1,536-token chunks (docs/kernels.md); decodes, bound by
+    reading the cache, stay on the kernel."""
+    return dtype in (torch.bfloat16, torch.float16) and amx_tiles()
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -73,26 +89,66 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernel: KernelFn | None = None,
+    prefill_sdpa: bool | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (see `attention.py`).
 
     Output is contiguous, in the query's dtype; K/V may be fp32, bf16 or fp16 (computed in fp32).
-    `kernel`: a `load_kernel(source)` build to run instead of the current one.
+    `kernel`: a `load_kernel(source)` build to run instead of the current one. `prefill_sdpa`: whether
+    prompt chunks take `sdpa_prefill` (None: `sdpa_prefills` decides, and only for the current build).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
+    if prefill_sdpa is None:
+        prefill_sdpa = kernel is None and sdpa_prefills(query.dtype)
+    nd = meta.num_decodes
+    if not prefill_sdpa or nd == meta.num_seqs:
+        _run_kernel(kernel, query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                    scale, out)
+        return out
+    if nd:
+        _run_kernel(kernel, query[:nd], k_cache, v_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
+                    meta.block_tables[:nd], scale, out[:nd])
+    sdpa_prefill(query, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def sdpa_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, out: torch.Tensor) -> None:
+    """The prompt chunks of a batch (sequences `num_decodes` onwards) through PyTorch's SDPA, one
+    sequence at a time: its context gathered out of the paged cache (a copy of K and V, small next to
+    the attention), GQA by `enable_gqa`, causal from the chunk's first position. Writes `out`'s rows."""
+    block = k_cache.shape[1]
+    for i in range(meta.num_decodes, meta.num_seqs):
+        q_len, s_len = meta.query_lens[i], meta.seq_lens_list[i]
+        start = int(meta.query_start_loc[i])
+        blocks = meta.block_tables[i, : -(-s_len // block)].long()
+        k = k_cache[blocks].flatten(0, 1)[:s_len].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, s_len, d]
+        v = v_cache[blocks].flatten(0, 1)[:s_len].transpose(0, 1).unsqueeze(0)
+        q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
+        context = s_len - q_len
+        mask = None
+        if context:  # the chunk's i-th token sees the context and the chunk up to itself
+            mask = torch.arange(s_len).view(1, -1) <= torch.arange(context, s_len).view(-1, 1)
+        attended = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                  is_causal=not context, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = attended[0].transpose(0, 1)
+
+
+def _run_kernel(kernel: KernelFn | None, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
     (kernel or load_kernel())(
         _unit_stride(query),
         _unit_stride(k_cache),
         _unit_stride(v_cache),
-        _int32(meta.query_start_loc),
-        _int32(meta.seq_lens),
-        _int32(meta.block_tables),
+        _int32(query_start_loc),
+        _int32(seq_lens),
+        _int32(block_tables),
         float(scale),
         out,
     )
-    return out
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 
 from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
-from chariot.kernels.cpu_attention import SOURCE, bf16_dot_tiles, load_kernel, paged_attention
+from chariot.kernels.cpu_attention import (
+    SOURCE,
+    amx_tiles,
+    bf16_dot_tiles,
+    load_kernel,
+    paged_attention,
+    sdpa_prefills,
+)
 from tests.kernel_builds import vector_256_source
 
 pytestmark = pytest.mark.slow  # the first test in a fresh cache compiles the extension
@@ -163,6 +170,34 @@ def test_bf16_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: i
     rounding = (exact.bfloat16().float() - exact).abs().max()
     assert (ours.float() - exact).abs().max() <= 3 * rounding
     torch.testing.assert_close(ours.float(), exact, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("case", list(BF16_CASES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 64), (8, 2, 64), (4, 1, 80)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prompt_chunks_through_flash_sdpa_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int,
+                                                          dtype: torch.dtype) -> None:
+    """The route an AMX machine takes for bf16/fp16 prompt chunks (`prefill_sdpa=True`, forced here
+    on any CPU): decodes on the kernel, each chunk through PyTorch's SDPA over its context gathered
+    from the paged cache. Within a few roundings of fp32 SDPA, and NaN in unused slots (past a
+    sequence's end in its last block, other sequences' blocks) never reaches the output."""
+    q_lens, ctx = BF16_CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, 16, dtype, seed=dim + heads + len(case))
+    scale = 1 / math.sqrt(dim)
+    ours = paged_attention(query, k, v, meta, scale, prefill_sdpa=True)
+    assert ours.dtype == dtype and not ours.isnan().any()
+    exact = sdpa_oracle(query, k, v, meta, scale)
+    rounding = (exact.to(dtype).float() - exact).abs().max()
+    assert (ours.float() - exact).abs().max() <= 4 * rounding
+    kernel_only = paged_attention(query, k, v, meta, scale, prefill_sdpa=False)
+    decodes = int(meta.query_start_loc[meta.num_decodes])
+    assert torch.equal(ours[:decodes], kernel_only[:decodes])  # decodes never leave the kernel
+
+
+def test_only_reduced_precision_on_amx_tiles_routes_chunks_to_sdpa() -> None:
+    assert not sdpa_prefills(torch.float32)
+    assert sdpa_prefills(torch.bfloat16) == sdpa_prefills(torch.float16) == amx_tiles()
+    assert amx_tiles() == ("amx_tile" in Path("/proc/cpuinfo").read_text())
 
 
 @pytest.mark.parametrize("case", ["decodes-across-tiles", "odd-key-tiles", "long-chunk-many-tiles", "mixed"])

@@ -40,7 +40,7 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(caplog: pytes
     clock = Clock()
     watch = StallWatch(interval_s=10.0, clock=clock)
     with caplog.at_level(logging.WARNING, logger="chariot.worker.stalls"):
-        watch.step(1.2, 0.4, 0.3, "512 tokens")
+        watch.step(1.3, 0.4, 0.3, "512 tokens")
         clock.now = 3.0
         watch.loop_gap(0.5, 0.0, "sending")
         watch.step(2.0, 0.4, 0.0, "400 tokens")
@@ -48,7 +48,7 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(caplog: pytes
         watch.step(1.5, 0.4, 0.0, "256 tokens")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and watch.count == 4
-    assert lines[0] == ("engine step stall: 1200 ms, fitted 400 ms; 512 tokens; garbage collection 300 ms of it")
+    assert lines[0] == "engine step stall: 1300 ms, fitted 400 ms; 512 tokens; garbage collection 300 ms of it"
     assert lines[1].startswith("engine step stall: 1500 ms") and lines[1].endswith("(2 more since the last report)")
 
 
