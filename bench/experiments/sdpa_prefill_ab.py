@@ -60,7 +60,7 @@ def main(dtype: str, out_dir: Path) -> None:
             llm.generate(fresh_prompts(lengths, 8192, f"sdpa-ab/{r}"), [params(n) for n in outputs])
             walls[name].append(time.perf_counter() - t0)
             print(f"round {r + 1} {name}: {walls[name][-1]:.1f} s", flush=True)
-    cpu_attention.sdpa_prefills = routed  # type: ignore[assignment]
+    cpu_attention.sdpa_prefills = routed
     med = {name: statistics.median(w) for name, w in walls.items()}
     same = sum(a == b for a, b in zip(tokens["kernel"], tokens["sdpa"], strict=True))
     print(f"median wall: kernel {med['kernel']:.1f} s, sdpa {med['sdpa']:.1f} s ({med['kernel'] / med['sdpa']:.2f}x); "
