@@ -96,13 +96,18 @@ class Baseline:
     layout: str
 
 
-def measure(reps: int, baseline: Baseline | None = None) -> list[dict[str, object]]:
+def measure(reps: int, baseline: Baseline | None = None, dtype: torch.dtype = torch.float32,
+            ) -> list[dict[str, object]]:
+    """Each shape through the reference and the kernel (and the baseline build); in bf16/fp16 also
+    through the route that sends prompt chunks to PyTorch's flash SDPA (`sdpa_prefill_ms`)."""
     rows = []
     with torch.inference_mode():
         for shape in SHAPES:
-            q, k, v, meta = make_problem(shape)
+            q, k, v, meta = make_problem(shape, dtype)
             fns = [lambda: reference.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
-                   lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE)]  # noqa: B023
+                   lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prefill_sdpa=False)]  # noqa: B023
+            if dtype != torch.float32:
+                fns.append(lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prefill_sdpa=True))  # noqa: B023
             if baseline:
                 bk, bv = (slot_major(k), slot_major(v)) if baseline.layout == "slot-major" else (k, v)
                 fns.append(lambda: cpu_attention.paged_attention(q, bk, bv, meta, SCALE,  # noqa: B023
@@ -115,10 +120,14 @@ def measure(reps: int, baseline: Baseline | None = None) -> list[dict[str, objec
                    "speedup": ref_s / cpu_s, "max_abs_diff": errs[0]}
             line = (f"{shape.name:52s} reference {ref_s * 1e3:8.2f} ms  kernel {cpu_s * 1e3:8.2f} ms  "
                     f"{ref_s / cpu_s:5.2f}x  (max |diff| {errs[0]:.1e})")
+            if dtype != torch.float32:
+                sdpa_s = times[2]
+                row.update(sdpa_prefill_ms=sdpa_s * 1e3, kernel_over_sdpa=cpu_s / sdpa_s, sdpa_max_abs_diff=errs[1])
+                line += f"  sdpa route {sdpa_s * 1e3:8.2f} ms ({cpu_s / sdpa_s:4.2f}x)"
             if baseline:
-                row.update(baseline_ms=times[2] * 1e3, speedup_vs_baseline=times[2] / cpu_s,
-                           baseline_max_abs_diff=errs[1])
-                line += f"  baseline {times[2] * 1e3:8.2f} ms ({times[2] / cpu_s:4.2f}x)"
+                b = times[-1]
+                row.update(baseline_ms=b * 1e3, speedup_vs_baseline=b / cpu_s, baseline_max_abs_diff=errs[-1])
+                line += f"  baseline {b * 1e3:8.2f} ms ({b / cpu_s:4.2f}x)"
             rows.append(row)
             print(line, flush=True)
     return rows
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", default="bench/results/cpu_attention.json")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="query and cache dtype (bf16/fp16 also time the flash-SDPA route for prompt chunks)")
     parser.add_argument("--baseline-source", type=Path, default=None,
                         help="another revision of csrc/paged_attention.cpp to time against the current kernel")
     parser.add_argument("--baseline-layout", choices=("engine", "slot-major"), default="engine",
@@ -142,12 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_source:
         print(f"loading the baseline kernel {args.baseline_source} ...", flush=True)
         baseline = Baseline(cpu_attention.load_kernel(args.baseline_source.resolve()), args.baseline_layout)
-    record = {"machine": cpu_record(), "reps": args.reps, "dtype": "float32",
+    dtype = getattr(torch, args.dtype)
+    record = {"machine": cpu_record(), "reps": args.reps, "dtype": args.dtype,
               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK},
               "cache_layout": "engine (empty_kv_cache)",
               "baseline": None if baseline is None else {"source": str(args.baseline_source),
                                                          "layout": baseline.layout},
-              "rows": measure(args.reps, baseline)}
+              "rows": measure(args.reps, baseline, dtype)}
     save_record(args.out, record)
     return 0
 
