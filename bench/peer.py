@@ -205,6 +205,14 @@ def resolve_config(args: argparse.Namespace) -> PeerConfig:
     return cfg
 
 
+def config_from_flags(flags: Sequence[str]) -> PeerConfig:
+    """The configuration `chariot bench peer` would run with these flags (for experiments that start
+    the servers the way it does)."""
+    p = argparse.ArgumentParser()
+    add_peer_args(p)
+    return resolve_config(p.parse_args(list(flags)))
+
+
 def validate(cfg: PeerConfig) -> None:
     """Range checks; each error names the field and its limit."""
     checks: list[tuple[bool, str, str]] = [

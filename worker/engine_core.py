@@ -63,7 +63,7 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeAlias
 
 from chariot.contracts.errors import EngineDeadError, InvalidRequestError
-from chariot.contracts.outputs import EngineStats, RequestOutput
+from chariot.contracts.outputs import EngineStats, IterationTimes, RequestOutput
 from chariot.contracts.proto_codec import BUDGET_TOKENS_PER_S, PREFILL_TOKENS_PER_S
 from chariot.contracts.requests import Prompt
 from chariot.contracts.sampling_params import SamplingParams
@@ -71,6 +71,7 @@ from chariot.worker.engine import Engine
 from chariot.worker.engine_output import StepResult
 from chariot.worker.kv_events import KVEventLog
 from chariot.worker.output_processor import OutputProcessor, run_step
+from chariot.worker.scheduler import SchedulerOutput
 from chariot.worker.stalls import GcPauses, StallWatch
 
 log = logging.getLogger(__name__)
@@ -175,11 +176,8 @@ class EngineCore:
         result, outputs = run_step(self.engine, self.processor)
         batch, times = result.batch, result.times
         if batch is not None:
-            expected = self._step_cost.step_seconds(batch.num_tokens)
-            self.stalls.step(times.total, expected, self.gc.total_s - gc_before,
-                             f"{batch.num_tokens} tokens ({batch.num_prefill_tokens} prompt, {batch.num_decodes} "
-                             f"decodes): schedule {times.schedule * 1e3:.0f}, prepare {times.prepare * 1e3:.0f}, "
-                             f"execute {times.execute * 1e3:.0f}, postprocess {times.postprocess * 1e3:.0f} ms")
+            self.stalls.step(times.total, lambda: self._step_cost.step_seconds(batch.num_tokens),
+                             self.gc.total_s - gc_before, lambda: _step_parts(batch, times))
             self._meter.record(batch.num_prefill_tokens, times.total)
             self._step_cost.record(batch.num_tokens, times.total)
         return result, self._track(outputs)
@@ -240,6 +238,13 @@ class EngineCore:
             if out.finished:
                 self._live.discard(out.request_id)
         return outputs
+
+
+def _step_parts(batch: SchedulerOutput, times: IterationTimes) -> str:
+    """A step's batch and the wall time of its parts, for a stall line."""
+    return (f"{batch.num_tokens} tokens ({batch.num_prefill_tokens} prompt, {batch.num_decodes} decodes): "
+            f"schedule {times.schedule * 1e3:.0f}, prepare {times.prepare * 1e3:.0f}, execute "
+            f"{times.execute * 1e3:.0f}, postprocess {times.postprocess * 1e3:.0f} ms")
 
 
 # ---- delivery to asyncio consumers -------------------------------------------------------------
@@ -378,9 +383,9 @@ class _CoreLoop:
 
     def _watch_gap(self, receive_s: float, send_s: float, messages: int, gc_s: float) -> None:
         """The turn's time outside the step, while requests waited for their next token."""
-        self.core.stalls.loop_gap(receive_s + send_s, gc_s, f"receiving and applying {messages} messages "
-                                                            f"{receive_s * 1e3:.0f} ms, sending the step's outputs "
-                                                            f"{send_s * 1e3:.0f} ms")
+        self.core.stalls.loop_gap(receive_s + send_s, gc_s, lambda: f"receiving and applying {messages} messages "
+                                                                    f"{receive_s * 1e3:.0f} ms, sending the step's "
+                                                                    f"outputs {send_s * 1e3:.0f} ms")
 
     def _receive(self, timeout: float) -> list[object]:
         """Every message waiting (after up to `timeout` s for the first); EOFError once the pipe closed."""

@@ -79,19 +79,26 @@ class StallWatch:
         self._unreported = 0
         self._last_report: float | None = None
 
-    def step(self, seconds: float, expected_s: float, gc_s: float, detail: str) -> Stall | None:
-        """A step of `seconds` whose batch the step-cost line puts at `expected_s` (0 when unfitted:
-        then only a step of `factor` × `min_s` counts)."""
-        bar = max(self.min_s, self.factor * expected_s) if expected_s > 0 else self.factor * self.min_s
-        return self._check(Stall("step", seconds, expected_s, gc_s, detail), bar)
-
-    def loop_gap(self, seconds: float, gc_s: float, detail: str) -> Stall | None:
-        """Time a loop turn spent outside the step while requests were queued."""
-        return self._check(Stall("loop", seconds, 0.0, gc_s, detail), self.min_s)
-
-    def _check(self, stall: Stall, bar: float) -> Stall | None:
-        if stall.seconds < bar:
+    def step(self, seconds: float, expected_s: Callable[[], float], gc_s: float,
+             detail: Callable[[], str]) -> Stall | None:
+        """A step of `seconds` whose batch the step-cost line puts at `expected_s()` (0 when unfitted:
+        then only a step of `factor` × `min_s` counts). The fit and the text are computed only for a
+        step past `min_s`: this runs on every step."""
+        if seconds < self.min_s:
             return None
+        expected = expected_s()
+        bar = max(self.min_s, self.factor * expected) if expected > 0 else self.factor * self.min_s
+        return self._check("step", seconds, bar, expected, gc_s, detail)
+
+    def loop_gap(self, seconds: float, gc_s: float, detail: Callable[[], str]) -> Stall | None:
+        """Time a loop turn spent outside the step while requests were queued."""
+        return self._check("loop", seconds, self.min_s, 0.0, gc_s, detail)
+
+    def _check(self, kind: str, seconds: float, bar: float, expected_s: float, gc_s: float,
+               detail: Callable[[], str]) -> Stall | None:
+        if seconds < bar:
+            return None
+        stall = Stall(kind, seconds, expected_s, gc_s, detail())
         self.count += 1
         now = self._clock()
         if self._last_report is not None and now - self._last_report < self.interval_s:

@@ -10,7 +10,7 @@ orders alternating (A B, B A, …), and sends each of them the same probes: the 
 each QPS with the same fresh prompt contents, from the peer benchmark's streaming client, never cut
 short. Per probe: TTFT p50/p90/p99/max, TTFT p50 of the longest quarter of prompts, TBT p50/p99.
 
-    .venv/bin/python -m chariot.bench.experiments.prefill_order_ab --qps 0.75,1.0 --rounds 2 --out DIR
+    .venv/bin/python -m chariot.bench.experiments.prefill_order_ab --qps 1.25,1.5 --rounds 2 --out DIR
 
 Writes DIR/prefill_order_ab.json and prints a Markdown table of each order's medians over rounds.
 """
@@ -84,14 +84,12 @@ def table(rows: list[dict[str, Any]], qps_list: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chariot.bench.experiments.prefill_order_ab",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--qps", default="0.75,1.0", help="probe loads, comma separated (default 0.75,1.0)")
+    p.add_argument("--qps", default="1.25,1.5", help="probe loads, comma separated (default 1.25,1.5)")
     p.add_argument("--rounds", type=int, default=2, help="rounds, the orders alternating (default 2)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
-    peer_args = argparse.ArgumentParser()
-    peer.add_peer_args(peer_args)
-    cfg = peer.resolve_config(peer_args.parse_args(["--dtype", args.dtype, "--systems", "chariot"]))
+    cfg = peer.config_from_flags(["--dtype", args.dtype, "--systems", "chariot"])
     peer.ensure_model(cfg.model)
     qps_list = [float(q) for q in args.qps.split(",")]
     setup = {**peer.setup_record(cfg), "qps": qps_list, "rounds": args.rounds}

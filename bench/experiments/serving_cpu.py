@@ -18,7 +18,6 @@ OUT_DIR/serving_cpu_<dtype>.json (OUT_DIR defaults to the current directory).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -96,10 +95,8 @@ def main(rounds: int, dtype: str, out_dir: Path) -> None:
     from chariot.bench import peer
     from chariot.bench.linear_bench import cpu_record
 
-    p = argparse.ArgumentParser()
-    peer.add_peer_args(p)
-    cfg = peer.resolve_config(p.parse_args(["--model", str(MODEL), "--dtype", dtype,
-                                            "--out", tempfile.mkdtemp(prefix="serving-cpu-")]))
+    cfg = peer.config_from_flags(["--model", str(MODEL), "--dtype", dtype,
+                                  "--out", tempfile.mkdtemp(prefix="serving-cpu-")])
     cfg = peer.with_vllm_allocator(cfg)  # tcmalloc preloaded, as the peer benchmark runs vLLM
     servers: dict[str, AbstractContextManager[peer.Server]] = {
         "chariot": peer.chariot_server(cfg), "vllm": peer.vllm_server(cfg)}

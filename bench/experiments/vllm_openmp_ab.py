@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
-    peer_args = argparse.ArgumentParser()
-    peer.add_peer_args(peer_args)
-    cfg = peer.with_vllm_allocator(peer.resolve_config(peer_args.parse_args(
-        ["--dtype", args.dtype, "--systems", "vllm", "--out", str(args.out)])))
+    cfg = peer.with_vllm_allocator(peer.config_from_flags(
+        ["--dtype", args.dtype, "--systems", "vllm", "--out", str(args.out)]))
     peer.ensure_model(cfg.model)
     peer.ensure_vllm()
     setup = {**peer.setup_record(cfg), "qps": args.qps, "rounds": args.rounds}

@@ -44,6 +44,7 @@ from chariot.bench.peer import (
     common_load,
     comparison,
     compose_preload,
+    config_from_flags,
     find_tcmalloc,
     flag_probes,
     format_capacity,
@@ -483,8 +484,8 @@ def test_intel_openmp_comes_from_vllms_venv_after_tcmalloc(tmp_path: Path, monke
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
     env = vllm_env(replace(intel, vllm_allocator=tcmalloc, vllm_openmp_lib=iomp))
     assert env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
-    assert resolve_config(args("--vllm-openmp", "intel")).vllm_openmp == "intel"
-    assert resolve_config(args()).vllm_openmp == "gnu"
+    assert config_from_flags(["--vllm-openmp", "intel"]).vllm_openmp == "intel"
+    assert config_from_flags([]).vllm_openmp == "gnu"
 
 
 # ---- repeated searches ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,22 @@ class Clock:
 
 def test_a_step_is_a_stall_at_three_times_its_fitted_cost_and_never_under_the_floor() -> None:
     watch = StallWatch(factor=3.0, min_s=0.25, clock=Clock())
-    assert watch.step(0.29, 0.1, 0.0, "") is None  # under 3 × 100 ms
-    assert watch.step(0.31, 0.1, 0.0, "") is not None
-    assert watch.step(0.2, 0.01, 0.0, "") is None  # 20× a 10 ms step, but under the 250 ms floor
-    assert watch.step(0.7, 0.0, 0.0, "") is None  # nothing fitted yet: only 3 × the floor counts
-    assert watch.step(0.8, 0.0, 0.0, "") is not None
-    assert watch.loop_gap(0.24, 0.0, "") is None and watch.loop_gap(0.26, 0.0, "") is not None
+    fits: list[float] = []  # every fit the watch asked for
+
+    def fitted(seconds: float) -> Callable[[], float]:
+        def expected() -> float:
+            fits.append(seconds)
+            return seconds
+        return expected
+
+    assert watch.step(0.29, fitted(0.1), 0.0, str) is None  # under 3 × 100 ms
+    assert watch.step(0.31, fitted(0.1), 0.0, str) is not None
+    assert watch.step(0.7, fitted(0.0), 0.0, str) is None  # nothing fitted yet: only 3 × the floor counts
+    assert watch.step(0.8, fitted(0.0), 0.0, str) is not None
+    assert len(fits) == 4
+    assert watch.step(0.2, fitted(0.01), 0.0, str) is None  # 20× a 10 ms step, but under the 250 ms floor
+    assert len(fits) == 4, "a step under the floor must not pay for the fit"
+    assert watch.loop_gap(0.24, 0.0, str) is None and watch.loop_gap(0.26, 0.0, str) is not None
     assert watch.count == 3
 
 
@@ -40,12 +51,12 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(caplog: pytes
     clock = Clock()
     watch = StallWatch(interval_s=10.0, clock=clock)
     with caplog.at_level(logging.WARNING, logger="chariot.worker.stalls"):
-        watch.step(1.3, 0.4, 0.3, "512 tokens")
+        watch.step(1.3, lambda: 0.4, 0.3, lambda: "512 tokens")
         clock.now = 3.0
-        watch.loop_gap(0.5, 0.0, "sending")
-        watch.step(2.0, 0.4, 0.0, "400 tokens")
+        watch.loop_gap(0.5, 0.0, lambda: "sending")
+        watch.step(2.0, lambda: 0.4, 0.0, lambda: "400 tokens")
         clock.now = 11.0
-        watch.step(1.5, 0.4, 0.0, "256 tokens")
+        watch.step(1.5, lambda: 0.4, 0.0, lambda: "256 tokens")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and watch.count == 4
     assert lines[0] == "engine step stall: 1300 ms, fitted 400 ms; 512 tokens; garbage collection 300 ms of it"
