@@ -17,9 +17,11 @@ import hashlib
 from array import array
 from collections.abc import Iterator, Sequence
 
-from chariot.contracts.engine_settings import BLOCK_SIZE
+from chariot.contracts.engine_settings import default_block_size
 
-DEFAULT_BLOCK_SIZE: int = BLOCK_SIZE.default
+DEFAULT_BLOCK_SIZE: int = default_block_size("cpu")
+"""The block size of the embedded default's CPU workers; a router's index takes each replica's own from
+its KV events."""
 HASH_BYTES = 16
 ROOT = b""
 """The parent of a sequence's first block."""

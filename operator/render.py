@@ -266,12 +266,14 @@ def engine_args(spec: Spec, source: ModelSource) -> list[str]:
     """`chariot worker` flags shared by every stage of a group (docs/cli-contract.md)."""
     s = spec.scheduler
     args = ["--model", source.path, "--policy", s.policy, "--max-batch-size", str(s.max_batch_size),
-            "--block-size", str(s.block_size), "--prefill-order", s.prefill_order,
+            "--prefill-order", s.prefill_order,
             "--dtype", spec.model.dtype, "--stages", str(spec.pipeline),
             "--device", "cuda" if spec.resources.gpus_per_stage > 0 else "cpu"]
     # The TBT SLO always goes to the router (admission). Workers get an explicit budget, or derive it
     # from the SLO with a `chariot tune` profile (validated: only with tbtMs and without tokenBudget),
     # or keep the policy's default.
+    if s.block_size is not None:  # unset: the worker picks its device's default
+        args += ["--block-size", str(s.block_size)]
     if s.token_budget is not None:
         args += ["--token-budget", str(s.token_budget)]
     elif s.tune_profile is not None and spec.tbt_slo_ms is not None:

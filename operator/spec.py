@@ -76,7 +76,7 @@ class SchedulerSpec:
     policy: str = settings.POLICY.crd_default()
     token_budget: int | None = settings.TOKEN_BUDGET.crd_default()
     max_batch_size: int = settings.MAX_BATCH_SIZE.crd_default()
-    block_size: int = settings.BLOCK_SIZE.crd_default()
+    block_size: int | None = settings.BLOCK_SIZE.crd_default()
     tune_profile: str | None = None
     prefill_order: str = settings.PREFILL_ORDER.crd_default()
 
@@ -363,7 +363,7 @@ def _from_dict(v: dict[str, Any]) -> Spec:
         replicas=v["replicas"], pipeline=p["pipeline"], tensor=p["tensor"],
         rendezvous_timeout_s=p["rendezvousTimeoutSeconds"], max_surge=v["rollout"]["maxSurge"],
         scheduler=SchedulerSpec(policy=s["policy"], token_budget=s.get("tokenBudget"),
-                                max_batch_size=s["maxBatchSize"], block_size=s["blockSize"],
+                                max_batch_size=s["maxBatchSize"], block_size=s.get("blockSize"),
                                 tune_profile=s.get("tuneProfile"), prefill_order=s["prefillOrder"]),
         ttft_slo_ms=slo.get("ttftMs"), tbt_slo_ms=slo.get("tbtMs"),
         resources=ResourceSpec(gpus_per_stage=r["gpusPerStage"], cpu=str(r["cpu"]), memory=str(r["memory"]),

@@ -193,6 +193,7 @@ class EngineConfig:
     (`engine.schedules_ahead`, `SchedulerConfig.ahead`).
     `prefill_order` picks which prompts get the budget left after the decodes
     (`SchedulerConfig.prefill_order`).
+    `block_size=None` picks the device's KV-cache block size (`block_tokens`).
     """
 
     model: str
@@ -203,7 +204,7 @@ class EngineConfig:
     pipeline_stages: int = settings.PIPELINE_STAGES.default
     tensor_parallel_size: int = settings.TENSOR_PARALLEL_SIZE.default
     dtype: str = settings.DTYPE.default
-    block_size: int = settings.BLOCK_SIZE.default
+    block_size: int | None = settings.BLOCK_SIZE.default
     kv_cache_tokens: int | None = settings.KV_CACHE_TOKENS.default
     kv_cache_memory_fraction: float = settings.KV_CACHE_MEMORY_FRACTION.default
     max_model_len: int | None = settings.MAX_MODEL_LEN.default
@@ -224,6 +225,14 @@ class EngineConfig:
             problem = setting.problem(getattr(self, setting.name))
             if problem is not None:
                 raise ConfigError(setting.name, problem)
+
+    @property
+    def block_tokens(self) -> int:
+        """The KV-cache block size: `block_size`, or when unset the device's default
+        (`engine_settings.default_block_size`: 128 tokens on a CPU, 16 on a GPU)."""
+        if self.block_size is not None:
+            return self.block_size
+        return settings.default_block_size(self.device)
 
     @property
     def world_size(self) -> int:

@@ -94,7 +94,7 @@ class Engine:
         self.executor, num_blocks = self._make_executor(topology, progress, peer_check)
         self.ahead = schedules_ahead(config, self.device)
         self._depth = 2 if self.ahead else self.executor.max_in_flight  # batches in flight at once
-        self.blocks = BlockManager(num_blocks, config.block_size, config.watermark, config.prefix_caching)
+        self.blocks = BlockManager(num_blocks, config.block_tokens, config.watermark, config.prefix_caching)
         self.scheduler = make_scheduler(
             SchedulerConfig(config.policy, self.token_budget, config.max_batch_size, self.max_model_len,
                             self.model_config.attention_cost if config.attention_aware_chunks else 0.0,

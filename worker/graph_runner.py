@@ -139,7 +139,7 @@ class GraphPlan:
         if mode is GraphMode.EAGER:
             log.info("cuda_graphs=on: decode buckets run eagerly, nothing is captured (%s)", problem)
         return cls(mode, batch_buckets(resolved.engine.max_batch_size), resolved.max_model_len,
-                   resolved.engine.block_size, resolved.dtype)
+                   resolved.engine.block_tokens, resolved.dtype)
 
     @property
     def table_width(self) -> int:

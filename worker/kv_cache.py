@@ -63,8 +63,8 @@ class KVCache:
                 budget //= shard.size  # the ranks of a stage share one machine's memory
             tokens = budget // bytes_per_token(resolved.model, num_layers, resolved.dtype, shard)
             field = "kv_cache_memory_fraction"
-        blocks = tokens // config.block_size
-        needed = -(-resolved.max_model_len // config.block_size)
+        blocks = tokens // config.block_tokens
+        needed = -(-resolved.max_model_len // config.block_tokens)
         if config.kv_cache_tokens is None and resolved.device.type == "cpu":
             # On the CPU the share of RAM is no device reserved for the cache: hold no more than the
             # batch can ever use (every sequence at max_model_len, plus the watermark's share).
@@ -90,7 +90,7 @@ class KVCache:
     def allocate(cls, resolved: ResolvedConfig, num_layers: int, num_blocks: int, shard: Shard = NO_SHARD,
                  scratch_block: bool = False) -> KVCache:
         """`num_blocks` blocks per layer, and one more past them as the scratch block if `scratch_block`."""
-        block_size = resolved.engine.block_size
+        block_size = resolved.engine.block_tokens
         layers = allocate_kv_caches(resolved.model, num_layers, num_blocks + int(scratch_block), block_size,
                                     resolved.dtype, resolved.device, shard)
         return cls(layers, num_blocks, block_size, num_blocks if scratch_block else None)

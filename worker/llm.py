@@ -38,7 +38,7 @@ class LLM:
         pipeline_stages: int = settings.PIPELINE_STAGES.default,
         tensor_parallel_size: int = settings.TENSOR_PARALLEL_SIZE.default,
         dtype: str = settings.DTYPE.default,
-        block_size: int = settings.BLOCK_SIZE.default,
+        block_size: int | None = settings.BLOCK_SIZE.default,
         kv_cache_tokens: int | None = settings.KV_CACHE_TOKENS.default,
         progress: bool = True,
         **engine_kwargs: Any,

@@ -175,11 +175,13 @@ def hardware_info(device: str) -> dict[str, Any]:
 
 
 def _make_engine(model_dir: str, dtype: str, grid: Grid, device: str) -> Engine:
+    from chariot.contracts.engine_settings import default_block_size
     from chariot.worker.config import EngineConfig
     from chariot.worker.engine import Engine
 
     max_len = grid.max_context + 4  # room for the prompt plus the sampled tokens
-    seq_tokens = max_len + 16
+    block = default_block_size(device)  # the block size the engine takes, as a served one would
+    seq_tokens = (-(-max_len // block) + 1) * block  # whole blocks, one to spare
     kv_tokens = int((max(grid.decode_batches) + 1) * seq_tokens * 1.05) + seq_tokens
     cfg = EngineConfig(model=model_dir, policy="sarathi", token_budget=max(grid.max_tokens, 32),
                        max_batch_size=max(grid.decode_batches) + 1, dtype=dtype, kv_cache_tokens=kv_tokens,

@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 
-from chariot.contracts.engine_settings import BLOCK_SIZE
 from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.worker import SamplingParams
 from chariot.worker.config import EngineConfig
-from tests.integration.test_router import SERVED, TIMEOUT, PacedEngine, Router, Worker, stream_completion
+from tests.integration.test_router import ENGINE_KW, SERVED, TIMEOUT, PacedEngine, Router, Worker, stream_completion
 
-BS = BLOCK_SIZE.default  # the workers' block size (ENGINE_KW leaves it at the default)
+BS = ENGINE_KW["block_size"]  # the test workers' block size
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 TURN = 24  # completion tokens of a turn (greedy, EOS ignored: always this many)
 PARAMS = SamplingParams(max_tokens=TURN, temperature=0.0, ignore_eos=True)

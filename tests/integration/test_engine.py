@@ -79,7 +79,7 @@ def test_output_identical_after_forced_preemption(model_and_reference, policy):
     prompts, expected = cases["preempt"]
     # 9 blocks of 16 tokens: the six requests are admitted with 8 blocks and each needs one more to decode.
     llm = LLM(str(model_dir), policy=policy, token_budget=128 if policy == "sarathi" else None,
-              dtype="float32", max_model_len=128, kv_cache_tokens=9 * 16, progress=False)
+              dtype="float32", max_model_len=128, kv_cache_tokens=9 * 16, block_size=16, progress=False)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.scheduler.num_preemptions > 0
@@ -313,7 +313,7 @@ def test_prefix_cache_hits_keep_greedy_outputs_identical_to_transformers(model_a
     tails = make_prompts(vocab, (5, 1))
     later = [base + tails[0], base[:32] + tails[1], list(base)]
     llm = LLM(str(model_dir), dtype="float32", token_budget=16, max_model_len=256, kv_cache_tokens=4096,
-              progress=False)
+              block_size=16, progress=False)
     first = llm.generate([base], GREEDY)
     assert first[0].token_ids == expected[3]
     outs = llm.generate(later, GREEDY)

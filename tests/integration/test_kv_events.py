@@ -21,7 +21,6 @@ from typing import Any
 import grpc
 import pytest
 
-from chariot.contracts.engine_settings import BLOCK_SIZE
 from chariot.contracts.prefix_hash import block_hashes
 from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
@@ -35,6 +34,7 @@ from chariot.worker.engine_core import EngineCoreClient
 from chariot.worker.kv_events import KVEventBatch, KVSnapshot
 from chariot.worker.server import serve
 from tests.integration.test_router import (
+    ENGINE_KW,
     MAX_MODEL_LEN,
     SERVED,
     TIMEOUT,
@@ -44,7 +44,7 @@ from tests.integration.test_router import (
     wait_for,
 )
 
-BS = BLOCK_SIZE.default
+BS = ENGINE_KW["block_size"]  # the test workers' block size
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TINY_KV_TOKENS = MAX_MODEL_LEN  # the smallest cache the engine accepts: a few prompts evict the oldest
 
@@ -234,7 +234,7 @@ def test_the_engine_core_process_carries_its_events_to_the_front(tiny_model_dir:
     process's log numbers them: what a snapshot holds is what the child's block manager registered."""
     async def run() -> None:
         config = EngineConfig(model=str(tiny_model_dir), dtype="float32", kv_cache_tokens=2048,
-                              max_model_len=MAX_MODEL_LEN)
+                              max_model_len=MAX_MODEL_LEN, block_size=BS)
         client = EngineCoreClient(functools.partial(Engine, config))
         client.start()
         try:

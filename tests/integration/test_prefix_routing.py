@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from chariot.contracts.engine_settings import BLOCK_SIZE
 from chariot.contracts.outputs import EngineStats
 from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
@@ -33,6 +32,7 @@ from chariot.router.registry import ReplicaLoad
 from chariot.worker import SamplingParams
 from chariot.worker.engine import Engine
 from tests.integration.test_router import (
+    ENGINE_KW,
     RELAXED,
     REPLICA,
     SERVED,
@@ -45,7 +45,7 @@ from tests.integration.test_router import (
 )
 from tests.redis_server import RedisServer, require_redis_server
 
-BS = BLOCK_SIZE.default
+BS = ENGINE_KW["block_size"]  # the test workers' block size
 TURN = 24
 BODY = {"max_tokens": TURN, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "model": SERVED}
 PREFILL_S_PER_TOKEN = 0.0005  # a prefill of about 2000 tokens/s (see the module docstring)

@@ -55,7 +55,10 @@ from tests.redis_server import RedisServer, free_port, require_redis_server
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 256
-ENGINE_KW: dict[str, Any] = {"dtype": "float32", "kv_cache_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
+# 16-token blocks (a GPU's; a CPU engine defaults to 128): the small caches and prompts of these tests
+# are sized in them.
+ENGINE_KW: dict[str, Any] = {"dtype": "float32", "kv_cache_tokens": 2048, "max_model_len": MAX_MODEL_LEN,
+                             "block_size": 16}
 PACE_S = 0.003
 TIMEOUT = 60.0
 STATS_INTERVAL_S = 0.1

@@ -17,18 +17,18 @@ from chariot.bench.capacity_cli import add_bench_parser, warm_up
 from chariot.bench.driver import conversations, drive
 from chariot.bench.routing_bench import routed_counts, running_replicas
 from chariot.bench.traces import TRACES
-from chariot.contracts.engine_settings import BLOCK_SIZE
 from chariot.worker.config import EngineConfig
 
 TINY_VOCAB = 512
-BS = BLOCK_SIZE.default
+BS = 16  # the replicas' block size: the short multi-turn histories here reuse whole 16-token blocks
 QUICK_TURNS = replace(TRACES["multiturn"], multi_turn=replace(TRACES["multiturn"].multi_turn, think_s=0.3,
                                                              tenants=2))
 
 
 @pytest.mark.slow
 def test_follow_up_turns_find_their_whole_history_on_the_replica_they_are_routed_to(tiny_model_dir):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=512, kv_cache_tokens=8192, prefix_caching=True)
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=512, kv_cache_tokens=8192, prefix_caching=True,
+                          block_size=BS)
     with running_replicas(config, replicas=2, routing="prefix", threads=1) as stack:
         warm_up(stack.router, TINY_VOCAB)
         before = routed_counts(stack.metrics)

@@ -47,7 +47,8 @@ from chariot.worker.server import EXIT_ENGINE_FAILED, EXIT_OK, serve
 
 SERVED = "tiny"
 MAX_MODEL_LEN = 256
-ENGINE_KW: dict[str, Any] = {"dtype": "float32", "kv_cache_tokens": 2048, "max_model_len": MAX_MODEL_LEN}
+ENGINE_KW: dict[str, Any] = {"dtype": "float32", "kv_cache_tokens": 2048, "max_model_len": MAX_MODEL_LEN,
+                             "block_size": 16}  # the small caches here are sized in 16-token blocks
 PACE_S = 0.003
 TIMEOUT = 60.0
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)

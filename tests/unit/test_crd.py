@@ -90,7 +90,7 @@ def test_every_default_satisfies_its_own_schema() -> None:
     schema = crd.spec_schema()
     defaulted = apply_defaults(schema, {"model": {"uri": "preset://tiny"}})
     assert schema_errors(schema, defaulted, "spec") == []
-    assert defaulted["scheduler"] == {"policy": "sarathi", "maxBatchSize": 128, "blockSize": 16, "prefillOrder": "fcfs"}
+    assert defaulted["scheduler"] == {"policy": "sarathi", "maxBatchSize": 128, "prefillOrder": "fcfs"}
     assert defaulted["resources"] == {"gpusPerStage": 1, "cpu": "2", "memory": "8Gi", "shmSize": "1Gi"}
 
 

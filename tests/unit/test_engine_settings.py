@@ -178,3 +178,16 @@ def test_engine_core_default_is_declared_once() -> None:
     from chariot.worker.server import serve  # no default of its own: callers pass the declared setting
 
     assert inspect.signature(serve).parameters["engine_core"].default is inspect.Parameter.empty
+
+
+@pytest.mark.parametrize(("device", "block_size", "expected"),
+                         [("cpu", None, 128), ("cuda", None, 16), ("cuda:1", None, 16), ("cpu", 16, 16),
+                          ("cuda", 64, 64)])
+def test_block_size_defaults_by_device(device: str, block_size: int | None, expected: int) -> None:
+    """Unset, the KV-cache block size is the device's: 128 tokens on a CPU, where a decode streams the
+    cache and longer runs of one head's keys stream faster (docs/kernels.md), 16 on a GPU; a set one
+    stands, on any device."""
+    config = EngineConfig(model="m", device=device, block_size=block_size)
+    assert config.block_tokens == expected
+    parsed = config_from_args(worker_parser().parse_args(config_to_argv(config)))
+    assert parsed.block_size == block_size and parsed.block_tokens == expected

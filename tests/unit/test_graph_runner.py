@@ -245,7 +245,7 @@ def _on(inp: ModelInput, device: str, split_horizon: int = 0) -> ModelInput:
 
 def runtime(model: Path, cuda_graphs: str) -> StageRuntime:
     config = EngineConfig(model=str(model), dtype="float32", max_model_len=128, kv_cache_tokens=32 * 16,
-                          max_batch_size=8, cuda_graphs=cuda_graphs)
+                          max_batch_size=8, cuda_graphs=cuda_graphs, block_size=16)  # a GPU's block size
     return build_stage_runtime(ResolvedConfig.resolve(config), None, progress=False)
 
 
@@ -302,7 +302,8 @@ def test_padded_rows_write_only_the_scratch_block(runtimes: dict[str, StageRunti
     assert out.shape[0] == 3
     scratch = runner.kv_cache.scratch_block
     assert scratch is not None
-    scratch_slots = set(range(scratch * 16, (scratch + 1) * 16))
+    bs = runner.kv_cache.block_size
+    scratch_slots = set(range(scratch * bs, (scratch + 1) * bs))
     written = written_slots(runner)
     assert set(real_slots) <= written
     assert written - set(real_slots) <= scratch_slots

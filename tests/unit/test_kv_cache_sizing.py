@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from chariot.contracts.engine_settings import default_block_size
 from chariot.contracts.errors import ConfigError
 from chariot.worker.config import EngineConfig, ResolvedConfig
 from chariot.worker.kv_cache import KVCache
@@ -18,15 +19,20 @@ def blocks(model: Path, **knobs: object) -> int:
     return KVCache.blocks_that_fit(resolved, resolved.model.num_layers)
 
 
-def test_cpu_share_of_ram_is_capped_by_batch_and_length(tiny_model_dir: Path) -> None:
-    n = blocks(tiny_model_dir, max_batch_size=4, max_model_len=128, watermark=0.0)
-    assert n == 4 * (128 // 16) + 1
-    bigger = blocks(tiny_model_dir, max_batch_size=8, max_model_len=256, watermark=0.0)
-    assert bigger == 8 * (256 // 16) + 1
+BS = default_block_size("cpu")
+
+
+@pytest.mark.parametrize("block_size", [16, None])
+def test_cpu_share_of_ram_is_capped_by_batch_and_length(tiny_model_dir: Path, block_size: int | None) -> None:
+    bs = block_size or BS
+    n = blocks(tiny_model_dir, max_batch_size=4, max_model_len=128, watermark=0.0, block_size=block_size)
+    assert n == 4 * -(-128 // bs) + 1
+    bigger = blocks(tiny_model_dir, max_batch_size=8, max_model_len=256, watermark=0.0, block_size=block_size)
+    assert bigger == 8 * -(-256 // bs) + 1
 
 
 def test_explicit_token_count_is_taken_as_given(tiny_model_dir: Path) -> None:
-    assert blocks(tiny_model_dir, max_batch_size=4, max_model_len=128, kv_cache_tokens=100_000) == 100_000 // 16
+    assert blocks(tiny_model_dir, max_batch_size=4, max_model_len=128, kv_cache_tokens=100_000) == 100_000 // BS
 
 
 def test_too_small_a_cache_names_the_knob(tiny_model_dir: Path) -> None:

@@ -189,6 +189,13 @@ def test_engine_flags_come_from_the_spec() -> None:
                      "--otlp-endpoint": "http://otel:4317", "--rendezvous-timeout": "1200"}
 
 
+def test_an_unset_block_size_leaves_it_to_the_workers_device() -> None:
+    """No `blockSize`: no `--block-size`, so each worker takes its device's default (128 tokens on a
+    CPU, 16 on a GPU)."""
+    args = render.stage_pod(OWNER, spec_of(1), "img", 0, 0)["spec"]["containers"][0]["args"]
+    assert "--block-size" not in args
+
+
 def test_tbt_slo_without_a_tune_profile_goes_to_the_router_only() -> None:
     spec = spec_of(1, slo={"tbtMs": 150})
     args = render.stage_pod(OWNER, spec, "img", 0, 0)["spec"]["containers"][0]["args"]
@@ -297,7 +304,7 @@ def test_defaults_match_the_crd() -> None:
     spec = parse_spec({"model": {"uri": "preset://tiny"}}, "x")
     assert (spec.replicas, spec.pipeline, spec.tensor, spec.scheduler.policy, spec.scheduler.max_batch_size,
             spec.scheduler.block_size, spec.resources.gpus_per_stage, spec.router.replicas, spec.model.dtype) == \
-        (1, 1, 1, "sarathi", 128, 16, 1, 1, "auto")
+        (1, 1, 1, "sarathi", 128, None, 1, 1, "auto")
 
 
 @pytest.mark.parametrize(("change", "field"), [
