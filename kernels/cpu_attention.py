@@ -7,8 +7,7 @@ chunks, work items of (sequence, query tile, KV head) shared out over torch's th
 copies (a K/V row read once serves its whole group of query heads), register-blocked fp32
 micro-kernels with an online softmax, and no read at or past a sequence's length. With a bf16 query
 and cache on a CPU with AVX512-BF16, both products run on bf16 dot products instead, in tiles of
-several query tokens and in decodes of whole GQA groups (`bf16_dot_tiles`), with fp32 accumulation;
-on a CPU with AMX, bf16 decodes run both products on the tile unit instead (`amx_decodes`).
+several query tokens and in decodes of whole GQA groups (`bf16_dot_tiles`), with fp32 accumulation.
 
 It is compiled on first use against the installed torch and cached (`cpu_build.py`: keyed by the
 source, flags, torch and this CPU; later processes load it without a compiler), or loaded from the
@@ -32,7 +31,7 @@ from chariot.kernels.attention import AttentionBackend, AttentionMetadata, Funct
 from chariot.kernels.cpu_build import CACHE_ENV, build_dir, load_ops
 from chariot.kernels.cpu_layer_ops import write_kv
 
-__all__ = ["BACKEND", "CACHE_ENV", "amx_decodes", "amx_tiles", "bf16_dot_tiles", "build_problem", "cache_dir",
+__all__ = ["BACKEND", "CACHE_ENV", "amx_tiles", "bf16_dot_tiles", "build_problem", "cache_dir",
            "load_kernel", "paged_attention", "sdpa_prefill", "sdpa_prefills", "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -60,14 +59,6 @@ def bf16_dot_tiles(source: Path = SOURCE) -> bool:
     tiles of several query tokens, and decodes of GQA groups that divide 16 with head_dim a multiple
     of 32. It does when the CPU it was built for has them."""
     return bool(load_ops(source, STEM, "CPU attention kernel")("bf16_dot_tiles")())
-
-
-def amx_decodes(source: Path = SOURCE) -> bool:
-    """Whether this build runs bf16 decodes on AMX tiles (`csrc/paged_attention.cpp`, namespace `amx`):
-    built for a CPU with AMX (`amx_tile`, `amx_bf16`) and granted the tile state by the OS. It then
-    takes every one-token query of a bf16 query and cache with head_dim a multiple of 32 and a GQA
-    group that divides 16."""
-    return bool(load_ops(source, STEM, "CPU attention kernel")("amx_decodes")())
 
 
 @cache

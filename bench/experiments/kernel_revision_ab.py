@@ -84,7 +84,7 @@ def main(rev: str, dtype: str, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"kernel_revision_ab_{dtype}.json").write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "baseline_revision": rev, "rounds": ROUNDS, "wall_s": walls,
-         "median_s": med, "greedy_identical": same, "amx_decodes": cpu_attention.amx_decodes()}, indent=1))
+         "median_s": med, "greedy_identical": same, "amx_tiles": cpu_attention.amx_tiles()}, indent=1))
 
 
 if __name__ == "__main__":

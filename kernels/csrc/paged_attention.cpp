@@ -11,7 +11,7 @@
 // of rows. K and V are read straight from the cache rows (fp32) or from a small per-tile fp32 copy
 // (bf16, fp16); nothing is gathered or transposed. With a bf16 query and cache on a CPU with
 // AVX512-BF16, both products run on bf16 dot products instead (the `pairs` section, and the decode
-// group path), K read in place; on a CPU with AMX, bf16 decodes run on the tile unit (`amx`). The online softmax (flash attention, log2
+// group path), K read in place. The online softmax (flash attention, log2
 // units, fp32) works on whole vectors of rows too: running max, sum and rescale per lane.
 // Causality and seq_len bound every read: a tile reads keys up to its last token's position, which
 // is below seq_len, and masks (selects, never multiplies) keys after each row's own position, so
@@ -28,20 +28,13 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(CHARIOT_VECTOR_256)
 #include <immintrin.h>
 #define CHARIOT_BF16_DOT 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define CHARIOT_AMX 1
-#endif
 #endif
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -201,7 +194,6 @@ void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float
 // --- one work item -----------------------------------------------------------------------------
 
 constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
-constexpr int64_t kAmxChunk = 256;   // keys per online-softmax step of the AMX decode path (a multiple of 32)
 constexpr int64_t kTargetRows = 64;  // query rows (tokens × group heads) per work item
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -238,19 +230,12 @@ struct Scratch {
   // The bf16 pair path (below): Q and P as pairs for the row vectors, V as pairs of keys, K in place.
   std::vector<uint32_t> qpairs, vpairs, ppairs;
   std::vector<const uint32_t*> kpair;
-  // The AMX decode path (`amx` below): a chunk's scores, its output, its probabilities spread into
-  // even and odd pair halves, and K or V rows copied where they cannot be loaded in place.
-  std::vector<float> amx_st, obuf;
-  std::vector<uint32_t> pe, po;
-  std::vector<uint16_t> kst;
-  Scratch(int64_t rows, int64_t dim, bool convert, bool pairs, bool amx = false)
+  Scratch(int64_t rows, int64_t dim, bool convert, bool pairs)
       : qt(rows * dim), acc(rows * dim), st((kKeyTile + W::kW) * rows), m(rows), l(rows), alpha(rows),
         kbuf(convert ? kKeyTile * dim : 0), vbuf(convert ? kKeyTile * dim : 0), qpos(rows),
         krow(kKeyTile + W::kW), vrow(kKeyTile), next_k(kKeyTile), next_v(kKeyTile), zeros(dim),
         qpairs(pairs ? rows * dim / 2 : 0), vpairs(pairs ? (kKeyTile + 1) / 2 * dim : 0),
-        ppairs(pairs ? (kKeyTile + 1) / 2 * rows : 0), kpair(pairs ? kKeyTile : 0),
-        amx_st(amx ? kAmxChunk * 16 : 0), obuf(amx ? rows * dim : 0), pe(amx ? kAmxChunk * 16 : 0),
-        po(amx ? kAmxChunk * 16 : 0), kst(amx ? 16 * dim : 0) {
+        ppairs(pairs ? (kKeyTile + 1) / 2 * rows : 0), kpair(pairs ? kKeyTile : 0) {
     lines.reserve(2 * kKeyTile * (dim * sizeof(float) / 64 + 1));
   }
 };
@@ -971,274 +956,6 @@ void attend_one_token_group(const Problem<q_t, kv_t>& P, const Item& w, Scratch&
   }
 }
 
-#ifdef CHARIOT_AMX
-// --- one query token on AMX tiles -----------------------------------------------------------------
-// On a CPU with AMX, a bf16 decode runs both of its products on the tile unit, reading K and V rows
-// straight out of the cache with tile loads. The VDPBF16PS group path above is bound by arithmetic
-// (its lane-sum trees, interleaving V key by key); this path is faster wherever the cache is warm,
-// and as fast where a decode streams a cold cache from memory (kernels.md).
-//   Scores, transposed: St[16 keys][G] = K rows [16 keys][32 dims] · Qp[16 dim pairs][G] per 32 dims,
-//     stored as [key][head], the layout the group path's online softmax (`group_softmax`) works on.
-//   Output without interleaving V: a tile load of V rows [16 keys][32 dims] is, to the tile unit, a
-//     B operand whose pairs are (dim 2n, dim 2n + 1) of one key. Against Pe, each head's
-//     probabilities in the even half of every pair and zero in the odd, it yields the output's even
-//     dims; against Po (odd halves) the odd dims: O[h][2n + i] = Σ_k P[h][k] · V[k][2n + i]. Half of
-//     each product is zeros, which the tile unit has to spare; the cache is read once, in place.
-// Keys go in chunks of kAmxChunk with the online softmax between chunks; the output tiles are stored
-// after each chunk, their even and odd dims interleaved, and folded into the fp32 accumulator with the
-// chunk's rescale factor. Rows past the sequence's end inside a loaded K block are scored (garbage,
-// maybe NaN) and masked by select before the softmax; V rows past the end are never loaded (the last
-// group's rows are copied, zeros after the end), so nothing unused reaches the output.
-//
-// Tiles: 0 = St (16 × G fp32), 1 = K or V rows (16 × 64 bytes), 2 = Qp (16 × G pairs),
-// 3 = Pe or Po (G × 16 pairs), 4-7 = O (G × 16 fp32): even and odd dims of two 32-dim slices.
-namespace amx {
-
-constexpr int64_t kGroupKeys = 16;       // keys per tile product
-constexpr int64_t kDimsPerPass = 64;     // output dims the four O tiles hold
-
-// Whether this process may use the tiles: Linux grants AMX state per process on request.
-bool permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 0, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-static_assert(sizeof(TileConfig) == 64);
-
-// Configures this thread's tiles for GQA groups of g heads while it lives, then restores the
-// configuration the thread had (oneDNN and PyTorch configure their own per kernel call).
-class Tiles {
- public:
-  explicit Tiles(int64_t g) {
-    _tile_storeconfig(&saved_);
-    TileConfig c;
-    c.palette = 1;
-    const auto set = [&](int t, int64_t rows, int64_t colsb) {
-      c.rows[t] = static_cast<uint8_t>(rows), c.colsb[t] = static_cast<uint16_t>(colsb);
-    };
-    set(0, 16, 4 * g), set(1, 16, 64), set(2, 16, 4 * g);
-    for (int t = 3; t < 8; ++t) set(t, g, 64);
-    _tile_loadconfig(&c);
-  }
-  ~Tiles() {
-    if (saved_.palette) _tile_loadconfig(&saved_);
-    else _tile_release();
-  }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-
- private:
-  TileConfig saved_;
-};
-
-// Whether a problem's one-token items can take this path.
-template <typename q_t, typename kv_t>
-bool applies(const Problem<q_t, kv_t>& P) {
-  const int64_t g = P.group();
-  return std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16> && P.dim % 32 == 0 && g <= 16 &&
-         16 % g == 0 && permitted();
-}
-
-// The rows of keys [first, first + 16) of one head (K or V) as a tile operand: in place when a block
-// holds whole 16-key groups and all 16 are to be read, else copied into `staging` with zero rows from
-// `count` on. Returns the rows and their stride in bytes.
-template <typename kv_t>
-std::pair<const kv_t*, int64_t> group_rows(const kv_t* cache, int64_t stride_b, int64_t stride_s, int64_t stride_h,
-                                           const int32_t* table, int64_t block_size, int64_t kv_head, int64_t dim,
-                                           int64_t first, int64_t count, bool in_place, uint16_t* staging) {
-  if (in_place && block_size % kGroupKeys == 0) {
-    const kv_t* rows = cache + table[first / block_size] * stride_b + (first % block_size) * stride_s + kv_head * stride_h;
-    return {rows, stride_s * static_cast<int64_t>(sizeof(kv_t))};
-  }
-  for_each_slot(table, block_size, first, count, [&](int64_t i, int64_t block, int64_t slot) {
-    std::memcpy(staging + i * dim, cache + block * stride_b + slot * stride_s + kv_head * stride_h, dim * sizeof(kv_t));
-  });
-  std::fill(staging + count * dim, staging + kGroupKeys * dim, uint16_t(0));
-  return {reinterpret_cast<const kv_t*>(staging), dim * static_cast<int64_t>(sizeof(kv_t))};
-}
-
-// Scores of the chunk's keys [p0, p0 + n) into st ([key][G], whole 16-key groups). K rows past the
-// end inside the last group's block are loaded in place and masked later.
-template <int G, typename q_t, typename kv_t>
-void chunk_scores(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, const uint32_t* qp, float* st,
-                  Scratch& s) {
-  const int32_t* table = P.tables + w.seq * P.table_stride;
-  for (int64_t g0 = 0; g0 < n; g0 += kGroupKeys) {
-
-    const auto [rows, ld] = group_rows(P.k, P.k_stride_b, P.k_stride_s, P.k_stride_h, table, P.block_size, w.kv_head,
-                                       P.dim, p0 + g0, std::min(kGroupKeys, n - g0), true, s.kst.data());
-    _tile_zero(0);
-    for (int64_t d = 0; d < P.dim; d += 32) {
-      _tile_loadd(1, rows + d, ld);
-      _tile_loadd(2, qp + d / 2 * G, 4 * G);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, st + g0 * G, 4 * G);
-  }
-}
-
-// Pe and Po of the chunk's probabilities (st, [key][G], zeros past the chunk's keys): for each
-// 16-key group, G rows of 16 pairs, Pe's pairs (bf16(P[h][k]), 0) and Po's (0, bf16(P[h][k])).
-// Groups of up to 4 heads hold a 16-key group's probabilities in two vectors of bf16 words, and one
-// zero-masking word permute per head yields its Pe row; larger groups gather column by column.
-template <int G>
-void spread_probabilities(const float* st, int64_t groups, uint32_t* pe, uint32_t* po) {
-  if constexpr (G <= 4) {
-    static const auto kIndex = [] {  // per head: word 2k of its Pe row is word k·G + h of the group
-      std::array<__m512i, G> idx;
-      for (int h = 0; h < G; ++h) {
-        alignas(64) int16_t lanes[32] = {};
-        for (int k = 0; k < 16; ++k) lanes[2 * k] = static_cast<int16_t>(k * G + h);
-        idx[h] = _mm512_load_si512(lanes);
-      }
-      return idx;
-    }();
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* src = st + g * kGroupKeys * G;  // 16·G floats: 1, 2 or 4 vectors
-      __m512i lo, hi = _mm512_setzero_si512();
-      if constexpr (G == 1) {
-        lo = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
-      } else {
-        lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-        if constexpr (G == 4) hi = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 48), _mm512_loadu_ps(src + 32));
-      }
-      for (int h = 0; h < G; ++h) {
-        const __m512i even = _mm512_maskz_permutex2var_epi16(0x55555555u, lo, kIndex[h], hi);
-        _mm512_storeu_si512(pe + (g * G + h) * kGroupKeys, even);
-        _mm512_storeu_si512(po + (g * G + h) * kGroupKeys, _mm512_slli_epi32(even, 16));
-      }
-    }
-    return;
-  }
-  for (int64_t g = 0; g < groups; ++g) {
-    for (int h = 0; h < G; ++h) {
-      alignas(64) float column[kGroupKeys];
-      for (int64_t k = 0; k < kGroupKeys; ++k) column[k] = st[(g * kGroupKeys + k) * G + h];
-      const __m256i words = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(column));
-      const __m512i even = _mm512_cvtepu16_epi32(words);
-      _mm512_storeu_si512(pe + (g * G + h) * kGroupKeys, even);
-      _mm512_storeu_si512(po + (g * G + h) * kGroupKeys, _mm512_slli_epi32(even, 16));
-    }
-  }
-}
-
-// GCC's tile intrinsics are macros that paste the tile number into the instruction: literals only.
-#define CHARIOT_AMX_PV(T_EVEN, T_ODD, pe, po) \
-  do {                                        \
-    _tile_loadd(3, (pe), 64);                 \
-    _tile_dpbf16ps(T_EVEN, 3, 1);             \
-    _tile_loadd(3, (po), 64);                 \
-    _tile_dpbf16ps(T_ODD, 3, 1);              \
-  } while (0)
-
-// O[h][d0 + d] for d < dims (32 or 64) of the chunk's keys into o ([G][dim]): the V rows of each
-// 16-key group against Pe and Po, then the even and odd dims interleaved.
-template <int G, typename q_t, typename kv_t>
-void chunk_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t p0, int64_t n, int64_t d0, int64_t dims,
-                  const uint32_t* pe, const uint32_t* po, float* o, Scratch& s) {
-  const int32_t* table = P.tables + w.seq * P.table_stride;
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
-  for (int64_t g0 = 0; g0 < n; g0 += kGroupKeys) {
-    const int64_t count = std::min(kGroupKeys, n - g0);
-    const auto [rows, ld] = group_rows(P.v, P.v_stride_b, P.v_stride_s, P.v_stride_h, table, P.block_size, w.kv_head,
-                                       P.dim, p0 + g0, count, count == kGroupKeys, s.kst.data());
-    const uint32_t* e = pe + g0 * G;
-    const uint32_t* od = po + g0 * G;
-    _tile_loadd(1, rows + d0, ld);
-    CHARIOT_AMX_PV(4, 5, e, od);
-    if (dims > 32) {
-      _tile_loadd(1, rows + d0 + 32, ld);
-      CHARIOT_AMX_PV(6, 7, e, od);
-    }
-  }
-  alignas(64) float halves[4][16 * 16];  // [tile][head][16]
-  _tile_stored(4, halves[0], 64);
-  _tile_stored(5, halves[1], 64);
-  if (dims > 32) {
-    _tile_stored(6, halves[2], 64);
-    _tile_stored(7, halves[3], 64);
-  }
-  alignas(64) static constexpr int32_t kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-  alignas(64) static constexpr int32_t kHigh[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-  for (int64_t slice = 0; slice < dims / 32; ++slice)
-    for (int h = 0; h < G; ++h) {
-      const __m512 even = _mm512_load_ps(halves[2 * slice] + h * 16), odd = _mm512_load_ps(halves[2 * slice + 1] + h * 16);
-      float* dst = o + h * P.dim + d0 + 32 * slice;
-      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(even, low, odd));
-      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(even, high, odd));
-    }
-}
-
-template <int G, typename q_t, typename kv_t>
-void attend_one_token(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
-  const int64_t start = P.query_start[w.seq], dim = P.dim;
-  const int64_t token = start + w.first;
-  const int64_t end = P.seq_lens[w.seq] - (P.query_start[w.seq + 1] - start) + w.last;  // keys [0, end)
-  uint32_t* qp = s.qpairs.data();  // [dim / 2][G]
-  for (int h = 0; h < G; ++h) {
-    const auto* src = reinterpret_cast<const uint16_t*>(P.q + token * P.q_stride_t + (w.kv_head * G + h) * P.q_stride_h);
-    for (int64_t j = 0; j < dim / 2; ++j) qp[j * G + h] = src[2 * j] | static_cast<uint32_t>(src[2 * j + 1]) << 16;
-  }
-  float* st = s.amx_st.data();  // [key][G]
-  float* acc = s.acc.data();    // [G][dim]
-  float* o = s.obuf.data();     // [G][dim]
-  uint32_t* pe = s.pe.data();
-  uint32_t* po = s.po.data();
-  std::fill(acc, acc + G * dim, 0.f);
-  const W::vw qscale = W::splat(P.scale * kLog2e);
-  W::vw m = W::splat(-std::numeric_limits<float>::infinity()), l = {};
-  alignas(64) float alpha[W::kW];
-  for (int64_t p0 = 0; p0 < end; p0 += kAmxChunk) {
-    const int64_t n = std::min(kAmxChunk, end - p0), groups = (n + kGroupKeys - 1) / kGroupKeys;
-    chunk_scores<G>(P, w, p0, n, qp, st, s);
-    const int64_t vectors = groups * kGroupKeys * G / W::kW;
-    for (int64_t v = 0; v < vectors; ++v) W::store(st + v * W::kW, W::load(st + v * W::kW) * qscale);
-    W::store(alpha, group_softmax<G>(st, n, vectors, m, l));  // keys past n: exp(-inf) = 0
-    spread_probabilities<G>(st, groups, pe, po);
-    for (int64_t d0 = 0; d0 < dim; d0 += kDimsPerPass)
-      chunk_output<G>(P, w, p0, n, d0, std::min(kDimsPerPass, dim - d0), pe, po, o, s);
-    for (int h = 0; h < G; ++h) {
-      const W::vw a = W::splat(alpha[h]);
-      for (int64_t d = 0; d < dim; d += W::kW)
-        W::store(acc + h * dim + d, W::load(acc + h * dim + d) * a + W::load(o + h * dim + d));
-    }
-  }
-  alignas(64) float sums[W::kW];
-  W::store(sums, l);
-  for (int h = 0; h < G; ++h) {
-    q_t* dst = P.out + token * P.o_stride_t + (w.kv_head * G + h) * P.o_stride_h;
-    const float inv = 1.f / sums[h];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<q_t>(acc[h * dim + d] * inv);
-  }
-}
-
-template <typename q_t, typename kv_t>
-void attend_one_token_any(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
-  switch (P.group()) {
-    case 1: return attend_one_token<1>(P, w, s);
-    case 2: return attend_one_token<2>(P, w, s);
-    case 4: return attend_one_token<4>(P, w, s);
-    case 8: return attend_one_token<8>(P, w, s);
-    default: return attend_one_token<16>(P, w, s);
-  }
-}
-
-}  // namespace amx
-#endif
-
 // The one-token path for this group and head_dim: false when neither fits (the general path runs).
 template <typename q_t, typename kv_t>
 bool attend_one_token_any(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
@@ -1259,12 +976,7 @@ bool attend_one_token_any(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s
 }
 
 template <typename q_t, typename kv_t>
-void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s, bool tiles) {
-#ifdef CHARIOT_AMX
-  if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>)
-    if (tiles && w.last - w.first == 1) return amx::attend_one_token_any(P, w, s);
-#endif
-  (void)tiles;
+void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
   if (w.last - w.first == 1 && attend_one_token_any(P, w, s)) return;
 #ifdef CHARIOT_BF16_DOT
   if constexpr (std::is_same_v<q_t, c10::BFloat16> && std::is_same_v<kv_t, c10::BFloat16>)
@@ -1286,18 +998,6 @@ void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s, bool tiles) 
     accumulate(s.vrow.data(), P.dim, n, s.st.data(), rows, s.alpha.data(), s.acc.data());
   }
   store_output(P, w, start, rows, s);
-}
-
-// Whether this call's one-token items run on AMX tiles: a bf16 query and cache, head_dim a multiple
-// of 32, a GQA group dividing 16, and a build and process with AMX.
-template <typename q_t, typename kv_t>
-bool one_token_tiles(const Problem<q_t, kv_t>& P) {
-#ifdef CHARIOT_AMX
-  return amx::applies(P);
-#else
-  (void)P;
-  return false;
-#endif
 }
 
 // --- scheduling --------------------------------------------------------------------------------
@@ -1341,15 +1041,10 @@ void run(const Problem<q_t, kv_t>& P, int64_t num_seqs) {
   for (const Item& w : items) max_rows = std::max(max_rows, padded_rows((w.last - w.first) * P.group(), quantum));
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(threads, items.size());
-  const bool tiles = one_token_tiles(P);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch s(max_rows, P.dim, !std::is_same_v<kv_t, float>, uses_pairs(P), tiles);
-#ifdef CHARIOT_AMX
-    std::optional<amx::Tiles> configured;
-    if (tiles) configured.emplace(P.group());
-#endif
+    Scratch s(max_rows, P.dim, !std::is_same_v<kv_t, float>, uses_pairs(P));
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1)) {
-      attend(P, items[i], s, tiles);
+      attend(P, items[i], s);
     }
   });
 }
@@ -1447,16 +1142,6 @@ bool bf16_dot_tiles() {
 #endif
 }
 
-// Whether this build and process run bf16 decodes on AMX tiles (`amx` above): built for a CPU with
-// AMX, and the kernel granted the tile state.
-bool amx_decodes() {
-#ifdef CHARIOT_AMX
-  return amx::permitted();
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 #define CHARIOT_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
@@ -1465,5 +1150,4 @@ CHARIOT_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
         "Tensor block_tables, float scale, Tensor(a!) out) -> ()",
         &paged_attention);
   m.def("bf16_dot_tiles() -> bool", &bf16_dot_tiles);
-  m.def("amx_decodes() -> bool", &amx_decodes);
 }

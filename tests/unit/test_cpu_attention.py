@@ -20,7 +20,6 @@ from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 from chariot.kernels.cpu_attention import (
     SOURCE,
-    amx_decodes,
     amx_tiles,
     bf16_dot_tiles,
     load_kernel,
@@ -101,7 +100,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
-@pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 8), (64, 32)])
+@pytest.mark.parametrize(("dim", "block"), [(64, 16), (128, 8), (64, 32), (64, 128)])
 def test_matches_reference_and_sdpa_fp32(case: str, heads: int, kv_heads: int, dim: int, block: int,
                                          kernel: Callable[..., None]) -> None:
     q_lens, ctx = CASES[case]
@@ -229,27 +228,25 @@ def test_the_256_bit_build_never_takes_bf16_dot_tiles(tmp_path: Path) -> None:
     assert not bf16_dot_tiles(vector_256_source(SOURCE, tmp_path))
 
 
-AMX_DECODES = {
+BF16_DECODES = {
     "within-one-chunk": ([1, 1, 1], [0, 15, 200]),
-    "chunk-boundaries": ([1, 1, 1, 1], [254, 255, 256, 511]),  # 255, 256, 257 and 512 keys: 256-key chunks
+    "tile-boundaries": ([1, 1, 1, 1], [62, 63, 64, 127]),  # 63, 64, 65 and 128 keys: 64-key tiles
     "long-and-short": ([1, 1], [1300, 3]),
     "decodes-then-a-chunk": ([1, 1, 20], [300, 40, 70]),
 }
 
 
-@pytest.mark.parametrize("case", list(AMX_DECODES))
+@pytest.mark.parametrize("case", list(BF16_DECODES))
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
                          [(4, 4, 64), (4, 2, 32), (16, 4, 64), (16, 2, 96), (16, 1, 128), (16, 16, 64)])
-@pytest.mark.parametrize("block", [16, 32, 8])
-def test_bf16_decodes_on_amx_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int, block: int,
-                                                   kernel: Callable[..., None]) -> None:
-    """bf16 decodes as the AMX path takes them on a CPU with AMX (`amx_decodes`; elsewhere the same
-    cases check the vector paths): GQA groups of 1, 2, 4, 8 and 16, head_dims 32 to 128 (96 and 128
-    take two passes over the keys for their output dims), contexts on both sides of the 256-key
-    chunk, blocks that hold whole 16-key groups (16, 32: tiles loaded in place, rows past a
-    sequence's end NaN) and blocks that do not (8: rows copied). Within three bf16 roundings of fp32
-    SDPA, and no NaN from unused slots."""
-    q_lens, ctx = AMX_DECODES[case]
+@pytest.mark.parametrize("block", [16, 128, 8])
+def test_bf16_decodes_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int, block: int,
+                                      kernel: Callable[..., None]) -> None:
+    """bf16 decodes on the one-token paths: GQA groups of 1, 2, 4, 8 and 16, head_dims 32 to 128,
+    contexts of up to 1,300 keys across many key tiles, block sizes 16 (a GPU engine's default), 128 (a
+    CPU engine's) and 8, a batch with a prompt chunk after its decodes. Within three bf16 roundings of
+    fp32 SDPA, and no NaN from unused slots."""
+    q_lens, ctx = BF16_DECODES[case]
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, block, torch.bfloat16,
                                   seed=heads + dim + block + len(case))
     scale = 1 / math.sqrt(dim)
@@ -258,28 +255,6 @@ def test_bf16_decodes_on_amx_tiles_match_fp32_sdpa(case: str, heads: int, kv_hea
     exact = sdpa_oracle(query, k, v, meta, scale)
     rounding = (exact.bfloat16().float() - exact).abs().max()
     assert (ours.float() - exact).abs().max() <= 3 * rounding
-
-
-def test_amx_decodes_where_the_cpu_has_tiles(tmp_path: Path) -> None:
-    """The native build runs bf16 decodes on the tiles exactly when this CPU has AMX (so the test
-    above covers the tile path on such a machine); the 256-bit build, as an AVX2 machine gets, never."""
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
-    assert amx_decodes() == ("amx_tile" in flags and "amx_bf16" in flags and "avx512_bf16" in flags)
-    assert not amx_decodes(vector_256_source(SOURCE, tmp_path))
-
-
-def test_amx_decodes_leave_the_threads_tile_state_as_they_found_it() -> None:
-    """The kernel configures the tiles on torch's threads for a call and restores them after: oneDNN's
-    AMX GEMMs and PyTorch's flash attention on the same threads give the same results before and
-    after a call that took the tile path."""
-    torch.manual_seed(0)
-    a, b = torch.randn(64, 256).bfloat16(), torch.randn(256, 128).bfloat16()
-    q, kv, vv = (torch.randn(1, 4, 96, 64).bfloat16() for _ in range(3))
-    before = (a @ b, F.scaled_dot_product_attention(q, kv, vv, is_causal=True))
-    query, k, v, meta = make_case([1, 1], [300, 40], 16, 4, 64, 16, torch.bfloat16, seed=3)
-    assert not paged_attention(query, k, v, meta, 0.125, prefill_sdpa=False).isnan().any()
-    after = (a @ b, F.scaled_dot_product_attention(q, kv, vv, is_causal=True))
-    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
