@@ -205,7 +205,7 @@ def test_fetches_what_the_engine_loads_once_and_it_generates_like_the_original(
     from chariot.worker import LLM, SamplingParams
 
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    outs = [LLM(str(d), dtype="float32", max_model_len=64, kv_cache_tokens=256, progress=False)
+    outs = [LLM(str(d), dtype="float32", max_model_len=64, kv_cache_tokens=256, block_size=16, progress=False)
             .generate(["a fetched model"], greedy)[0].token_ids for d in (tiny_model_dir, target)]
     assert outs[0] == outs[1]
 

@@ -32,7 +32,7 @@ def engine_kwargs(policy: str) -> dict:
     # 10 blocks of 16 tokens for ~140 prompt + 84 output tokens: preemption is forced under every
     # policy; sarathi's budget of 16 splits prompts into chunks across many micro-batches.
     return dict(policy=policy, token_budget=16 if policy == "sarathi" else None, dtype="float32",
-                max_model_len=128, kv_cache_tokens=10 * 16, max_batch_size=8, progress=False)
+                max_model_len=128, kv_cache_tokens=10 * 16, block_size=16, max_batch_size=8, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -217,5 +217,5 @@ def test_stage_dying_at_start_up_fails_fast(tiny_model_dir, monkeypatch):
     t0 = time.monotonic()
     with pytest.raises(PipelineError, match="stage 1 exited with code"):
         LLM(str(tiny_model_dir), pipeline_stages=2, dtype="float32", max_model_len=256, kv_cache_tokens=2048,
-            progress=False)
+            block_size=16, progress=False)
     assert time.monotonic() - t0 < 60

@@ -25,7 +25,7 @@ LENGTHS = (1, 10, 14, 15, 20, 33)
 def engine_kwargs(policy: str) -> dict:
     # 8 blocks of 16 tokens for ~93 prompt + 60 output tokens: every policy has to preempt.
     return dict(policy=policy, token_budget=16 if policy == "sarathi" else None, dtype="float32",
-                max_model_len=128, kv_cache_tokens=8 * 16, max_batch_size=8, progress=False)
+                max_model_len=128, kv_cache_tokens=8 * 16, block_size=16, max_batch_size=8, progress=False)
 
 
 def vocab(model_dir) -> int:

@@ -37,7 +37,8 @@ def run(model_dir: Path, backend: str, device: str, prompts: list[list[int]] = P
         params: SamplingParams = GREEDY, **engine: object) -> tuple[list[list[int]], LLM]:
     """Greedy tokens of `prompts` (and the LLM, for its scheduler's counters) on `backend`."""
     kernels.select_backend(backend)
-    config: dict[str, object] = {"dtype": "float32", "max_model_len": 128, "kv_cache_tokens": 1024, **engine}
+    config: dict[str, object] = {"dtype": "float32", "max_model_len": 128, "kv_cache_tokens": 1024,
+                                 "block_size": 16, **engine}  # a GPU engine's block size, as Triton serves GPUs
     llm = LLM(str(model_dir), progress=False, device=device, **config)  # type: ignore[arg-type]
     return [out.token_ids for out in llm.generate(prompts, params)], llm
 
