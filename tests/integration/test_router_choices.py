@@ -173,7 +173,13 @@ def test_a_choice_refused_at_admission_fails_the_request_and_frees_the_others(
             assert resp.status_code == 429 and resp.json()["error"]["type"] == "rate_limit_error", resp.text
             assert "retry-after" in resp.headers
             all_idle([worker], r)
-        assert ok(r.post(COMP, {**payload, "n": 1}))["usage"]["completion_tokens"] == 64
+        def admitted() -> bool:  # the router sees the cancelled choice leave the queue at the next load report
+            nonlocal resp
+            resp = r.post(COMP, {**payload, "n": 1})
+            return resp.status_code != 429
+
+        wait_for(admitted, what="the replica's queue slot free again at the router")
+        assert ok(resp)["usage"]["completion_tokens"] == 64
         all_idle([worker], r)
     finally:
         r.stop()
