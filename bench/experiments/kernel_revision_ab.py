@@ -18,20 +18,17 @@ prints each build's median wall time.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 
+from chariot.bench import offline_ab as ab
 from chariot.bench.linear_bench import cpu_record
-from chariot.bench.peer import fresh_prompts
-from chariot.bench.traces import TRACES, make_trace
 from chariot.kernels import cpu_attention
-from chariot.worker import LLM, SamplingParams
+from chariot.worker import LLM
 
-MODEL = Path("models/100m")
 ROUNDS = 8
 CSRC = "kernels/csrc"
 
@@ -47,38 +44,21 @@ def revision_source(rev: str, into: Path) -> Path:
 
 
 def main(rev: str, dtype: str, out_dir: Path) -> None:
-    trace = make_trace(TRACES["chat"], 64, 1.0, seed=0, scale=0.25, max_len=2048)
-    lengths, outputs = [r.prompt_len for r in trace], [r.decode_len for r in trace]
     with tempfile.TemporaryDirectory() as tmp:
         baseline = cpu_attention.load_kernel(revision_source(rev, Path(tmp)))
     builds = {"current": cpu_attention.load_kernel(), rev: baseline}
-    llm = LLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
-              prefix_caching=False, progress=False)
+    llm = ab.load(dtype)
     current = cpu_attention.load_kernel
 
-    def use(name: str) -> None:
-        cpu_attention.load_kernel = lambda source=cpu_attention.SOURCE: builds[name]  # type: ignore[assignment]
+    def use(name: str) -> Callable[[], LLM]:
+        def put() -> LLM:
+            cpu_attention.load_kernel = lambda source=cpu_attention.SOURCE: builds[name]  # type: ignore[assignment]
+            return llm
+        return put
 
-    def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-    tokens = {}
-    for name in builds:  # warm-up, and both builds' greedy tokens on the same prompts
-        use(name)
-        done = llm.generate(fresh_prompts(lengths[:8], 8192, "warm"), [params(16)] * 8)
-        tokens[name] = [o.token_ids for o in done]
-    names = list(builds)
-    walls: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(ROUNDS):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            use(name)
-            t0 = time.perf_counter()
-            llm.generate(fresh_prompts(lengths, 8192, f"kernel-ab/{r}"), [params(n) for n in outputs])
-            walls[name].append(time.perf_counter() - t0)
-            print(f"round {r + 1} {name}: {walls[name][-1]:.1f} s", flush=True)
+    walls, tokens = ab.run_variants({name: use(name) for name in builds}, ROUNDS, "kernel-ab")
     cpu_attention.load_kernel = current
-    med = {name: statistics.median(w) for name, w in walls.items()}
-    same = sum(a == b for a, b in zip(tokens["current"], tokens[rev], strict=True))
+    med, same = ab.medians(walls), ab.same_tokens(tokens, "current", rev)
     print(f"median wall: {rev} {med[rev]:.1f} s, current {med['current']:.1f} s ({med[rev] / med['current']:.2f}x); "
           f"greedy tokens identical in {same}/8 requests")
     out_dir.mkdir(parents=True, exist_ok=True)
