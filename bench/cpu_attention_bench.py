@@ -1,9 +1,9 @@
 """CPU attention benchmark: the C++ paged kernel (`kernels/cpu_attention.py`) against the PyTorch
 reference, on the attention shapes of the `100m` preset (16 query heads, 4 KV heads, head_dim 64,
-block size 16), for what one Sarathi iteration holds: batches of decodes, prefill chunks with and
-without cached context, and a hybrid batch (decodes + one chunk, one call). It decides whether the
-kernel is the default CPU backend, so both run interleaved in one process (medians of alternating
-runs) and the CPU model and flags are recorded with the numbers.
+`--block-size`, default the CPU's 128), for what one Sarathi iteration holds: batches of decodes,
+prefill chunks with and without cached context, and a hybrid batch (decodes + one chunk, one call).
+It decides whether the kernel is the default CPU backend, so both run interleaved in one process
+(medians of alternating runs) and the CPU model and flags are recorded with the numbers.
 
     python -m chariot.bench.cpu_attention_bench --out docs/img/cpu_attention_100m.json
 
@@ -21,10 +21,12 @@ from pathlib import Path
 import torch
 
 from chariot.bench.linear_bench import cpu_record, save_record, time_interleaved
+from chariot.contracts.engine_settings import default_block_size
 from chariot.kernels import cpu_attention, reference
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 4, 64, 16
+HEADS, KV_HEADS, HEAD_DIM = 16, 4, 64
+BLOCK = default_block_size("cpu")
 SCALE = HEAD_DIM**-0.5
 
 
@@ -63,23 +65,24 @@ def slot_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.contiguous()
 
 
-def make_problem(shape: Shape, dtype: torch.dtype = torch.float32,
-                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A random paged cache holding every sequence's context (blocks shuffled) and its new queries."""
+def make_problem(shape: Shape, dtype: torch.dtype = torch.float32, seed: int = 0, block: int = BLOCK,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A random paged cache of `block`-token blocks holding every sequence's context (blocks shuffled)
+    and its new queries."""
     gen = torch.Generator().manual_seed(seed)
     q_lens, ctx = shape.lengths()
     seq_lens = [c + q for c, q in zip(ctx, q_lens, strict=True)]
-    widths = [-(-s // BLOCK) for s in seq_lens]
+    widths = [-(-s // block) for s in seq_lens]
     num_blocks = sum(widths)
     perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
     tables = torch.zeros(len(q_lens), max(widths), dtype=torch.int32)
     offsets = [0, *torch.tensor(widths).cumsum(0).tolist()]
     for i, w in enumerate(widths):
         tables[i, :w] = perm[offsets[i] : offsets[i] + w]
-    k_cache = empty_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)  # the engine's layout
-    v_cache = empty_kv_cache(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype)
-    k_cache.copy_(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
-    v_cache.copy_(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen))
+    k_cache = empty_kv_cache(num_blocks, block, KV_HEADS, HEAD_DIM, dtype)  # the engine's layout
+    v_cache = empty_kv_cache(num_blocks, block, KV_HEADS, HEAD_DIM, dtype)
+    k_cache.copy_(torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen))
+    v_cache.copy_(torch.randn(num_blocks, block, KV_HEADS, HEAD_DIM, generator=gen))
     query = torch.randn(sum(q_lens), HEADS, HEAD_DIM, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = AttentionMetadata(starts, torch.tensor(seq_lens, dtype=torch.int32), tables,
@@ -96,18 +99,22 @@ class Baseline:
     layout: str
 
 
-def measure(reps: int, baseline: Baseline | None = None, dtype: torch.dtype = torch.float32,
+def measure(reps: int, baseline: Baseline | None = None, dtype: torch.dtype = torch.float32, block: int = BLOCK,
             ) -> list[dict[str, object]]:
     """Each shape through the reference and the kernel (and the baseline build); in bf16/fp16 also
-    through the route that sends prompt chunks to PyTorch's flash SDPA (`sdpa_prefill_ms`)."""
+    through the route that sends prompt chunks to PyTorch's flash SDPA (`sdpa_prefill_ms`), and where
+    this build takes them on the AMX tiles, that route (`amx_prefill_ms`)."""
     rows = []
+    amx = cpu_attention.amx_prompts(dtype, HEAD_DIM, block)
     with torch.inference_mode():
         for shape in SHAPES:
-            q, k, v, meta = make_problem(shape, dtype)
+            q, k, v, meta = make_problem(shape, dtype, block=block)
             fns = [lambda: reference.paged_attention(q, k, v, meta, SCALE),  # noqa: B023
-                   lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prefill_sdpa=False)]  # noqa: B023
+                   lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prompts="kernel")]  # noqa: B023
             if dtype != torch.float32:
-                fns.append(lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prefill_sdpa=True))  # noqa: B023
+                fns.append(lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prompts="sdpa"))  # noqa: B023
+            if amx:
+                fns.append(lambda: cpu_attention.paged_attention(q, k, v, meta, SCALE, prompts="amx"))  # noqa: B023
             if baseline:
                 bk, bv = (slot_major(k), slot_major(v)) if baseline.layout == "slot-major" else (k, v)
                 fns.append(lambda: cpu_attention.paged_attention(q, bk, bv, meta, SCALE,  # noqa: B023
@@ -124,6 +131,10 @@ def measure(reps: int, baseline: Baseline | None = None, dtype: torch.dtype = to
                 sdpa_s = times[2]
                 row.update(sdpa_prefill_ms=sdpa_s * 1e3, kernel_over_sdpa=cpu_s / sdpa_s, sdpa_max_abs_diff=errs[1])
                 line += f"  sdpa route {sdpa_s * 1e3:8.2f} ms ({cpu_s / sdpa_s:4.2f}x)"
+            if amx:
+                amx_s = times[3]
+                row.update(amx_prefill_ms=amx_s * 1e3, sdpa_over_amx=times[2] / amx_s, amx_max_abs_diff=errs[2])
+                line += f"  amx route {amx_s * 1e3:8.2f} ms (sdpa/amx {times[2] / amx_s:4.2f}x)"
             if baseline:
                 b = times[-1]
                 row.update(baseline_ms=b * 1e3, speedup_vs_baseline=b / cpu_s, baseline_max_abs_diff=errs[-1])
@@ -140,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/cpu_attention.json")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="query and cache dtype (bf16/fp16 also time the flash-SDPA route for prompt chunks)")
+    parser.add_argument("--block-size", type=int, default=BLOCK, help=f"KV-cache block size (default {BLOCK})")
     parser.add_argument("--baseline-source", type=Path, default=None,
                         help="another revision of csrc/paged_attention.cpp to time against the current kernel")
     parser.add_argument("--baseline-layout", choices=("engine", "slot-major"), default="engine",
@@ -155,11 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         baseline = Baseline(cpu_attention.load_kernel(args.baseline_source.resolve()), args.baseline_layout)
     dtype = getattr(torch, args.dtype)
     record = {"machine": cpu_record(), "reps": args.reps, "dtype": args.dtype,
-              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK},
+              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": args.block_size},
               "cache_layout": "engine (empty_kv_cache)",
               "baseline": None if baseline is None else {"source": str(args.baseline_source),
                                                          "layout": baseline.layout},
-              "rows": measure(args.reps, baseline, dtype)}
+              "rows": measure(args.reps, baseline, dtype, args.block_size)}
     save_record(args.out, record)
     return 0
 

@@ -31,13 +31,17 @@ from chariot.kernels.attention import AttentionBackend, AttentionMetadata, Funct
 from chariot.kernels.cpu_build import CACHE_ENV, build_dir, load_ops
 from chariot.kernels.cpu_layer_ops import write_kv
 
-__all__ = ["BACKEND", "CACHE_ENV", "amx_tiles", "bf16_dot_tiles", "build_problem", "cache_dir",
-           "load_kernel", "paged_attention", "sdpa_prefill", "sdpa_prefills", "write_kv"]
+__all__ = ["BACKEND", "CACHE_ENV", "PROMPT_ROUTES", "amx_prompts", "amx_tiles", "bf16_dot_tiles", "build_problem",
+           "cache_dir", "load_kernel", "load_prompt_kernel", "paged_attention", "prompt_route", "sdpa_prefill",
+           "write_kv"]
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 STEM = "cpu_attention"
 
 KernelFn = Callable[..., None]
+PROMPT_ROUTES = ("kernel", "sdpa", "amx")
+"""Where a batch's prompt chunks can go: this kernel's vector path, PyTorch's flash SDPA, or this
+kernel's AMX tile path (`prompt_route` picks one)."""
 
 
 def cache_dir(source: Path = SOURCE) -> Path:
@@ -52,6 +56,12 @@ def load_kernel(source: Path = SOURCE) -> KernelFn:
     `source`: another revision of the kernel (the benchmark times one against the current kernel in
     the same process; each build gets its own op namespace)."""
     return load_ops(source, STEM, "CPU attention kernel")("paged_attention")
+
+
+@cache
+def load_prompt_kernel() -> KernelFn:
+    """The current build's AMX tile path for prompt chunks (`prompt_attention_amx`)."""
+    return load_ops(SOURCE, STEM, "CPU attention kernel")("prompt_attention_amx")
 
 
 def bf16_dot_tiles(source: Path = SOURCE) -> bool:
@@ -74,12 +84,26 @@ def amx_tiles() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def sdpa_prefills(dtype: torch.dtype) -> bool:
-    """Whether prompt chunks go to PyTorch's flash attention (`sdpa_prefill`) instead of this kernel:
-    for bf16 and fp16 on a CPU with AMX tiles. There its blocked GEMMs run on the tiles, 2.6–3.5× this
-    kernel's VDPBF16PS dot products on 512- to 1,536-token chunks (docs/kernels.md); decodes, bound by
-    reading the cache, stay on the kernel."""
-    return dtype in (torch.bfloat16, torch.float16) and amx_tiles()
+@cache
+def amx_prompts(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether this build runs prompt chunks of these shapes on the AMX tiles (`csrc/prompt_amx.h`):
+    bf16, a CPU with AMX tiles and a build for it, head_dim a multiple of 32 up to 256, block_size a
+    multiple of 64 (the CPU's default is 128)."""
+    if dtype != torch.bfloat16 or not amx_tiles() or build_problem() is not None:
+        return False
+    return bool(load_ops(SOURCE, STEM, "CPU attention kernel")("prompt_amx")(head_dim, block_size))
+
+
+def prompt_route(dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """Where prompt chunks go (decodes, bound by reading the cache, always take the kernel's vector path).
+
+    On a CPU with AMX tiles, bf16 chunks take the kernel's tile path (`amx`), 1.4–1.5× PyTorch's flash
+    attention on 512-token chunks (docs/kernels.md), where the shapes allow; bf16 chunks of other
+    shapes and fp16 chunks take the flash attention (`sdpa`), whose GEMMs run on the tiles too, 2.6–3.5×
+    the kernel's VDPBF16PS dot products. Everything else takes the kernel (`kernel`)."""
+    if amx_prompts(dtype, head_dim, block_size):
+        return "amx"
+    return "sdpa" if dtype in (torch.bfloat16, torch.float16) and amx_tiles() else "kernel"
 
 
 def paged_attention(
@@ -89,28 +113,35 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernel: KernelFn | None = None,
-    prefill_sdpa: bool | None = None,
+    prompts: str | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context (see `attention.py`).
 
     Output is contiguous, in the query's dtype; K/V may be fp32, bf16 or fp16 (computed in fp32).
-    `kernel`: a `load_kernel(source)` build to run instead of the current one. `prefill_sdpa`: whether
-    prompt chunks take `sdpa_prefill` (None: `sdpa_prefills` decides, and only for the current build).
+    `kernel`: a `load_kernel(source)` build to run instead of the current one. `prompts`: where prompt
+    chunks go, one of `PROMPT_ROUTES` (None: `prompt_route` decides, and only for the current build).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
-    if prefill_sdpa is None:
-        prefill_sdpa = kernel is None and sdpa_prefills(query.dtype)
+    if prompts is None:
+        prompts = "kernel" if kernel is not None else prompt_route(query.dtype, query.shape[2], k_cache.shape[1])
+    elif prompts not in PROMPT_ROUTES:
+        raise ValueError(f"prompts must be one of {', '.join(PROMPT_ROUTES)}, got {prompts!r}")
     nd = meta.num_decodes
-    if not prefill_sdpa or nd == meta.num_seqs:
+    if prompts == "kernel" or nd == meta.num_seqs:
         _run_kernel(kernel, query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                     scale, out)
         return out
     if nd:
         _run_kernel(kernel, query[:nd], k_cache, v_cache, meta.query_start_loc[: nd + 1], meta.seq_lens[:nd],
                     meta.block_tables[:nd], scale, out[:nd])
-    sdpa_prefill(query, k_cache, v_cache, meta, scale, out)
+    if prompts == "amx":
+        load_prompt_kernel()(
+            _unit_stride(query), _unit_stride(k_cache), _unit_stride(v_cache), _int32(meta.query_start_loc),
+            _int32(meta.seq_lens), _int32(meta.block_tables), float(scale), nd, out)
+    else:
+        sdpa_prefill(query, k_cache, v_cache, meta, scale, out)
     return out
 
 

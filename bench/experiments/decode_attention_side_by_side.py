@@ -123,7 +123,7 @@ def run_chariot(baseline: str | None) -> dict[str, dict[str, list[float]]]:
                     names = list(kernels)
                     for name in names[rep % len(names):] + names[: rep % len(names)]:
                         t0 = time.perf_counter()
-                        cpu_attention.paged_attention(q, k, v, meta, 0.125, kernel=kernels[name], prefill_sdpa=False)
+                        cpu_attention.paged_attention(q, k, v, meta, 0.125, kernel=kernels[name], prompts="kernel")
                         if rep >= 2:
                             times.setdefault(f"chariot {name} (block {block})", {}).setdefault(
                                 f"{n}x{ctx}", []).append(time.perf_counter() - t0)

@@ -36,7 +36,7 @@ DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
 GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "panel_linear", "aten::addmm", "aten::mm"),
-          "attention": ("paged_attention", "cpu_attention_with_kv_cache")}
+          "attention": ("paged_attention", "prompt_attention_amx", "scaled_dot_product", "cpu_attention_with_kv_cache")}
 
 
 # ---- inside one engine's process ------------------------------------------------------------------

@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "prompt_amx.h"
 #include "vec8.h"
 #include "vecw.h"
 #include "vmath.h"
@@ -1132,6 +1133,37 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   }
 }
 
+// The prompt chunks of sequences [first_seq, S) of a batch on AMX tiles (`prompt_amx.h`): bf16 query and
+// cache, head_dim a multiple of 32 up to 256, block_size a multiple of 64. Writes their rows of `out`.
+void prompt_attention_amx(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          const at::Tensor& block_tables, double scale, int64_t first_seq, const at::Tensor& out) {
+  check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out);
+  check_metadata(query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+                 seq_lens.size(0), block_tables.size(1), query.size(0), k_cache.size(1), k_cache.size(0));
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16,
+              "the AMX prompt path takes a bfloat16 query and cache, got ", query.scalar_type(), " and ",
+              k_cache.scalar_type());
+  TORCH_CHECK(chariot_prompt_amx::supports(query.size(2), k_cache.size(1)),
+              "the AMX prompt path needs a build with AMX tiles (granted by Linux), head_dim a multiple of 32 "
+              "up to 256 (got ", query.size(2), ") and block_size a multiple of 64 (got ", k_cache.size(1), ")");
+  TORCH_CHECK(first_seq >= 0 && first_seq <= seq_lens.size(0), "first_seq ", first_seq, " not in [0, ",
+              seq_lens.size(0), "]");
+#ifdef CHARIOT_PROMPT_AMX
+  const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); };
+  const chariot_prompt_amx::Problem P{
+      bits(query), bits(k_cache), bits(v_cache), static_cast<uint16_t*>(out.data_ptr()),
+      query_start_loc.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(), block_tables.data_ptr<int32_t>(),
+      block_tables.size(1), query.size(1), k_cache.size(2), query.size(2), k_cache.size(1),
+      query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+      static_cast<float>(scale * 1.4426950408889634)};
+  chariot_prompt_amx::run(P, first_seq, seq_lens.size(0));
+#endif
+}
+
+bool prompt_amx(int64_t head_dim, int64_t block_size) { return chariot_prompt_amx::supports(head_dim, block_size); }
+
 // Whether this build runs bf16 attention (tiles and group decodes) on bf16 dot products (the CPU it was
 // built for has AVX512-BF16).
 bool bf16_dot_tiles() {
@@ -1150,4 +1182,8 @@ CHARIOT_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
         "Tensor block_tables, float scale, Tensor(a!) out) -> ()",
         &paged_attention);
   m.def("bf16_dot_tiles() -> bool", &bf16_dot_tiles);
+  m.def("prompt_attention_amx(Tensor query, Tensor k_cache, Tensor v_cache, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor block_tables, float scale, int first_seq, Tensor(a!) out) -> ()",
+        &prompt_attention_amx);
+  m.def("prompt_amx(int head_dim, int block_size) -> bool", &prompt_amx);
 }

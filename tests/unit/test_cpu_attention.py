@@ -20,11 +20,12 @@ from chariot.kernels import reference, select_backend
 from chariot.kernels.attention import AttentionMetadata, empty_kv_cache
 from chariot.kernels.cpu_attention import (
     SOURCE,
+    amx_prompts,
     amx_tiles,
     bf16_dot_tiles,
     load_kernel,
     paged_attention,
-    sdpa_prefills,
+    prompt_route,
 )
 from tests.kernel_builds import vector_256_source
 
@@ -177,27 +178,84 @@ def test_bf16_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: i
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prompt_chunks_through_flash_sdpa_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int,
                                                           dtype: torch.dtype) -> None:
-    """The route an AMX machine takes for bf16/fp16 prompt chunks (`prefill_sdpa=True`, forced here
+    """The route an AMX machine takes for bf16/fp16 prompt chunks (`prompts="sdpa"`, forced here
     on any CPU): decodes on the kernel, each chunk through PyTorch's SDPA over its context gathered
     from the paged cache. Within a few roundings of fp32 SDPA, and NaN in unused slots (past a
     sequence's end in its last block, other sequences' blocks) never reaches the output."""
     q_lens, ctx = BF16_CASES[case]
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, 16, dtype, seed=dim + heads + len(case))
     scale = 1 / math.sqrt(dim)
-    ours = paged_attention(query, k, v, meta, scale, prefill_sdpa=True)
+    ours = paged_attention(query, k, v, meta, scale, prompts="sdpa")
     assert ours.dtype == dtype and not ours.isnan().any()
     exact = sdpa_oracle(query, k, v, meta, scale)
     rounding = (exact.to(dtype).float() - exact).abs().max()
     assert (ours.float() - exact).abs().max() <= 4 * rounding
-    kernel_only = paged_attention(query, k, v, meta, scale, prefill_sdpa=False)
+    kernel_only = paged_attention(query, k, v, meta, scale, prompts="kernel")
     decodes = int(meta.query_start_loc[meta.num_decodes])
     assert torch.equal(ours[:decodes], kernel_only[:decodes])  # decodes never leave the kernel
 
 
-def test_only_reduced_precision_on_amx_tiles_routes_chunks_to_sdpa() -> None:
-    assert not sdpa_prefills(torch.float32)
-    assert sdpa_prefills(torch.bfloat16) == sdpa_prefills(torch.float16) == amx_tiles()
-    assert amx_tiles() == ("amx_tile" in Path("/proc/cpuinfo").read_text())
+def test_prompt_chunks_leave_the_kernel_only_in_reduced_precision_on_amx_tiles() -> None:
+    """float32 chunks stay on the kernel everywhere; on an AMX CPU bf16 chunks take the tile path
+    where the shapes fit (head_dim a multiple of 32, blocks a multiple of 64 tokens) and flash SDPA where they do
+    not, fp16 chunks flash SDPA; without AMX everything stays on the kernel."""
+    amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    assert amx_tiles() == amx
+    assert prompt_route(torch.float32, 64, 128) == "kernel"
+    assert prompt_route(torch.float16, 64, 128) == ("sdpa" if amx else "kernel")
+    assert prompt_route(torch.bfloat16, 64, 128) == ("amx" if amx else "kernel")
+    assert prompt_route(torch.bfloat16, 64, 256) == ("amx" if amx else "kernel")
+    assert prompt_route(torch.bfloat16, 64, 16) == ("sdpa" if amx else "kernel")  # not whole 64-key steps
+    assert prompt_route(torch.bfloat16, 80, 128) == ("sdpa" if amx else "kernel")  # head_dim not a multiple of 32
+    with pytest.raises(ValueError, match="prompts must be one of kernel, sdpa, amx"):
+        paged_attention(*make_case([3], [0], 2, 2, 64, 16, torch.float32, seed=0), 0.125, prompts="tiles")
+
+
+AMX_CASES = {
+    **BF16_CASES,
+    "chunk-512-after-1536": ([512], [1536]),  # an engine's late chunk: 28 key steps, the last on the diagonal
+    "chunks-and-decodes": ([1, 1, 300, 64, 7], [500, 3, 0, 700, 129]),
+    "chunk-ending-inside-a-step": ([45], [211]),  # the item's last key mid-step: V rows past it read as zeros
+}
+
+
+@pytest.mark.parametrize("case", list(AMX_CASES))
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 4, 64), (8, 2, 128), (4, 4, 64), (8, 1, 96)])
+@pytest.mark.parametrize(("block", "layout"), [(128, "engine"), (128, "contiguous"), (64, "engine")])
+def test_prompt_chunks_on_amx_tiles_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim: int, block: int,
+                                                    layout: str) -> None:
+    """The tile path for bf16 prompt chunks (`prompts="amx"`): within a few roundings of fp32 SDPA over
+    the same bf16 inputs, on the engine's head-major cache and a contiguous one, GQA groups of 1 to 8,
+    head_dims 64, 96 and 128; NaN in unused slots (past a sequence's end, other sequences' blocks)
+    never reaches the output, and decodes, which stay on the kernel, are the kernel's bit for bit.
+    Where this CPU or build has no tiles the route refuses with an error naming what it needs."""
+    q_lens, ctx = AMX_CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads)
+    if layout == "engine":
+        k, v = (empty_kv_cache(k.shape[0], block, kv_heads, dim, torch.bfloat16).copy_(t) for t in (k, v))
+    scale = 1 / math.sqrt(dim)
+    if not amx_prompts(torch.bfloat16, dim, block):
+        assert not amx_tiles()  # on an AMX CPU every shape here is one the tile path takes
+        with pytest.raises(RuntimeError, match="AMX tiles"):
+            paged_attention(query, k, v, meta, scale, prompts="amx")
+        return
+    ours = paged_attention(query, k, v, meta, scale, prompts="amx")
+    assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
+    exact = sdpa_oracle(query, k, v, meta, scale)
+    rounding = (exact.bfloat16().float() - exact).abs().max()
+    assert (ours.float() - exact).abs().max() <= 4 * rounding
+    decodes = int(meta.query_start_loc[meta.num_decodes])
+    assert torch.equal(ours[:decodes], paged_attention(query, k, v, meta, scale, prompts="kernel")[:decodes])
+
+
+def test_the_amx_prompt_path_checks_its_metadata() -> None:
+    """Bad metadata is refused before anything is read or written, on the tile path as on the kernel
+    (checked first, so in every build)."""
+    query, k, v, meta = make_case([20], [30], 4, 2, 64, 128, torch.bfloat16, seed=3)
+    bad = AttentionMetadata(meta.query_start_loc, meta.seq_lens, torch.full_like(meta.block_tables, 999),
+                            meta.slot_mapping, meta.query_lens, meta.seq_lens_list, meta.num_decodes)
+    with pytest.raises(RuntimeError, match="out of range"):
+        paged_attention(query, k, v, bad, 0.125, prompts="amx")
 
 
 @pytest.mark.parametrize("case", ["decodes-across-tiles", "odd-key-tiles", "long-chunk-many-tiles", "mixed"])
@@ -250,7 +308,7 @@ def test_bf16_decodes_match_fp32_sdpa(case: str, heads: int, kv_heads: int, dim:
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, block, torch.bfloat16,
                                   seed=heads + dim + block + len(case))
     scale = 1 / math.sqrt(dim)
-    ours = paged_attention(query, k, v, meta, scale, kernel=kernel, prefill_sdpa=False)
+    ours = paged_attention(query, k, v, meta, scale, kernel=kernel, prompts="kernel")
     assert ours.dtype == torch.bfloat16 and not ours.isnan().any()
     exact = sdpa_oracle(query, k, v, meta, scale)
     rounding = (exact.bfloat16().float() - exact).abs().max()

@@ -207,18 +207,36 @@ def test_chunk_tokens_never_costs_more_than_a_fresh_chunk(room, start, cost):
 
 
 def test_sarathi_shrinks_late_chunks_of_long_prompts_by_their_attention():
-    """The same prompt, chunked by tokens alone vs with attention counted (100m's ρ ≈ 1.8e-4)."""
+    """The same prompt beside a running decode, chunked by tokens alone vs with attention counted
+    (100m's ρ ≈ 1.8e-4)."""
     sizes = {}
     for cost in (0.0, 1.8e-4):
         run = FakeRun("sarathi", budget=512, max_batch=8, num_blocks=1024, attention_cost=cost, max_len=4096)
+        run.add(1, 8, 100)
+        run.step()  # its prompt: from here on it decodes in every iteration
         run.add(0, 2048, 1)
         sizes[cost] = []
         while sum(sizes[cost]) < 2048:
-            sizes[cost] += [c.num_tokens for c in run.step().chunks]
-    assert sizes[0.0] == [512, 512, 512, 512]
+            out = run.step()
+            assert out.num_decodes == 1
+            sizes[cost] += [c.num_tokens for c in out.chunks[out.num_decodes:]]
+    assert sizes[0.0] == [511, 511, 511, 511, 4]
     shrunk = sizes[1.8e-4]
-    assert shrunk[0] == 512 and sum(shrunk) == 2048
+    assert shrunk[0] == 511 and sum(shrunk) == 2048
     assert all(a > b for a, b in itertools.pairwise(shrunk[:-1]))  # later chunks, fewer tokens
+
+
+def test_prompt_chunks_alone_take_the_whole_budget_whatever_their_attention():
+    """No decode in the iteration, no time between tokens to bound: a long prompt alone goes in full
+    budget chunks even with attention counted."""
+    run = FakeRun("sarathi", budget=512, max_batch=8, num_blocks=1024, attention_cost=1.8e-4, max_len=4096)
+    run.add(0, 2048, 1)
+    sizes = []
+    while sum(sizes) < 2048:
+        out = run.step()
+        assert out.num_decodes == 0
+        sizes += [c.num_tokens for c in out.chunks]
+    assert sizes == [512, 512, 512, 512]
 
 
 def test_attention_cost_of_a_llama_layer():

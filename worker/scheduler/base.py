@@ -29,7 +29,9 @@ class SchedulerConfig:
     max_model_len: int
     attention_cost: float = 0.0
     """Token-equivalents of one (query, key) pair of a prefill chunk's attention (`ModelConfig.
-    attention_cost`); 0 sizes chunks by their tokens alone. See `chunk_tokens`."""
+    attention_cost`); 0 sizes chunks by their tokens alone. See `chunk_tokens`. It applies only to
+    iterations that hold decodes: the shrinking bounds their time between tokens, and an iteration of
+    prompt chunks alone has no token to delay, so it takes the whole budget."""
     ahead: bool = False
     """Schedule ahead: a sequence in flight in one batch may join the next one too, which the engine
     builds while the first still runs. Its next prompt chunk is known; its next decode takes the
@@ -291,8 +293,9 @@ class Scheduler(ABC):
         return True
 
     def _add_prefill_chunk(self, seq: Sequence, builder: BatchBuilder) -> None:
-        if self.chunked_prefill:
-            room = chunk_tokens(builder.tokens_left, seq.num_computed_tokens, self.config.attention_cost)
+        if self.chunked_prefill:  # shrunk by its attention only where decodes share the iteration
+            cost = self.config.attention_cost if builder.num_decodes else 0.0
+            room = chunk_tokens(builder.tokens_left, seq.num_computed_tokens, cost)
             size = min(seq.num_remaining, room)
         else:
             size = seq.num_remaining
@@ -314,7 +317,10 @@ def chunk_tokens(room: int, start: int, attention_cost: float) -> int:
         return room
     limit = room + attention_cost * room * room
     b = 1.0 + attention_cost * start
-    c = min(room, int((-b + math.sqrt(b * b + 4.0 * attention_cost * limit)) / (2.0 * attention_cost)))
-    while c > 1 and c + attention_cost * c * (start + c) > limit:  # the root's round-off for a tiny ρ
+    # the positive root of ρc² + bc - limit, in the form without cancellation: 2·limit / (b + √(b² + 4ρ·limit))
+    c = min(room, int(2.0 * limit / (b + math.sqrt(b * b + 4.0 * attention_cost * limit))))
+    while c > 1 and c + attention_cost * c * (start + c) > limit:  # the root's round-off, either way
         c -= 1
+    while c < room and (c + 1) + attention_cost * (c + 1) * (start + c + 1) <= limit:
+        c += 1
     return max(1, c)
