@@ -220,8 +220,8 @@ RENDEZVOUS_TIMEOUT_S: Setting[float] = Setting(
                  why="on a cluster a stage may wait for a node to scale up and pull the image, which takes minutes"))
 ATTENTION_AWARE_CHUNKS: Setting[bool] = Setting(
     "attention_aware_chunks", bool, True,
-    "size sarathi's prefill chunks by tokens alone (default: late chunks of long prompts shrink by their "
-    "attention work, so no iteration outgrows the budget's time)", flag="--no-attention-aware-chunks")
+    "size sarathi's prefill chunks by tokens alone (default: beside decodes, late chunks of long prompts shrink "
+    "by their attention work, so no iteration outgrows the budget's time)", flag="--no-attention-aware-chunks")
 PREFIX_CACHING: Setting[bool] = Setting(
     "prefix_caching", bool, True,
     "compute every prompt in full (default: reuse the KV of cached full blocks of an identical leading prefix, "
