@@ -52,8 +52,9 @@ def alternate(engine: Engine, steps: int) -> dict[str, float]:
     return {"skinny_ms": skinny_ms, "packed_ms": packed_ms, "speedup": packed_ms / skinny_ms}
 
 
-def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> dict[str, object]:
-    engine = make_engine(Target(model, "cpu", "float32"), "sarathi", 4096, max(4096, context + 2 * steps + 64))
+def measure(model: str, batch: int, context: int, steps: int, seed: int = 0, dtype: str = "float32",
+            ) -> dict[str, object]:
+    engine = make_engine(Target(model, "cpu", dtype), "sarathi", 4096, max(4096, context + 2 * steps + 64))
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     for _ in range(batch):
@@ -62,9 +63,10 @@ def measure(model: str, batch: int, context: int, steps: int, seed: int = 0) -> 
     return {"batch": batch, "context": context, "steps": steps, **alternate(engine, steps)}
 
 
-def measure_prefill(model: str, budget: int, chunks: int, seed: int = 0) -> dict[str, object]:
+def measure_prefill(model: str, budget: int, chunks: int, seed: int = 0, dtype: str = "float32",
+                    ) -> dict[str, object]:
     """Prefill steps of `budget` tokens each (chunks of prompts four budgets long), routes alternating."""
-    engine = make_engine(Target(model, "cpu", "float32"), "sarathi", budget, 4 * budget + 4096)
+    engine = make_engine(Target(model, "cpu", dtype), "sarathi", budget, 4 * budget + 4096)
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     for _ in range(-(-2 * chunks // 4) + 1):
@@ -81,21 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12, help="steps per route and batch")
     parser.add_argument("--prefill-chunks", type=int, default=0, help="also time this many prefill steps per route")
     parser.add_argument("--budget", type=int, default=512, help="tokens per prefill step")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: the few-rows route is the skinny kernel, or the AMX tile path where the CPU "
+                             "has AMX")
     parser.add_argument("--out", default="bench/results/decode_linear.json")
     args = parser.parse_args(argv)
     os.environ[SKINNY_ROWS_ENV] = "0"  # both layouts stay loaded; `route_skinny` picks one per step
     rows = []
     if args.prefill_chunks:
-        row = measure_prefill(args.model, args.budget, args.prefill_chunks)
+        row = measure_prefill(args.model, args.budget, args.prefill_chunks, dtype=args.dtype)
         rows.append(row)
         tqdm.write(f"prefill {args.budget} tokens: few-rows kernel {row['skinny_ms']:7.1f} ms, "
                    f"packed {row['packed_ms']:7.1f} ms, {row['speedup']:4.2f}x", file=sys.stderr)
     for b in tqdm([int(x) for x in args.batches.split(",") if int(x)], desc="decode batches", file=sys.stderr):
-        row = measure(args.model, b, args.context, args.steps)
+        row = measure(args.model, b, args.context, args.steps, dtype=args.dtype)
         rows.append(row)
         tqdm.write(f"decode {b:3d} (ctx {args.context}): few-rows kernel {row['skinny_ms']:7.1f} ms, "
                    f"packed {row['packed_ms']:7.1f} ms, {row['speedup']:4.2f}x", file=sys.stderr)
-    save_record(args.out, {"machine": cpu_record(), "model": args.model, "rows": rows})
+    save_record(args.out, {"machine": cpu_record(), "model": args.model, "dtype": args.dtype, "rows": rows})
     return 0
 
 

@@ -7,6 +7,11 @@ it against every input row while it is in cache (numbers in docs/kernels.md, "CP
 kernel"). It reads `nn.Linear`'s own [out, in] weight, so nothing is packed or copied. bf16 weights
 take the same route on CPUs with AVX512-BF16 (`bf16_rows`), on bf16 dot products with fp32 sums.
 
+On a CPU with AMX tiles, bf16 layers take the tile path instead (`amx_pack`, `amx_linear`;
+`csrc/linear_amx.h`): the weight is packed once into the tiles' order (the same size as the plain
+weight, which it replaces) and up to 32 rows are multiplied on the tile unit, which keeps pace with
+memory where dot products fall behind above 4 rows.
+
 For float32 layers the serving path now takes the panel kernel instead (`panel_linear.py`, faster
 from 4 rows on an AVX2 EPYC); this kernel serves bf16 rows and float32 where the panel kernel is
 turned off. Built on first use and cached like the attention kernel (`cpu_build.py`).
@@ -24,7 +29,8 @@ import torch
 from chariot.kernels import cpu_build
 from chariot.kernels.cpu_build import load_ops
 
-__all__ = ["MAX_ROWS", "bf16_rows", "build_problem", "load_kernel", "skinny_linear", "supports"]
+__all__ = ["AMX_MAX_ROWS", "MAX_ROWS", "amx_linear", "amx_pack", "amx_rows", "bf16_rows", "build_problem",
+           "load_kernel", "skinny_linear", "supports"]
 
 SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 STEM = "cpu_linear"
@@ -35,6 +41,9 @@ MAX_ROWS = 32
 decode iterations on an AVX2 machine (`bench/decode_linear_bench.py`, docs/kernels.md); in bf16 on
 AVX512-BF16 the kernel won up to 24 rows and tied at 32 (`bench/experiments/skinny_kernel_ab.py`). Where
 it crosses on a given machine and dtype is measured at load time (`worker/model/cpu_linear.py`)."""
+
+AMX_MAX_ROWS = 32
+"""The most rows the tile path takes (two row tiles of 16); where it crosses oneDNN is measured at load."""
 
 KernelFn = Callable[..., None]
 
@@ -76,4 +85,31 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(x.shape[0], weight.shape[0], dtype=weight.dtype)
     if x.shape[0]:
         (kernel or load_kernel())(x.contiguous(), weight, bias, out)
+    return out
+
+
+@cache
+def _ops() -> Callable[[str], Callable[..., object]]:
+    return load_ops(SOURCE, STEM, "CPU linear kernel")
+
+
+def amx_rows(weight: torch.Tensor) -> bool:
+    """Whether bf16 rows of this weight can go to the tile path here: a bf16 CPU weight [N, K] with N
+    and K multiples of 32, on a CPU with AMX tiles (granted by Linux) and a build for it."""
+    if weight.device.type != "cpu" or weight.dim() != 2 or weight.dtype != torch.bfloat16:
+        return False
+    if build_problem() is not None or "amx_tile" not in cpu_build.cpu_flags():
+        return False
+    return bool(_ops()("amx_rows")(weight.shape[0], weight.shape[1]))
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] packed for `amx_linear` (N·K bf16 values in the tiles' order)."""
+    return _ops()("amx_pack")(weight.contiguous())  # type: ignore[return-value]
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`x Wᵀ + b` for x [M, K] bf16, M <= AMX_MAX_ROWS, with W as `amx_pack` returned it."""
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    _ops()("amx_linear")(x.contiguous(), packed, bias, out)
     return out

@@ -21,12 +21,9 @@
 // Causality bounds the key steps: an item reads keys up to its last token's position (< seq_len).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    !defined(CHARIOT_VECTOR_256)
+#include "amx_tiles.h"
+#ifdef CHARIOT_AMX
 #define CHARIOT_PROMPT_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include <ATen/Parallel.h>
@@ -61,22 +58,12 @@ constexpr int64_t kRows = 16;    // query tokens per row tile (the tile unit's r
 constexpr int64_t kTokens = 32;  // query tokens per work item
 constexpr int64_t kKeys = 64;    // keys per step: four 16-key score tiles
 
-#ifdef CHARIOT_PROMPT_AMX
-// Linux grants the tile state per process on request (oneDNN asks too; asking twice is harmless).
-inline bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-#endif
 
 // Whether this build and shape can run here: the tiles compiled in and granted by Linux, head_dim a
 // multiple of 32 (at most 256) and whole key steps per cache block.
 inline bool supports(int64_t dim, int64_t block) {
 #ifdef CHARIOT_PROMPT_AMX
-  return dim % 32 == 0 && dim <= 256 && block % kKeys == 0 && tiles_permitted();
+  return dim % 32 == 0 && dim <= 256 && block % kKeys == 0 && chariot_amx::tiles_permitted();
 #else
   (void)dim, (void)block;
   return false;
@@ -84,34 +71,6 @@ inline bool supports(int64_t dim, int64_t block) {
 }
 
 #ifdef CHARIOT_PROMPT_AMX
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 0, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile 16 rows × 64 bytes while it lives; the thread's previous configuration (oneDNN's) is
-// restored after.
-class Tiles {
- public:
-  Tiles() {
-    _tile_storeconfig(&saved_);
-    TileConfig c;
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-  }
-  ~Tiles() {
-    if (saved_.palette) _tile_loadconfig(&saved_);
-    else _tile_release();
-  }
-  Tiles(const Tiles&) = delete;
-  Tiles& operator=(const Tiles&) = delete;
-
- private:
-  TileConfig saved_;
-};
 
 struct Item {
   int32_t seq, kv_head, tok0;
@@ -126,47 +85,14 @@ struct Scratch {
         s(kTokens * kKeys), o(group * kTokens * dim), pv(kTokens * dim), m(group * kTokens), l(group * kTokens * 16), alpha(kTokens) {}
 };
 
-// 16 rows of 16 32-bit lanes, transposed in registers: out[c][r] = in[r][c].
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
-  }
-}
-
 // K of keys [k0, k0 + 64) of one head as B tiles of S = Q·Kᵀ: tile (d-step, key group) at
 // kp + (ds·4 + g)·512, row r = dims (32·ds + 2r, +1) of the group's 16 keys.
 inline void pack_k(const Problem& P, const int32_t* table, int64_t head, int64_t k0, uint16_t* kp) {
   const int64_t block = table[k0 / P.block];
   const uint16_t* base = P.k + block * P.k_blk + (k0 % P.block) * P.k_slot + head * P.k_head;
-  for (int64_t g = 0; g < 4; ++g) {
-    for (int64_t ds = 0; ds < P.dim / 32; ++ds) {
-      __m512i r[16];
-      for (int n = 0; n < 16; ++n) r[n] = _mm512_loadu_si512(base + (g * 16 + n) * P.k_slot + ds * 32);
-      transpose16(r);
-      uint16_t* tile = kp + (ds * 4 + g) * 512;
-      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(tile + c * 32, r[c]);
-    }
-  }
+  for (int64_t g = 0; g < 4; ++g)
+    for (int64_t ds = 0; ds < P.dim / 32; ++ds)
+      chariot_amx::pack_b_tile(base + g * 16 * P.k_slot + ds * 32, P.k_slot, kp + (ds * 4 + g) * 512);
 }
 
 // V of keys [k0, k0 + 64) as B tiles of O += P·V: tile (key step ks of 32, dim group dg of 16) at
@@ -391,7 +317,7 @@ inline void attend(const Problem& P, const Item& w, Scratch& sc) {
 
 // Attention of the prompt chunks of sequences [first_seq, num_seqs), on torch's threads.
 inline void run(const Problem& P, int64_t first_seq, int64_t num_seqs) {
-  TORCH_CHECK(tiles_permitted(), "the kernel could not get the AMX tile state from Linux (arch_prctl)");
+  TORCH_CHECK(chariot_amx::tiles_permitted(), "the kernel could not get the AMX tile state from Linux (arch_prctl)");
   std::vector<Item> items;
   for (int64_t s = first_seq; s < num_seqs; ++s) {
     const int64_t qlen = P.query_start[s + 1] - P.query_start[s], ctx = P.seq_lens[s] - qlen;
@@ -404,7 +330,7 @@ inline void run(const Problem& P, int64_t first_seq, int64_t num_seqs) {
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(std::max(1, at::get_num_threads()), items.size());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Tiles tiles;
+    chariot_amx::Tiles tiles;
     Scratch sc(P.group(), P.dim);
     for (int64_t i = next.fetch_add(1); i < static_cast<int64_t>(items.size()); i = next.fetch_add(1))
       attend(P, items[i], sc);

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "linear_amx.h"
 #include "vec8.h"
 
 #ifndef CHARIOT_OPS_NAMESPACE
@@ -198,9 +199,57 @@ void skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::opt
   });
 }
 
+// Whether this build and machine run bf16 rows on AMX tiles for W [n, k] (`linear_amx.h`).
+bool amx_rows(int64_t n, int64_t k) { return chariot_linear_amx::supports(n, k); }
+
+void check_amx(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous(), name,
+              " must be a contiguous bfloat16 CPU tensor");
+}
+
+// The weight [N, K] packed for `amx_linear` (a tensor of N·K bf16 values in the tiles' order).
+at::Tensor amx_pack(const at::Tensor& weight) {
+  check_amx(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2 && amx_rows(weight.size(0), weight.size(1)),
+              "amx_pack needs a build and CPU with AMX tiles and weight [N, K] with N and K multiples of 32, got ",
+              weight.sizes());
+  at::Tensor packed = weight.new_empty({weight.numel()});
+#ifdef CHARIOT_AMX
+  chariot_linear_amx::pack(static_cast<const uint16_t*>(weight.data_ptr()), weight.size(0), weight.size(1),
+                           static_cast<uint16_t*>(packed.data_ptr()));
+#endif
+  return packed;
+}
+
+// out [M, N] = x [M, K] Wᵀ + bias for M <= 32, W as `amx_pack` returned it.
+void amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                const at::Tensor& out) {
+  check_amx(x, "x");
+  check_amx(packed, "packed");
+  check_amx(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0), "x [M, K] and out [M, N] disagree on M");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(M <= chariot_linear_amx::kMaxRows, "amx_linear takes at most ", chariot_linear_amx::kMaxRows,
+              " rows, got ", M);
+  TORCH_CHECK(packed.numel() == N * K && amx_rows(N, K), "packed must hold a [", N, ", ", K,
+              "] weight from amx_pack on a machine with AMX tiles");
+  const c10::BFloat16* b = bias_data<c10::BFloat16>(bias, N);
+#ifdef CHARIOT_AMX
+  if (M > 0)
+    chariot_linear_amx::linear(static_cast<const uint16_t*>(x.data_ptr()), M, K,
+                               static_cast<const uint16_t*>(packed.data_ptr()), N,
+                               reinterpret_cast<const uint16_t*>(b), static_cast<uint16_t*>(out.data_ptr()));
+#else
+  (void)b;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
+  m.def("amx_rows(int n, int k) -> bool", &amx_rows);
+  m.def("amx_pack(Tensor weight) -> Tensor", &amx_pack);
+  m.def("amx_linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()", &amx_linear);
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()", &skinny_linear);
   m.def("bf16_rows() -> bool", &bf16_rows);
 }

@@ -86,6 +86,60 @@ def test_bf16_skinny_kernel_within_one_rounding_of_fp32(rows: int, out_features:
         torch.testing.assert_close(ours.float(), exact, atol=1e-3, rtol=2**-8)
 
 
+AMX_ROWS = skinny.amx_rows(torch.zeros(32, 32, dtype=torch.bfloat16))  # this machine's build has the tile path
+
+
+def test_amx_rows_where_the_cpu_has_amx_tiles() -> None:
+    """The tile path is there exactly when this CPU has AMX tiles (the native build compiles it in, Linux
+    grants the state); only bf16 weights with both sizes multiples of 32 take it."""
+    assert ({"amx_tile", "amx_bf16"} <= cpu_flags()) == AMX_ROWS
+    if AMX_ROWS:
+        assert not skinny.amx_rows(torch.zeros(32, 48, dtype=torch.bfloat16))
+        assert not skinny.amx_rows(torch.zeros(48, 32, dtype=torch.bfloat16))
+        assert not skinny.amx_rows(torch.zeros(32, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 31, 32])
+@pytest.mark.parametrize(("out_features", "in_features"), [(32, 32), (96, 64), (1536, 1024), (1024, 2816)])
+def test_amx_tile_path_within_one_rounding_of_fp32(rows: int, out_features: int, in_features: int) -> None:
+    """bf16 rows on AMX tiles, with and without bias: every row count of one and two row tiles, against
+    F.linear in fp32 over the same bf16 values (the only error the final rounding to bf16 and the order
+    of fp32 sums). Where there are no tiles, packing is refused by name."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    if not AMX_ROWS:
+        with pytest.raises(RuntimeError, match="AMX tiles"):
+            skinny.amx_pack(w)
+        return
+    packed = skinny.amx_pack(w)
+    assert packed.numel() == w.numel() and packed.dtype == torch.bfloat16
+    for bias in (None, b):
+        ours = skinny.amx_linear(x, packed, bias, out_features)
+        exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        assert ours.dtype == torch.bfloat16 and ours.shape == (rows, out_features)
+        torch.testing.assert_close(ours.float(), exact, atol=1e-3, rtol=2**-8)
+
+
+def test_amx_tile_path_refuses_what_it_cannot_do() -> None:
+    w = torch.randn(64, 64).bfloat16()
+    if not AMX_ROWS:
+        with pytest.raises(RuntimeError, match="AMX tiles"):
+            skinny.amx_pack(w)
+        return
+    packed = skinny.amx_pack(w)
+    with pytest.raises(RuntimeError, match="at most 32 rows"):
+        skinny.amx_linear(torch.randn(33, 64).bfloat16(), packed, None, 64)
+    with pytest.raises(RuntimeError, match="packed must hold a"):
+        skinny.amx_linear(torch.randn(2, 64).bfloat16(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="x must be a contiguous bfloat16"):
+        skinny.amx_linear(torch.randn(2, 64), packed, None, 64)
+    with pytest.raises(RuntimeError, match=r"bias must be \[N\]"):
+        skinny.amx_linear(torch.randn(2, 64).bfloat16(), packed, torch.randn(64), 64)
+    assert skinny.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed, None, 64).shape == (0, 64)
+
+
 def test_bf16_skinny_kernel_refuses_mixed_dtypes_and_odd_sizes() -> None:
     x, w = torch.randn(2, 64).bfloat16(), torch.randn(4, 64).bfloat16()
     with pytest.raises(RuntimeError, match="float32"):
@@ -192,11 +246,30 @@ def test_bf16_cpu_linear_equals_nn_linear(rows: int) -> None:
     packs_bf16 = packing_problem(torch.device("cpu"), torch.bfloat16) is None
     fast = CpuLinear(linear, packed=packs_bf16, plain=True)
     assert fast.skinny == BF16_ROWS
+    assert (fast.tiles is not None) == AMX_ROWS and (fast.weight is None) == AMX_ROWS  # the tiles replace it
+    assert fast.few_rows_cap == (skinny.AMX_MAX_ROWS if AMX_ROWS and packs_bf16 else skinny.MAX_ROWS
+                                 if not AMX_ROWS else ALL_ROWS)
     x = torch.randn(rows, 256).bfloat16()
     with torch.inference_mode():
         ours = fast(x)
         assert ours.dtype == torch.bfloat16
         torch.testing.assert_close(ours.float(), linear(x).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 40, 100])
+def test_the_tiles_copy_alone_takes_every_row_count(rows: int) -> None:
+    """With oneDNN's copy refused (`CHARIOT_CPU_PACKED_LINEAR=0`), a bf16 layer on AMX keeps only the
+    tiles' copy, which takes any number of rows, 32 at a time."""
+    linear = nn.Linear(64, 96, bias=True).to(torch.bfloat16).eval()
+    fast = CpuLinear(linear, packed=False, plain=True)
+    if not AMX_ROWS:
+        assert fast.tiles is None
+        return
+    assert fast.tiles is not None and fast.weight is None and fast.few_rows_cap == ALL_ROWS
+    x = torch.randn(rows, 64).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x).float(), F.linear(x.float(), linear.weight.float(), linear.bias.float()),
+                                   atol=1e-2, rtol=2**-7)
 
 
 def test_a_cpu_linear_keeps_some_weight() -> None:

@@ -6,7 +6,8 @@ weight reordered once at load into its blocked layout is faster on most row coun
 backend takes the same route), but on a few rows (a decode step bound by streaming every weight from
 memory) neither reaches the memory bandwidth; the package's kernels do: the panel kernel for float32
 (`kernels/panel_linear.py`, which can also take prefill chunks in a blocked order) and the skinny
-kernel for bf16 (`kernels/skinny_linear.py`).
+kernel for bf16 (`kernels/skinny_linear.py`: AVX512-BF16 dot products, or the AMX tiles where the CPU
+has them).
 
 What: `load_stage` calls `cpu_linears(stage)` once the weights are in; it swaps every `nn.Linear`
 for a `CpuLinear` that routes each call by its number of rows. Where the routes cross depends on the
@@ -81,14 +82,19 @@ class CpuLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        # float32 takes the panel kernel in place of the plain copy (it takes any number of rows)
+        # float32 takes the panel kernel in place of the plain copy (it takes any number of rows), bf16 on
+        # a CPU with AMX tiles the tile path (up to 32 rows)
         panels = plain and env.is_on(env.CPU_PANEL_LINEAR) and panel.supports(weight)
         self.panels = panel.pack(weight, self.bias) if panels else None
-        self.weight = weight.contiguous() if plain and self.panels is None else None
-        self.skinny = plain and (self.panels is not None or skinny.supports(weight))
+        tiles = plain and not panels and skinny.amx_rows(weight)
+        self.tiles = skinny.amx_pack(weight) if tiles else None
+        self.weight = weight.contiguous() if plain and self.panels is None and self.tiles is None else None
+        self.skinny = plain and (self.panels is not None or self.tiles is not None or skinny.supports(weight))
         self.weight_nbytes = weight.numel() * weight.element_size()  # what one call reads
         self.dtype = weight.dtype
-        self.few_rows_cap = ALL_ROWS if self.panels is not None else skinny.MAX_ROWS
+        # the tiles' copy alone (oneDNN's refused) takes every row count, 32 at a time
+        self.few_rows_cap = (ALL_ROWS if self.panels is not None or (self.tiles is not None and not packed)
+                             else skinny.AMX_MAX_ROWS if self.tiles is not None else skinny.MAX_ROWS)
         self.skinny_max_rows = self.few_rows_cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,15 +115,20 @@ class CpuLinear(nn.Module):
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
         """The few-rows route for [rows, in_features]: the panel kernel where the panels are kept
-        (float32), else the skinny kernel on the plain weight."""
+        (float32), the tile path where the tiles' copy is (bf16 on AMX), else the skinny kernel on the
+        plain weight."""
         if self.panels is not None:
             return panel.panel_linear(flat, self.panels)
+        if self.tiles is not None:
+            parts = flat.split(skinny.AMX_MAX_ROWS)
+            outs = [skinny.amx_linear(part, self.tiles, self.bias, self.out_features) for part in parts]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.weight is None:
             raise RuntimeError("the skinny route needs the plain weight, which this layer does not keep")
         return skinny.skinny_linear(flat, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        few = "panels" if self.panels is not None else "skinny"
+        few = "panels" if self.panels is not None else "amx tiles" if self.tiles is not None else "skinny"
         rows = "all rows" if self.skinny_max_rows == ALL_ROWS else f"<={self.skinny_max_rows} rows"
         kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
                                       (f"{few} {rows}", self.skinny)) if on]
@@ -287,7 +298,7 @@ def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
                                      passes=MANY_ROWS_PASSES)
         timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
         limit = ALL_ROWS if many.max_rows_within(MANY_ROWS_TIE) == MANY_ROWS else limit
-    kernel = "panel" if layers[0].panels is not None else "skinny"
+    kernel = "panel" if layers[0].panels is not None else "amx tile" if layers[0].tiles is not None else "skinny"
     rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
     log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "
              "kernel vs oneDNN: %s)", kernel, rows, CALIBRATION_BYTES >> 20, timings)
