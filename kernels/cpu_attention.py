@@ -8,6 +8,8 @@ copies (a K/V row read once serves its whole group of query heads), register-blo
 micro-kernels with an online softmax, and no read at or past a sequence's length. With a bf16 query
 and cache on a CPU with AVX512-BF16, both products run on bf16 dot products instead, in tiles of
 several query tokens and in decodes of whole GQA groups (`bf16_dot_tiles`), with fp32 accumulation.
+On a CPU with AMX tiles, bf16 prompt chunks take the kernel's tile path instead (`csrc/prompt_amx.h`,
+`prompt_route`), and fp16 ones PyTorch's flash attention (`sdpa_prefill`).
 
 It is compiled on first use against the installed torch and cached (`cpu_build.py`: keyed by the
 source, flags, torch and this CPU; later processes load it without a compiler), or loaded from the
