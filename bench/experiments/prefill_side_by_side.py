@@ -35,7 +35,8 @@ DECODE_CASES = ((1, 16), (8, 16), (32, 16), (32, 512))  # (batch, prompt tokens)
 DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
-GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "panel_linear", "aten::addmm", "aten::mm"),
+GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "amx_linear", "panel_linear", "aten::addmm",
+                     "aten::mm"),
           "attention": ("paged_attention", "prompt_attention_amx", "scaled_dot_product", "cpu_attention_with_kv_cache")}
 
 

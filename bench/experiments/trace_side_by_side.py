@@ -156,6 +156,7 @@ def drive(dtype: str, out_dir: Path) -> None:
     summary = {"chariot_wall_s": chariot_wall, "vllm_wall_s": vllm_wall, "vllm_over_chariot": vllm_wall / chariot_wall,
                "bound_if_only_linear_left": bound, "gemm_gflop_per_s_512_rows": rates}
     print(json.dumps(summary, indent=1))
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"trace_side_by_side_{dtype}.json").write_text(json.dumps(
         {"machine": cpu_record(), "vllm_allocator": str(engines[1].allocator), "dtype": dtype, "rounds": ROUNDS,
          "trace": {"prompt_tokens": sum(lengths),
