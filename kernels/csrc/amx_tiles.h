@@ -90,5 +90,20 @@ inline void pack_b_tile(const uint16_t* src, int64_t ld, uint16_t* tile) {
   for (int c = 0; c < 16; ++c) _mm512_storeu_si512(tile + c * 32, r[c]);
 }
 
+// Tiles 0-3 += the 2×2 block product of two A operands (rows a0 and a1, `lda` bytes apart) and two B
+// tiles stored one after the other at b (512 bf16 values each): 0 = a0·b0, 1 = a0·b1, 2 = a1·b0,
+// 3 = a1·b1. Each load feeds two products. (The tile numbers are literals: GCC pastes them into the
+// instructions.)
+inline void product_2x2(const void* a0, const void* a1, int64_t lda, const uint16_t* b) {
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, b, 64);
+  _tile_loadd(7, b + 512, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
 }  // namespace chariot_amx
 #endif

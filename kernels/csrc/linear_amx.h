@@ -70,16 +70,8 @@ inline void linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* pack
       if (hi > 0) {
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t s = 0; s < steps; ++s) {
-          _tile_loadd(4, x + 32 * s, ld);
-          _tile_loadd(5, x + 16 * k + 32 * s, ld);
-          _tile_loadd(6, w + s * 1024, 64);
-          _tile_loadd(7, w + s * 1024 + 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        for (int64_t s = 0; s < steps; ++s)
+          chariot_amx::product_2x2(x + 32 * s, x + 16 * k + 32 * s, ld, w + s * 1024);
         _tile_stored(2, c + 16 * 32, 128);
         _tile_stored(3, c + 16 * 32 + 16, 128);
       } else {

@@ -81,7 +81,7 @@ struct Scratch {
   std::vector<uint16_t> q, kp, vp, p;
   std::vector<float> s, o, pv, m, l, alpha;
   Scratch(int64_t group, int64_t dim)
-      : q(group * kTokens * dim), kp(dim / 32 * 4 * 512), vp(2 * (dim / 16) * 512), p(kTokens * kKeys),
+      : q(group * kTokens * dim), p(kTokens * kKeys),
         s(kTokens * kKeys), o(group * kTokens * dim), pv(kTokens * dim), m(group * kTokens), l(group * kTokens * 16), alpha(kTokens) {}
 };
 
@@ -206,15 +206,7 @@ inline void head_step(const Problem& P, Scratch& sc, const uint16_t* kpack, cons
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ds = 0; ds < P.dim / 32; ++ds) {
-      const uint16_t* kp = kpack + (ds * 4 + 2 * kh) * 512;
-      _tile_loadd(4, q + ds * 32, qld);
-      _tile_loadd(5, q + kRows * P.dim + ds * 32, qld);
-      _tile_loadd(6, kp, 64);
-      _tile_loadd(7, kp + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      chariot_amx::product_2x2(q + ds * 32, q + kRows * P.dim + ds * 32, qld, kpack + (ds * 4 + 2 * kh) * 512);
     }
     _tile_stored(0, s + 32 * kh, kKeys * 4);
     _tile_stored(1, s + 32 * kh + 16, kKeys * 4);
@@ -234,15 +226,8 @@ inline void head_step(const Problem& P, Scratch& sc, const uint16_t* kpack, cons
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t ks = 0; ks < 2; ++ks) {
-      const uint16_t* vp = vpack + (ks * groups + d0 / 16) * 512;
-      _tile_loadd(4, pp + ks * 32, kKeys * 2);
-      _tile_loadd(5, pp + kRows * kKeys + ks * 32, kKeys * 2);
-      _tile_loadd(6, vp, 64);
-      _tile_loadd(7, vp + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      chariot_amx::product_2x2(pp + ks * 32, pp + kRows * kKeys + ks * 32, kKeys * 2,
+                               vpack + (ks * groups + d0 / 16) * 512);
     }
     _tile_stored(0, pv + d0, ld);
     _tile_stored(1, pv + d0 + 16, ld);
