@@ -206,6 +206,7 @@ def drive(dtype: str, out_dir: Path) -> None:
     for e in engines:
         e.proc.kill()
     name = "prefill_side_by_side.json" if dtype == "float32" else f"prefill_side_by_side_{dtype}.json"
+    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / name).write_text(json.dumps(
         {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "rows": rows, "times_s": times,
          "decode_rows": decode_rows, "decode_steps_s": steps, "profiles": profiles}, indent=1))

@@ -1,6 +1,7 @@
 """The pure parts of the kernel and block-size experiments (`bench/experiments/kernel_revision_ab.py`,
-`bench/offline_ab.py`, `decode_attention_side_by_side.py`): which revision's sources they build, the
-order their rounds run in, and the rates they report."""
+`bench/offline_ab.py`, `decode_attention_side_by_side.py`, `linear_dispatch_ab.py`): which revision's
+sources they build, the order their rounds run in, the rates they report, and that an A/B's previous
+variant computes what the current one does."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from chariot.bench.experiments import linear_dispatch_ab
 from chariot.bench.experiments.decode_attention_side_by_side import kv_gb, summarize
 from chariot.bench.experiments.kernel_revision_ab import revision_source
 from chariot.bench.offline_ab import rotated
+from chariot.kernels import cpu_layer_ops
+from chariot.worker.model.cpu_linear import CpuLinear
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +29,32 @@ def test_a_revisions_kernel_comes_with_the_headers_beside_it(tmp_path: Path, mon
                                capture_output=True).stdout
     assert source == tmp_path / "paged_attention.cpp" and source.read_bytes() == committed
     assert (tmp_path / "vecw.h").exists() and (tmp_path / "vec8.h").exists()
+
+
+def test_the_layer_kernels_of_a_revision_come_out_of_git_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    source = revision_source("HEAD", tmp_path, cpu_layer_ops)
+    committed = subprocess.run(["git", "show", "HEAD:kernels/csrc/layer_ops.cpp"], check=True,
+                               capture_output=True).stdout
+    assert source == tmp_path / "layer_ops.cpp" and source.read_bytes() == committed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_the_previous_linear_dispatch_computes_what_the_current_one_does(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    fast = CpuLinear(nn.Linear(64, 96).to(dtype).eval(), packed=False, plain=True)
+    x = torch.randn(rows, 64).to(dtype)
+    try:
+        with torch.inference_mode():
+            current = [fast(x), fast(x.view(rows, 1, 64))]
+            linear_dispatch_ab.use("previous")
+            previous = [fast(x), fast(x.view(rows, 1, 64))]
+    finally:
+        linear_dispatch_ab.use("current")
+    assert CpuLinear.forward is linear_dispatch_ab.CURRENT["forward"]
+    for a, b in zip(current, previous, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
 
 
 def test_rounds_rotate_which_variant_goes_first() -> None:

@@ -98,7 +98,8 @@ class CpuLinear(nn.Module):
         self.skinny_max_rows = self.few_rows_cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat, weight = x.reshape(-1, self.in_features), self.weight
+        # the model's activations are [tokens, features] already: no reshape or view to dispatch then
+        flat, weight = (x if x.dim() == 2 else x.reshape(-1, self.in_features)), self.weight
         if self.skinny and flat.shape[0] <= self.skinny_max_rows:
             out = self.plain(flat)
         elif self.packed_weight is not None:
@@ -107,7 +108,7 @@ class CpuLinear(nn.Module):
             out = F.linear(flat, weight, self.bias)
         else:  # the constructor keeps one of the two
             raise RuntimeError("CpuLinear holds no weight")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def packed(self, flat: torch.Tensor) -> torch.Tensor:
         """The oneDNN route for [rows, in_features] (the packed weight must be kept)."""
@@ -120,9 +121,10 @@ class CpuLinear(nn.Module):
         if self.panels is not None:
             return panel.panel_linear(flat, self.panels)
         if self.tiles is not None:
+            if flat.shape[0] <= skinny.AMX_MAX_ROWS:  # a decode step's rows: one call, no split views
+                return skinny.amx_linear(flat, self.tiles, self.bias, self.out_features)
             parts = flat.split(skinny.AMX_MAX_ROWS)
-            outs = [skinny.amx_linear(part, self.tiles, self.bias, self.out_features) for part in parts]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
+            return torch.cat([skinny.amx_linear(part, self.tiles, self.bias, self.out_features) for part in parts])
         if self.weight is None:
             raise RuntimeError("the skinny route needs the plain weight, which this layer does not keep")
         return skinny.skinny_linear(flat, self.weight, self.bias)
