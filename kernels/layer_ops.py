@@ -61,8 +61,7 @@ def add_rms_norm(
     if fused_on(x):
         normed, summed = _triton().add_rms_norm(x, residual, weight, eps)
         return normed, summed
-    summed = x.add_(residual)
-    return cpu_layer_ops.rms_norm(summed, weight, eps), summed
+    return cpu_layer_ops.add_rms_norm(x, residual, weight, eps)
 
 
 def rope_write_kv(

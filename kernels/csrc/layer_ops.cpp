@@ -8,6 +8,7 @@
 //
 //   silu_and_mul(gate_up, out):   out[t][i] = silu(gate_up[t][i]) · gate_up[t][I + i]
 //   rms_norm(x, weight, eps, out): out[t] = x[t] / sqrt(mean(x[t]²) + eps) · weight   (sum in fp32)
+//   add_rms_norm(x, residual, weight, eps, out): x += residual, then out = rms_norm(x) (one pass)
 //   write_kv(key, value, k_cache, v_cache, slots): each token's K/V rows into its cache slot
 //   rope(q, k, cos, sin):          q and k rotated in place by each token's angles (HF `rotate_half`)
 //
@@ -126,32 +127,57 @@ void silu_and_mul(const at::Tensor& gate_up, const at::Tensor& out) {
     silu_and_mul_rows<c10::BFloat16>(gate_up, out);
 }
 
-// out = round(x · inv_rms) · weight: normalised in fp32, rounded to x's dtype, then scaled (Hugging Face's order).
+// One row: o = round(r · inv_rms) · w, normalised in fp32, rounded to T, then scaled (Hugging Face's order).
+template <typename T>
+inline void rms_norm_row(const T* r, const T* w, T* o, int64_t width, float epsilon) {
+  using L = Lanes<T>;
+  vw acc = {};
+  int64_t i = 0;
+  for (; i + kW <= width; i += kW) {
+    const vw v = L::load(r + i);
+    acc += v * v;
+  }
+  float sum = 0.f;
+  for (int lane = 0; lane < kW; ++lane) sum += acc[lane];
+  for (; i < width; ++i) sum += L::get(r[i]) * L::get(r[i]);
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + epsilon);
+  const vw scale = W::splat(inv);
+  for (i = 0; i + kW <= width; i += kW) L::store(o + i, L::round(L::load(r + i) * scale) * L::load(w + i));
+  for (; i < width; ++i) o[i] = L::put(L::get(L::put(L::get(r[i]) * inv)) * L::get(w[i]));
+}
+
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float epsilon, const at::Tensor& out) {
-  using L = Lanes<T>;
   const int64_t rows = x.size(0), width = x.size(1);
   const T* src = x.data_ptr<T>();
   const T* w = weight.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   const int64_t ld_in = x.stride(0), ld_out = out.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(src + t * ld_in, w, dst + t * ld_out, width, epsilon);
+  });
+}
+
+// x += residual, rounded to T as eager `add_` rounds, then out = the row's RMSNorm of the sum: one
+// pass over the residual stream where `add_` and `rms_norm` make two, the same bits as both.
+template <typename T>
+void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, float epsilon,
+                       const at::Tensor& out) {
+  using L = Lanes<T>;
+  const int64_t rows = x.size(0), width = x.size(1);
+  T* sum = x.data_ptr<T>();
+  const T* res = residual.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  const int64_t ld_x = x.stride(0), ld_res = residual.stride(0), ld_out = out.stride(0);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const T* r = src + t * ld_in;
-      T* o = dst + t * ld_out;
-      vw acc = {};
+      T* r = sum + t * ld_x;
+      const T* a = res + t * ld_res;
       int64_t i = 0;
-      for (; i + kW <= width; i += kW) {
-        const vw v = L::load(r + i);
-        acc += v * v;
-      }
-      float sum = 0.f;
-      for (int lane = 0; lane < kW; ++lane) sum += acc[lane];
-      for (; i < width; ++i) sum += L::get(r[i]) * L::get(r[i]);
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + epsilon);
-      const vw scale = W::splat(inv);
-      for (i = 0; i + kW <= width; i += kW) L::store(o + i, L::round(L::load(r + i) * scale) * L::load(w + i));
-      for (; i < width; ++i) o[i] = L::put(L::get(L::put(L::get(r[i]) * inv)) * L::get(w[i]));
+      for (; i + kW <= width; i += kW) L::store(r + i, L::load(r + i) + L::load(a + i));
+      for (; i < width; ++i) r[i] = L::put(L::get(r[i]) + L::get(a[i]));
+      rms_norm_row(r, w, dst + t * ld_out, width, epsilon);  // the row is still in L1
     }
   });
 }
@@ -168,6 +194,24 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const a
     rms_norm_rows<float>(x, weight, static_cast<float>(eps), out);
   else
     rms_norm_rows<c10::BFloat16>(x, weight, static_cast<float>(eps), out);
+}
+
+void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                  const at::Tensor& out) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  check_rows(out, "out");
+  check_same_dtype(x, residual, "x", "residual");
+  check_same_dtype(x, out, "x", "out");
+  check_same_dtype(x, weight, "x", "weight");
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be a contiguous CPU tensor of ", x.size(1), " elements");
+  TORCH_CHECK(residual.sizes() == x.sizes() && out.sizes() == x.sizes(), "residual and out must be shaped like x");
+  TORCH_CHECK(!out.is_same(x) && !out.is_same(residual), "out must be a tensor of its own");
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_rows<float>(x, residual, weight, static_cast<float>(eps), out);
+  else
+    add_rms_norm_rows<c10::BFloat16>(x, residual, weight, static_cast<float>(eps), out);
 }
 
 // One head's row x [D] rotated in place by its token's cos, sin [D] (half = D / 2), rounded as eager
@@ -280,6 +324,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
 TORCH_LIBRARY(CHARIOT_OPS_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()", &silu_and_mul);
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()", &rms_norm);
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps, Tensor(b!) out) -> ()", &add_rms_norm);
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rope);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()",
         &write_kv);

@@ -1,5 +1,6 @@
 """The one-pass C++ layer kernels (`kernels/csrc/layer_ops.cpp`) against independent references:
-SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm`, RoPE against
+SiLU·mul against `F.silu(gate) * up`, RMSNorm against Hugging Face's `LlamaRMSNorm` (and the residual
+add fused before it against `x + residual` then `LlamaRMSNorm`, bit for bit the two ops), RoPE against
 Hugging Face's `apply_rotary_pos_emb` (bit for bit, in place on strided q/k views), and `write_kv`
 against the PyTorch reference's `index_put_`, over widths with vector tails, strided rows, both
 slot dtypes, the CPU cache layout and bf16 caches. In bfloat16, SiLU·mul and RMSNorm must round
@@ -95,6 +96,45 @@ def test_bfloat16_rms_norm_rounds_like_hugging_face(ops: Ops, rows: int, width: 
     ops("rms_norm")(x, hf.weight.detach(), 1e-5, out)
     with torch.no_grad():
         _mostly_identical(out, hf(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 1024), (9, 72), (64, 4096), (5, 13)])
+def test_add_rms_norm_is_the_residual_add_then_hugging_faces_norm(ops: Ops, dtype: torch.dtype, rows: int,
+                                                                 width: int) -> None:
+    """x += residual in place, rounded as eager `add_` rounds, and the norm of the sum: the same bits as
+    `add_` followed by the `rms_norm` kernel, and Hugging Face's norm of `x + residual` to its precision.
+    The residual's rows are strided inside a wider buffer."""
+    gen = torch.Generator().manual_seed(rows * 11 + width)
+    hf = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=gen))
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, width + 8, generator=gen) * 3).to(dtype)[:, :width]
+    weight = hf.weight.detach()
+    summed = x.clone().add_(residual)
+    two_ops = torch.empty_like(x)
+    ops("rms_norm")(summed, weight, 1e-5, two_ops)
+    out = torch.empty_like(x)
+    ops("add_rms_norm")(x, residual, weight, 1e-5, out)
+    assert torch.equal(x, summed) and torch.equal(out, two_ops)
+    with torch.no_grad():
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, hf(summed), rtol=2e-6, atol=2e-6)
+        else:
+            _mostly_identical(out, hf(summed))
+
+
+def test_add_rms_norm_refuses_mismatched_shapes_and_an_aliased_out(ops: Ops) -> None:
+    x, w = torch.randn(3, 32), torch.randn(32)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="residual and out must be shaped like x"):
+        ops("add_rms_norm")(x, torch.randn(2, 32), w, 1e-5, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="out must be a tensor of its own"):
+        ops("add_rms_norm")(x, torch.randn(3, 32), w, 1e-5, x)
+    with pytest.raises(RuntimeError, match="residual must have x's dtype"):
+        ops("add_rms_norm")(x, torch.randn(3, 32).bfloat16(), w, 1e-5, torch.empty_like(x))
+    assert torch.equal(x, before)  # refused before anything was written
 
 
 def test_mixed_dtypes_raise_naming_the_tensor(ops: Ops) -> None:
@@ -200,7 +240,12 @@ def test_wrappers_take_the_kernels_for_bfloat16(monkeypatch: pytest.MonkeyPatch)
     _mostly_identical(cpu_layer_ops.silu_and_mul(gate_up), F.silu(gate_up[..., :48]).mul_(gate_up[..., 48:]))
     x, w = torch.randn(4, 64).bfloat16(), torch.randn(64).bfloat16()
     _mostly_identical(cpu_layer_ops.rms_norm(x, w, 1e-5), F.rms_norm(x.float(), (64,), eps=1e-5).bfloat16().mul_(w))
-    assert calls == ["silu_and_mul", "rms_norm"]
+    residual = torch.randn(4, 64).bfloat16()
+    summed = x.clone().add_(residual)
+    normed, stream = cpu_layer_ops.add_rms_norm(x, residual, w, 1e-5)
+    assert stream is x and torch.equal(x, summed)  # the residual stream, in place
+    _mostly_identical(normed, F.rms_norm(summed.float(), (64,), eps=1e-5).bfloat16().mul_(w))
+    assert calls == ["silu_and_mul", "rms_norm", "add_rms_norm"]
 
 
 def test_float16_mixed_and_switched_off_run_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,10 +254,18 @@ def test_float16_mixed_and_switched_off_run_pytorch(monkeypatch: pytest.MonkeyPa
     x, w32 = torch.randn(4, 32).bfloat16(), torch.randn(32)  # a float32 weight on bf16 rows: PyTorch's promotion
     want = F.rms_norm(x.float(), (32,), eps=1e-5).to(x.dtype).mul_(w32)
     assert torch.equal(cpu_layer_ops.rms_norm(x, w32, 1e-5), want)
+    x3, r3 = torch.randn(2, 2, 32), torch.randn(2, 2, 32)  # rows that are not 2-D: add_, then the norm
+    want3 = x3 + r3
+    normed, stream = cpu_layer_ops.add_rms_norm(x3, r3, torch.ones(32), 1e-5)
+    assert stream is x3 and torch.equal(x3, want3) and normed.shape == (2, 2, 32)
     monkeypatch.setenv(cpu_layer_ops.ENV, "0")
     assert not cpu_layer_ops.enabled()
     x, w = torch.randn(4, 32), torch.randn(32)
     assert torch.equal(cpu_layer_ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (32,), eps=1e-5).mul_(w))
+    residual, summed = torch.randn(4, 32), x.clone()
+    summed += residual
+    normed, _ = cpu_layer_ops.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(x, summed) and torch.equal(normed, F.rms_norm(summed, (32,), eps=1e-5).mul_(w))
     key = torch.randn(2, 1, 8)
     k_cache, v_cache = _caches(1, 4, 1, 8, torch.float32)
     cpu_layer_ops.write_kv(key, key, k_cache, v_cache, torch.tensor([3, 0]))
