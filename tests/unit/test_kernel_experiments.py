@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from chariot.bench.experiments import linear_dispatch_ab
+from chariot.bench.experiments import layer_ops_revision_calls, linear_dispatch_ab
 from chariot.bench.experiments.decode_attention_side_by_side import kv_gb, summarize
 from chariot.bench.experiments.kernel_revision_ab import revision_source
 from chariot.bench.offline_ab import rotated
@@ -55,6 +55,11 @@ def test_the_previous_linear_dispatch_computes_what_the_current_one_does(dtype: 
     assert CpuLinear.forward is linear_dispatch_ab.CURRENT["forward"]
     for a, b in zip(current, previous, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_per_call_rates_count_each_ops_elements() -> None:
+    counts = {op: elements for op, (elements, _) in layer_ops_revision_calls.cases(torch.bfloat16).items()}
+    assert counts == {"silu_and_mul": 16 * 2816, "rms_norm": 64 * 1024, "rope": 64 * (16 + 4) * 64}
 
 
 def test_rounds_rotate_which_variant_goes_first() -> None:
