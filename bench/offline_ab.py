@@ -1,5 +1,6 @@
 """Variants of one engine side by side on the peer benchmark's offline trace, in one process: the loop
-the A/B experiments share (`prompt_route_ab`, `kernel_revision_ab`, `block_size_ab`, `amx_linear_ab`).
+the A/B experiments share (`prompt_route_ab`, `kernel_revision_ab`, `block_size_ab`, `amx_linear_ab`,
+`linear_dispatch_ab`, `add_rms_norm_ab`).
 
 The trace is 64 chat requests ×0.25, all at t=0, `ignore_eos`, fresh prompt contents per round. Each
 variant is a function that puts it in place and returns the `LLM` to run; every variant first runs
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,17 @@ def load(dtype: str, **settings: Any) -> Any:
 def as_is(llm: Any) -> Callable[[], Any]:
     """A variant that needs nothing put in place: its own `LLM`."""
     return lambda: llm
+
+
+def switched(llm: Any, put_in_place: Callable[[str], object], names: Iterable[str]) -> dict[str, Callable[[], Any]]:
+    """Variants of one `LLM` that differ in something switched in place: each calls
+    `put_in_place(name)` (swapping a function or a kernel build) and returns `llm`."""
+    def variant(name: str) -> Callable[[], Any]:
+        def put() -> Any:
+            put_in_place(name)
+            return llm
+        return put
+    return {name: variant(name) for name in names}
 
 
 def rotated(names: list[str], r: int) -> list[str]:

@@ -87,13 +87,7 @@ def main(dtype: str, out_dir: Path) -> None:
         print(f"round {r + 1}: " + "; ".join(f"{case} {({k: round(v[-1], 2) for k, v in t.items()})} ms"
                                              for case, t in forwards.items()), flush=True)
 
-    def put(name: str) -> Callable[[], LLM]:
-        def variant() -> LLM:
-            use(name)
-            return llm
-        return variant
-
-    walls, tokens = ab.run_variants({name: put(name) for name in VARIANTS}, ROUNDS, "add-rms-norm-ab")
+    walls, tokens = ab.run_variants(ab.switched(llm, use, VARIANTS), ROUNDS, "add-rms-norm-ab")
     use("fused")
     med, same = ab.medians(walls), ab.same_tokens(tokens, "fused", "two_ops")
     fwd = {case: {name: statistics.median(v) for name, v in t.items()} for case, t in forwards.items()}

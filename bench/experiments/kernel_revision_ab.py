@@ -24,14 +24,12 @@ import argparse
 import json
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 from chariot.bench import offline_ab as ab
 from chariot.bench.linear_bench import cpu_record
 from chariot.kernels import cpu_attention, cpu_layer_ops
-from chariot.worker import LLM
 
 ROUNDS = 8
 CSRC = "kernels/csrc"
@@ -58,13 +56,10 @@ def main(rev: str, dtype: str, out_dir: Path, library: str = "attention") -> Non
     llm = ab.load(dtype)
     current = module.load_kernel
 
-    def use(name: str) -> Callable[[], LLM]:
-        def put() -> LLM:
-            setattr(module, "load_kernel", lambda source=module.SOURCE: builds[name])  # noqa: B010 (a module's function)
-            return llm
-        return put
+    def use(name: str) -> None:
+        setattr(module, "load_kernel", lambda source=module.SOURCE: builds[name])  # noqa: B010 (a module's function)
 
-    walls, tokens = ab.run_variants({name: use(name) for name in builds}, ROUNDS, "kernel-ab")
+    walls, tokens = ab.run_variants(ab.switched(llm, use, builds), ROUNDS, "kernel-ab")
     setattr(module, "load_kernel", current)  # noqa: B010
     med, same = ab.medians(walls), ab.same_tokens(tokens, "current", rev)
     print(f"median wall: {rev} {med[rev]:.1f} s, current {med['current']:.1f} s ({med[rev] / med['current']:.2f}x); "

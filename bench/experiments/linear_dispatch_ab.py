@@ -59,7 +59,8 @@ def previous_plain(self: CpuLinear, flat: torch.Tensor) -> torch.Tensor:
     """The previous tile route: rows split into 32-row views, however few."""
     if self.tiles is None:
         return CURRENT["plain"](self, flat)
-    outs = [skinny.amx_linear(part, self.tiles, self.bias, self.out_features) for part in flat.split(32)]
+    parts = flat.split(skinny.AMX_MAX_ROWS)
+    outs = [skinny.amx_linear(part, self.tiles, self.bias, self.out_features) for part in parts]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -123,13 +124,7 @@ def main(dtype: str, out_dir: Path) -> None:
             ops[name] = ops_per_forward(stage, args, kwargs)
         print(f"round {r + 1}: forward {({k: round(v[-1], 2) for k, v in forwards.items()})} ms", flush=True)
 
-    def put(name: str) -> Callable[[], LLM]:
-        def variant() -> LLM:
-            use(name)
-            return llm
-        return variant
-
-    walls, tokens = ab.run_variants({name: put(name) for name in VARIANTS}, ROUNDS, "linear-dispatch-ab")
+    walls, tokens = ab.run_variants(ab.switched(llm, use, VARIANTS), ROUNDS, "linear-dispatch-ab")
     use("current")
     med, same = ab.medians(walls), ab.same_tokens(tokens, "current", "previous")
     fwd = {name: statistics.median(v) for name, v in forwards.items()}

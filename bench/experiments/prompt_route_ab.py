@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from chariot.bench import offline_ab as ab
 from chariot.bench.linear_bench import cpu_record
 from chariot.kernels import cpu_attention
-from chariot.worker import LLM
 
 
 def main(dtype: str, routes: tuple[str, ...], rounds: int, out_dir: Path) -> None:
@@ -34,13 +32,10 @@ def main(dtype: str, routes: tuple[str, ...], rounds: int, out_dir: Path) -> Non
     llm = ab.load(dtype)
     chosen = cpu_attention.prompt_route
 
-    def route(name: str) -> Callable[[], LLM]:
-        def put() -> LLM:
-            cpu_attention.prompt_route = lambda *_: name
-            return llm
-        return put
+    def route(name: str) -> None:
+        cpu_attention.prompt_route = lambda *_: name
 
-    walls, tokens = ab.run_variants({name: route(name) for name in routes}, rounds, "prompt-route-ab")
+    walls, tokens = ab.run_variants(ab.switched(llm, route, routes), rounds, "prompt-route-ab")
     cpu_attention.prompt_route = chosen
     med = ab.medians(walls)
     same = {r: ab.same_tokens(tokens, routes[0], r) for r in routes[1:]}

@@ -15,7 +15,7 @@ from torch import nn
 from chariot.bench.experiments import layer_ops_revision_calls, linear_dispatch_ab
 from chariot.bench.experiments.decode_attention_side_by_side import kv_gb, summarize
 from chariot.bench.experiments.kernel_revision_ab import revision_source
-from chariot.bench.offline_ab import rotated
+from chariot.bench.offline_ab import rotated, switched
 from chariot.kernels import cpu_layer_ops
 from chariot.worker.model.cpu_linear import CpuLinear
 
@@ -55,6 +55,14 @@ def test_the_previous_linear_dispatch_computes_what_the_current_one_does(dtype: 
     assert CpuLinear.forward is linear_dispatch_ab.CURRENT["forward"]
     for a, b in zip(current, previous, strict=True):
         assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_switched_variants_put_their_own_state_in_place_before_handing_out_the_llm() -> None:
+    placed: list[str] = []
+    llm = object()
+    variants = switched(llm, placed.append, ["a", "b"])
+    assert variants["b"]() is llm and variants["a"]() is llm
+    assert placed == ["b", "a"]
 
 
 def test_per_call_rates_count_each_ops_elements() -> None:
