@@ -110,6 +110,12 @@ CPU_PANEL_LINEAR = Knob(
     "CHARIOT_CPU_PANEL_LINEAR", "`0` \\| `1`", "1",
     "`0` keeps the skinny kernel where the panel kernel would replace the plain weight copy",
     ("worker/model/cpu_linear.py",))
+CPU_BF16_UPCAST = Knob(
+    "CHARIOT_CPU_BF16_UPCAST", "`auto` \\| `0` \\| `1`", "auto",
+    "bf16 linear layers' many-rows (prefill) route computes in float32 on a float32 copy of the weights packed "
+    "for oneDNN: `auto` where that measures faster at start-up (a CPU whose bf16 dot products run slower than "
+    "its float32 FMAs) and the copy fits in memory, `1` always, `0` never", ("worker/model/cpu_linear.py",),
+    choices=("auto", "0", "1"))
 STAGE_CPUS = Knob(
     "CHARIOT_STAGE_CPUS", "core sets, e.g. `0,1` or `0+1,2+3`", None,
     "pins pipeline stage r to the r-th core set (`+` joins cores) with as many torch threads: benchmarks of "
@@ -133,8 +139,8 @@ E2E_COMMAND = Knob(
 
 KNOBS: tuple[Knob, ...] = (
     ATTENTION_BACKEND, KERNEL_CACHE, KERNEL_BASELINE, KERNEL_BUILD, CPU_LAYER_OPS, CPU_KEEP_FREED_MEMORY,
-    CPU_PACKED_LINEAR, CPU_SKINNY_LINEAR, CPU_SKINNY_MAX_ROWS, CPU_PANEL_LINEAR, STAGE_CPUS, IMAGE, REDIS_URL,
-    REDIS_SERVER, E2E_COMMAND,
+    CPU_PACKED_LINEAR, CPU_SKINNY_LINEAR, CPU_SKINNY_MAX_ROWS, CPU_PANEL_LINEAR, CPU_BF16_UPCAST, STAGE_CPUS,
+    IMAGE, REDIS_URL, REDIS_SERVER, E2E_COMMAND,
 )
 
 

@@ -23,15 +23,19 @@ from chariot.worker.model.cpu_linear import (
     SETTLED_ROWS,
     SKINNY_LINEAR_ENV,
     SKINNY_ROWS_ENV,
+    UPCAST_ENV,
     CpuLinear,
     RowsCalibration,
+    UpcastCalibration,
     calibrate_skinny_rows,
+    calibrate_upcast,
     calibration_layers,
     configured_skinny_rows,
     cpu_linears,
     packing_problem,
     plan_linears,
     skinny_problem,
+    upcast_problem,
 )
 from tests.kernel_builds import vector_256_source
 
@@ -502,3 +506,113 @@ def test_a_bad_row_limit_names_the_variable_and_range(monkeypatch: pytest.Monkey
     monkeypatch.setenv(SKINNY_ROWS_ENV, value)
     with pytest.raises(ValueError, match=rf"{SKINNY_ROWS_ENV} must be a row count \(an integer >= 0\) or 'all'"):
         configured_skinny_rows()
+
+
+PACKS_BF16 = packing_problem(torch.device("cpu"), torch.bfloat16) is None  # oneDNN packs bf16 on this CPU
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 40, 300])
+def test_a_bf16_layer_packed_in_float32_computes_in_float32(bias: bool, rows: int) -> None:
+    """The upcast route: a bf16 layer whose oneDNN copy is float32 gives float32 arithmetic on the bf16
+    values (exact inputs, float32 sums), rounded to bf16 once; a float32 copy packs on every CPU."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(256, 384, bias=bias).to(torch.bfloat16).eval()
+    fast = CpuLinear(linear, packed=True, plain=False, packed_dtype=torch.float32)
+    assert fast.compute_dtype == torch.float32 and fast.packed_weight is not None and not fast.skinny
+    assert "packed=oneDNN float32" in repr(fast)
+    x = torch.randn(rows, 256).bfloat16()
+    bias_f32 = None if linear.bias is None else linear.bias.float()
+    want = F.linear(x.float(), linear.weight.float(), bias_f32)
+    with torch.inference_mode():
+        ours = fast(x)
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), want, atol=1e-2, rtol=2**-8)  # one bf16 rounding
+        torch.testing.assert_close(fast(x.view(rows, 1, 256)), ours.view(rows, 1, 384))
+
+
+def test_only_a_bf16_layer_takes_a_float32_packed_copy() -> None:
+    with pytest.raises(ValueError, match="only a bfloat16 weight takes a float32 packed copy"):
+        CpuLinear(nn.Linear(8, 8), packed=True, plain=False, packed_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"packed_dtype torch\.float64"):
+        CpuLinear(nn.Linear(8, 8).bfloat16(), packed=True, plain=False, packed_dtype=torch.float64)
+    same = CpuLinear(nn.Linear(8, 8), packed=True, plain=False, packed_dtype=torch.float32)  # its own dtype
+    assert same.compute_dtype == torch.float32 and "float32" not in repr(same).split("packed=oneDNN")[1]
+
+
+def test_the_float32_copy_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    gib = 2**30
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert upcast_problem(torch.bfloat16, gib, packed=True, memory_bytes=16 * gib) is None
+    assert "not bfloat16" in (upcast_problem(torch.float32, gib, packed=True, memory_bytes=16 * gib) or "")
+    assert "not packed" in (upcast_problem(torch.bfloat16, gib, packed=False, memory_bytes=16 * gib) or "")
+    too_big = upcast_problem(torch.bfloat16, 3 * gib, packed=True, memory_bytes=16 * gib)  # 6 GiB > 4 GiB
+    assert too_big is not None and "6.0 GiB" in too_big and "25%" in too_big and f"{UPCAST_ENV}=1" in too_big
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert "AMX" in (upcast_problem(torch.bfloat16, gib, packed=True, memory_bytes=16 * gib) or "")
+    monkeypatch.setenv(UPCAST_ENV, "1")  # forced: neither memory nor AMX refuses it; the dtype still does
+    assert upcast_problem(torch.bfloat16, 3 * gib, packed=True, memory_bytes=16 * gib) is None
+    assert upcast_problem(torch.float32, gib, packed=True) is not None
+    monkeypatch.setenv(UPCAST_ENV, "0")
+    assert upcast_problem(torch.bfloat16, gib, packed=True) == f"{UPCAST_ENV}=0"
+    monkeypatch.setenv(UPCAST_ENV, "on")
+    with pytest.raises(ValueError, match=f"{UPCAST_ENV} must be auto, 0 or 1"):
+        upcast_problem(torch.bfloat16, gib, packed=True)
+
+
+@pytest.mark.parametrize(("bf16_s", "float32_s", "chosen"),
+                         [(1.5, 1.0, torch.float32), (1.12, 1.0, torch.float32), (1.08, 1.0, None), (0.5, 1.0, None)])
+def test_the_float32_copy_is_kept_when_it_wins_by_more_than_the_tie(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, bf16_s: float, float32_s: float,
+        chosen: torch.dtype | None) -> None:
+    """Timings faked (the decision is under test): float32 is kept only when more than 10 % faster,
+    timed on the leading layers only; `1` keeps it without timing, `0` neither times nor keeps it."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    timed: list[list[nn.Linear]] = []
+
+    def fake(linears: list[nn.Linear], **_: object) -> UpcastCalibration:
+        timed.append(list(linears))
+        return UpcastCalibration(MANY_ROWS, bf16_s, float32_s)
+
+    monkeypatch.setattr(cpu_linear, "calibrate_upcast", fake)
+    big = [nn.Linear(4096, 4096, bias=False, device="meta", dtype=torch.bfloat16) for _ in range(3)]  # 32 MiB each
+    with caplog.at_level("INFO", logger="chariot.worker.model.cpu_linear"):
+        assert cpu_linear.packed_dtype(big, torch.bfloat16, packed=True, memory_bytes=2**40) == chosen
+    assert timed == [big[:2]]  # the leading 64 MiB
+    assert any(f"{MANY_ROWS} rows: float32 {float32_s * 1e3:.1f} vs bf16" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv(UPCAST_ENV, "1")
+    assert cpu_linear.packed_dtype(big, torch.bfloat16, packed=True, memory_bytes=2**40) == torch.float32
+    monkeypatch.setenv(UPCAST_ENV, "0")
+    assert cpu_linear.packed_dtype(big, torch.bfloat16, packed=True, memory_bytes=2**40) is None
+    assert len(timed) == 1
+
+
+def test_upcast_calibration_times_both_routes_through_real_layers() -> None:
+    """Where oneDNN packs bf16, both routes run on real layers and are timed; elsewhere the float32
+    copy is refused before anything is timed (the layers are not packed)."""
+    layers = [nn.Linear(64, 32).bfloat16(), nn.Linear(32, 48).bfloat16()]
+    if not PACKS_BF16:
+        assert "not packed" in (upcast_problem(torch.bfloat16, 1, packed=PACKS_BF16) or "")
+        return
+    ticks = iter(range(10_000))
+    timed = calibrate_upcast(layers, rows=8, passes=2, clock=lambda: float(next(ticks)))
+    assert timed.rows == 8 and timed.bf16_s == timed.float32_s == 1.0  # one tick per pass: every pass timed
+    real = calibrate_upcast(layers, rows=8, passes=1)
+    assert real.bf16_s > 0 and real.float32_s > 0
+
+
+def test_cpu_linears_packs_bf16_layers_in_float32_when_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CHARIOT_CPU_BF16_UPCAST=1` on a bf16 model: every layer's oneDNN copy is float32 (where oneDNN
+    packs bf16 at all), and the model's output stays that of float32 arithmetic on its bf16 values."""
+    monkeypatch.setenv(UPCAST_ENV, "1")
+    monkeypatch.setenv(SKINNY_ROWS_ENV, "0")  # every row count takes oneDNN
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32)).bfloat16().eval()
+    x = torch.randn(50, 64).bfloat16()
+    with torch.inference_mode():
+        hidden = F.relu(F.linear(x.float(), model[0].weight.float(), model[0].bias.float())).bfloat16()
+        want = F.linear(hidden.float(), model[2].weight.float(), model[2].bias.float())
+    assert cpu_linears(model, torch.device("cpu"), torch.bfloat16) == 2
+    assert all(m.compute_dtype == (torch.float32 if PACKS_BF16 else torch.bfloat16) for m in (model[0], model[2]))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x).float(), want, atol=2e-2, rtol=2**-7)

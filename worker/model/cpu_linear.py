@@ -15,8 +15,11 @@ machine, so a stage that keeps both layouts times them over its own layers at lo
 (`calibrate_skinny_rows`) and routes to the kernel up to the largest row count where it won; when
 the panels also win a prefill-sized call, the layers drop oneDNN's copy. Keeping both layouts costs a
 second copy of the weights, kept only when it fits (a quarter of the machine's memory by default).
-The `CHARIOT_CPU_*` environment knobs read here force or turn off each route; docs/kernels.md has
-the measurements behind these choices.
+A bf16 stage on a CPU whose bf16 dot products run no faster than its float32 FMAs (AVX512-BF16
+without AMX tiles) can pack oneDNN's copy in float32 instead: the rows go up to float32 exactly and
+the result comes back to bf16 once, at the float32 GEMM's rate; `packed_dtype` times the two at load
+and keeps the float32 copy where it wins. The `CHARIOT_CPU_*` environment knobs read here force or
+turn off each route; docs/kernels.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
 
 log = logging.getLogger(__name__)
+L = TypeVar("L", bound=Any)  # a layer calibration_layers measures: a CpuLinear or an nn.Linear
 PACKED_LINEAR_ENV = env.CPU_PACKED_LINEAR.name
 SKINNY_LINEAR_ENV = env.CPU_SKINNY_LINEAR.name
 SKINNY_ROWS_ENV = env.CPU_SKINNY_MAX_ROWS.name
@@ -64,6 +69,15 @@ thread (docs/kernels.md, `bench/experiments/panel_contention_ab.py`). A machine 
 ahead at 512 rows (AVX-512) still keeps it."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
+UPCAST_ENV = env.CPU_BF16_UPCAST.name
+UPCAST = (torch.bfloat16, torch.float32)
+"""(weight dtype, packed dtype) of a layer whose oneDNN route computes in float32: exact, since every
+bf16 value is a float32 one; the result is rounded to bf16 once, as the bf16 route rounds it."""
+UPCAST_MEMORY_FRACTION = 0.25  # of physical memory, for the float32 copy (twice the bf16 weights' bytes)
+UPCAST_TIE = 1.10
+"""The float32 copy must be more than 10 % faster at MANY_ROWS to be kept: it costs twice the bf16
+weights' memory, and the start-up timing of 512 rows moves by about that much on a small, busy machine
+(MANY_ROWS_TIE). Where it is kept it was 1.5-1.9x faster per layer (docs/kernels.md)."""
 
 
 class CpuLinear(nn.Module):
@@ -74,14 +88,20 @@ class CpuLinear(nn.Module):
     kernel on the plain weight); more rows go to oneDNN when the packed weight is kept, else to
     `F.linear`. At least one of the two is kept."""
 
-    def __init__(self, linear: nn.Linear, packed: bool, plain: bool) -> None:
+    def __init__(self, linear: nn.Linear, packed: bool, plain: bool, packed_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if not (packed or plain):
             raise ValueError("a CpuLinear keeps the packed weight, the plain one, or both")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if packed else None
+        if packed_dtype not in (None, weight.dtype) and (weight.dtype, packed_dtype) != UPCAST:
+            raise ValueError(f"packed_dtype {packed_dtype} for a {weight.dtype} weight: only a bfloat16 weight "
+                             "takes a float32 packed copy")
+        self.compute_dtype = packed_dtype or weight.dtype  # the oneDNN route's arithmetic
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype), None) \
+            if packed else None
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.packed_bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         # float32 takes the panel kernel in place of the plain copy (it takes any number of rows), bf16 on
         # a CPU with AMX tiles the tile path (up to 32 rows)
         panels = plain and env.is_on(env.CPU_PANEL_LINEAR) and panel.supports(weight)
@@ -111,8 +131,13 @@ class CpuLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def packed(self, flat: torch.Tensor) -> torch.Tensor:
-        """The oneDNN route for [rows, in_features] (the packed weight must be kept)."""
-        return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        """The oneDNN route for [rows, in_features] (the packed weight must be kept); a bf16 layer
+        packed in float32 takes its rows up to float32 and its result back down to bf16."""
+        if self.compute_dtype == self.dtype:
+            return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(flat.to(self.compute_dtype), self.packed_weight, self.packed_bias,
+                                                 "none", [], "")
+        return out.to(self.dtype)
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
         """The few-rows route for [rows, in_features]: the panel kernel where the panels are kept
@@ -132,7 +157,8 @@ class CpuLinear(nn.Module):
     def extra_repr(self) -> str:
         few = "panels" if self.panels is not None else "amx tiles" if self.tiles is not None else "skinny"
         rows = "all rows" if self.skinny_max_rows == ALL_ROWS else f"<={self.skinny_max_rows} rows"
-        kept = [name for name, on in (("packed=oneDNN", self.packed_weight is not None),
+        onednn = "packed=oneDNN" + ("" if self.compute_dtype == self.dtype else f" {str(self.compute_dtype)[6:]}")
+        kept = [name for name, on in ((onednn, self.packed_weight is not None),
                                       (f"{few} {rows}", self.skinny)) if on]
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
 
@@ -195,6 +221,96 @@ def skinny_problem(device: torch.device, dtype: torch.dtype, weight_bytes: int, 
     if problem is None and dtype == torch.bfloat16 and not skinny.bf16_rows():
         return "dtype torch.bfloat16 needs AVX512-BF16 in the skinny kernel's build"
     return problem
+
+
+def upcast_problem(dtype: torch.dtype, weight_bytes: int, packed: bool, memory_bytes: int | None = None) -> str | None:
+    """Why the layers' oneDNN route keeps bf16 arithmetic here, or None when float32 on a float32 copy
+    is a candidate (timed at start-up under `auto`, taken under `1`).
+
+    `weight_bytes`: the bf16 weights' size; the float32 copy takes twice that, allowed under `auto` up
+    to UPCAST_MEMORY_FRACTION of `memory_bytes` (physical). Under `auto` a CPU with AMX tiles is not
+    timed: oneDNN's bf16 GEMMs run on the tiles there, several times its float32 rate."""
+    mode = env.read(env.CPU_BF16_UPCAST)  # auto, 0 or 1 (anything else raises)
+    if mode == "0":
+        return f"{UPCAST_ENV}=0"
+    if dtype != torch.bfloat16:
+        return f"dtype {dtype} is not bfloat16"
+    if not packed:
+        return "the layers are not packed for oneDNN"
+    if mode == "1":
+        return None
+    memory = physical_memory_bytes() if memory_bytes is None else memory_bytes
+    if 2 * weight_bytes > UPCAST_MEMORY_FRACTION * memory:
+        return (f"a float32 copy of the weights ({2 * weight_bytes / 2**30:.1f} GiB) would take over "
+                f"{UPCAST_MEMORY_FRACTION:.0%} of memory ({memory / 2**30:.1f} GiB); {UPCAST_ENV}=1 keeps it")
+    if torch.cpu._is_amx_tile_supported():
+        return "oneDNN's bf16 GEMMs run on the AMX tiles here"
+    return None
+
+
+@dataclass(frozen=True)
+class UpcastCalibration:
+    """Seconds of one pass of `rows` rows over the leading layers on oneDNN (the fastest of a few),
+    in bf16 and in float32 on a float32 copy."""
+
+    rows: int
+    bf16_s: float
+    float32_s: float
+
+    @property
+    def float32_wins(self) -> bool:
+        return self.float32_s * UPCAST_TIE < self.bf16_s
+
+    def describe(self) -> str:
+        return f"{self.rows} rows: float32 {self.float32_s * 1e3:.1f} vs bf16 {self.bf16_s * 1e3:.1f} ms"
+
+
+def calibrate_upcast(linears: Sequence[nn.Linear], rows: int = MANY_ROWS, passes: int = MANY_ROWS_PASSES,
+                     clock: Callable[[], float] = time.perf_counter) -> UpcastCalibration:
+    """Time oneDNN's bf16 route against float32 on a float32 copy (both packed) over `linears`, the
+    two interleaved pass by pass after one untimed pass each; each route's time is its fastest pass."""
+    routes = {"bf16": [CpuLinear(m, packed=True, plain=False) for m in linears],
+              "float32": [CpuLinear(m, packed=True, plain=False, packed_dtype=torch.float32) for m in linears]}
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in linears}
+
+    def one_pass(route: str) -> float:
+        t0 = clock()
+        for layer in routes[route]:
+            layer.packed(inputs[layer.in_features])
+        return clock() - t0
+
+    times: dict[str, list[float]] = {route: [] for route in routes}
+    with torch.inference_mode():
+        for route in routes:
+            one_pass(route)
+        for _ in range(passes):
+            for route in routes:
+                times[route].append(one_pass(route))
+    return UpcastCalibration(rows, min(times["bf16"]), min(times["float32"]))
+
+
+def packed_dtype(linears: Sequence[nn.Linear], dtype: torch.dtype, packed: bool,
+                 memory_bytes: int | None = None) -> torch.dtype | None:
+    """float32 when the layers' oneDNN route should compute bf16 in float32 (forced, or measured
+    faster on the leading MANY_ROWS_BYTES of `linears`), else None (the weights' own dtype)."""
+    weight_bytes = sum(linear_nbytes(m) for m in linears)
+    problem = upcast_problem(dtype, weight_bytes, packed, memory_bytes)
+    if problem is not None:
+        if dtype == torch.bfloat16 and packed:
+            log.info("linear layers: oneDNN computes in bf16: %s", problem)
+        return None
+    if env.read(env.CPU_BF16_UPCAST) == "1":
+        log.info("linear layers: oneDNN computes in float32 on a float32 copy of the weights (%s=1)", UPCAST_ENV)
+        return torch.float32
+    timed = calibrate_upcast(calibration_layers(linears, MANY_ROWS_BYTES, size=linear_nbytes))
+    chosen = "float32 on a float32 copy of the weights" if timed.float32_wins else "bf16"
+    log.info("linear layers: oneDNN computes in %s (measured per pass over the first %d MiB of the stage's "
+             "layers, %s)", chosen, MANY_ROWS_BYTES >> 20, timed.describe())
+    return torch.float32 if timed.float32_wins else None
+
+
+def linear_nbytes(m: nn.Linear) -> int:
+    return m.weight.numel() * m.weight.element_size()
 
 
 def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> LinearPlan:
@@ -274,15 +390,16 @@ def configured_skinny_rows() -> int | None:
     return int(text)
 
 
-def calibration_layers(layers: Sequence[CpuLinear], budget: int = CALIBRATION_BYTES) -> list[CpuLinear]:
-    """The leading layers whose weights add up to `budget` bytes (at least one)."""
-    chosen: list[CpuLinear] = []
+def calibration_layers(layers: Sequence[L], budget: int = CALIBRATION_BYTES,
+                       size: Callable[[L], int] = lambda m: m.weight_nbytes) -> list[L]:
+    """The leading layers whose weights (`size` bytes each) add up to `budget` bytes (at least one)."""
+    chosen: list[L] = []
     total = 0
     for layer in layers:
-        if chosen and total + layer.weight_nbytes > budget:
+        if chosen and total + size(layer) > budget:
             break
         chosen.append(layer)
-        total += layer.weight_nbytes
+        total += size(layer)
     return chosen
 
 
@@ -331,10 +448,11 @@ def cpu_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> 
     if not (plan.packed or plan.plain):
         return 0
     targets = [(name, child) for name, child in module.named_modules() if isinstance(child, nn.Linear)]
+    onednn_dtype = packed_dtype([linear for _, linear in targets], dtype, plan.packed)
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         with torch.inference_mode(False), torch.no_grad():
-            setattr(parent, attr, CpuLinear(linear, packed=plan.packed, plain=plan.plain))
+            setattr(parent, attr, CpuLinear(linear, packed=plan.packed, plain=plan.plain, packed_dtype=onednn_dtype))
     route_rows([m for m in module.modules() if isinstance(m, CpuLinear)])
     return len(targets)
