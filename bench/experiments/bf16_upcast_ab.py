@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def per_shape() -> dict[str, dict[str, float]]:
             upcast = CpuLinear(linear, packed=True, plain=False, packed_dtype=torch.float32)
             for m in (64, 512):
                 x = torch.randn(m, k, dtype=torch.bfloat16)
-                a, b = call_ms(lambda x=x, f=bf16.packed: f(x), lambda x=x, f=upcast.packed: f(x))
+                a, b = call_ms(partial(bf16.packed, x), partial(upcast.packed, x))
                 rows[f"{name} {m}x{k}x{n}"] = {"bf16_ms": round(a, 3), "float32_ms": round(b, 3),
                                                "ratio": round(a / b, 3)}
                 print(f"{name} {m} rows: bf16 {a:.2f} ms, float32 {b:.2f} ms ({a / b:.2f}x)", flush=True)

@@ -77,7 +77,7 @@ UPCAST_MEMORY_FRACTION = 0.25  # of physical memory, for the float32 copy (twice
 UPCAST_TIE = 1.10
 """The float32 copy must be more than 10 % faster at MANY_ROWS to be kept: it costs twice the bf16
 weights' memory, and the start-up timing of 512 rows moves by about that much on a small, busy machine
-(MANY_ROWS_TIE). Where it is kept it was 1.5-1.9x faster per layer (docs/kernels.md)."""
+(MANY_ROWS_TIE). Where it is kept it was 1.25-1.54x faster per layer (docs/kernels.md)."""
 
 
 class CpuLinear(nn.Module):
