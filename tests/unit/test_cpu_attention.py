@@ -228,7 +228,8 @@ def test_prompt_chunks_on_amx_tiles_match_fp32_sdpa(case: str, heads: int, kv_he
     the same bf16 inputs, on the engine's head-major cache and a contiguous one, GQA groups of 1 to 8,
     head_dims 64, 96 and 128; NaN in unused slots (past a sequence's end, other sequences' blocks)
     never reaches the output, and decodes, which stay on the kernel, are the kernel's bit for bit.
-    Where this CPU or build has no tiles the route refuses with an error naming what it needs."""
+    Where this CPU or build has no tiles the route refuses a batch with prompt chunks with an error
+    naming what it needs; a batch of decodes alone never reaches it and runs on the kernel."""
     q_lens, ctx = AMX_CASES[case]
     query, k, v, meta = make_case(q_lens, ctx, heads, kv_heads, dim, block, torch.bfloat16, seed=dim + heads)
     if layout == "engine":
@@ -236,6 +237,10 @@ def test_prompt_chunks_on_amx_tiles_match_fp32_sdpa(case: str, heads: int, kv_he
     scale = 1 / math.sqrt(dim)
     if not amx_prompts(torch.bfloat16, dim, block):
         assert not amx_tiles()  # on an AMX CPU every shape here is one the tile path takes
+        if meta.num_decodes == meta.num_seqs:
+            assert torch.equal(paged_attention(query, k, v, meta, scale, prompts="amx"),
+                               paged_attention(query, k, v, meta, scale, prompts="kernel"))
+            return
         with pytest.raises(RuntimeError, match="AMX tiles"):
             paged_attention(query, k, v, meta, scale, prompts="amx")
         return
