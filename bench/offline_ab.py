@@ -1,6 +1,6 @@
 """Variants of one engine side by side on the peer benchmark's offline trace, in one process: the loop
 the A/B experiments share (`prompt_route_ab`, `kernel_revision_ab`, `block_size_ab`, `amx_linear_ab`,
-`linear_dispatch_ab`, `add_rms_norm_ab`).
+`linear_dispatch_ab`, `add_rms_norm_ab`, `bf16_upcast_ab`).
 
 The trace is 64 chat requests ×0.25, all at t=0, `ignore_eos`, fresh prompt contents per round. Each
 variant is a function that puts it in place and returns the `LLM` to run; every variant first runs

@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -157,7 +157,8 @@ class CpuLinear(nn.Module):
     def extra_repr(self) -> str:
         few = "panels" if self.panels is not None else "amx tiles" if self.tiles is not None else "skinny"
         rows = "all rows" if self.skinny_max_rows == ALL_ROWS else f"<={self.skinny_max_rows} rows"
-        onednn = "packed=oneDNN" + ("" if self.compute_dtype == self.dtype else f" {str(self.compute_dtype)[6:]}")
+        upcast = "" if self.compute_dtype == self.dtype else " " + str(self.compute_dtype).removeprefix("torch.")
+        onednn = "packed=oneDNN" + upcast
         kept = [name for name, on in ((onednn, self.packed_weight is not None),
                                       (f"{few} {rows}", self.skinny)) if on]
         return f"in_features={self.in_features}, out_features={self.out_features}, {', '.join(kept) or 'plain'}"
@@ -269,24 +270,11 @@ def calibrate_upcast(linears: Sequence[nn.Linear], rows: int = MANY_ROWS, passes
                      clock: Callable[[], float] = time.perf_counter) -> UpcastCalibration:
     """Time oneDNN's bf16 route against float32 on a float32 copy (both packed) over `linears`, the
     two interleaved pass by pass after one untimed pass each; each route's time is its fastest pass."""
-    routes = {"bf16": [CpuLinear(m, packed=True, plain=False) for m in linears],
-              "float32": [CpuLinear(m, packed=True, plain=False, packed_dtype=torch.float32) for m in linears]}
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=torch.bfloat16) for m in linears}
-
-    def one_pass(route: str) -> float:
-        t0 = clock()
-        for layer in routes[route]:
-            layer.packed(inputs[layer.in_features])
-        return clock() - t0
-
-    times: dict[str, list[float]] = {route: [] for route in routes}
-    with torch.inference_mode():
-        for route in routes:
-            one_pass(route)
-        for _ in range(passes):
-            for route in routes:
-                times[route].append(one_pass(route))
-    return UpcastCalibration(rows, min(times["bf16"]), min(times["float32"]))
+    routes = {name: [(CpuLinear(m, packed=True, plain=False, packed_dtype=dtype).packed, inputs[m.in_features])
+                     for m in linears] for name, dtype in (("bf16", None), ("float32", torch.float32))}
+    best = fastest_passes(routes, passes, clock)
+    return UpcastCalibration(rows, best["bf16"], best["float32"])
 
 
 def packed_dtype(linears: Sequence[nn.Linear], dtype: torch.dtype, packed: bool,
@@ -315,7 +303,7 @@ def linear_nbytes(m: nn.Linear) -> int:
 
 def plan_linears(module: nn.Module, device: torch.device, dtype: torch.dtype) -> LinearPlan:
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    weight_bytes = sum(linear_nbytes(m) for m in linears)
     packing = packing_problem(device, dtype)
     return LinearPlan(packing, skinny_problem(device, dtype, weight_bytes, packing is None))
 
@@ -354,27 +342,38 @@ def calibrate_skinny_rows(layers: Sequence[CpuLinear], rows: Sequence[int] = ROW
     interleaved pass by pass after one untimed pass each (oneDNN builds a primitive per shape); each
     route's time is its fastest pass, since whatever else runs on the machine only adds time (with
     the median, start-ups on a 2-core EPYC routed 64 and 512 rows either way)."""
-    inputs = {(m, layer.in_features): torch.randn(m, layer.in_features, dtype=layer.dtype)
-              for m in rows for layer in layers}
+    skinny_s, packed_s = [], []
+    for m in rows:
+        inputs = {layer.in_features: torch.randn(m, layer.in_features, dtype=layer.dtype) for layer in layers}
+        best = fastest_passes({route: [(getattr(layer, route), inputs[layer.in_features]) for layer in layers]
+                               for route in ("plain", "packed")}, passes, clock)
+        skinny_s.append(best["plain"])
+        packed_s.append(best["packed"])
+    return RowsCalibration(tuple(rows), tuple(skinny_s), tuple(packed_s))
 
-    def one_pass(m: int, route: str) -> float:
+
+TimedCall = tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]  # a layer's route and its input
+
+
+def fastest_passes(routes: Mapping[str, Sequence[TimedCall]], passes: int,
+                   clock: Callable[[], float]) -> dict[str, float]:
+    """Each route's fastest timed pass over its (layer call, input) pairs: one untimed pass per route,
+    then `passes` passes with the routes interleaved, since whatever else runs on the machine only adds
+    time and a drift then hits every route alike."""
+    def one_pass(calls: Sequence[TimedCall]) -> float:
         t0 = clock()
-        for layer in layers:
-            getattr(layer, route)(inputs[m, layer.in_features])
+        for call, x in calls:
+            call(x)
         return clock() - t0
 
-    skinny_s, packed_s = [], []
+    times: dict[str, list[float]] = {route: [] for route in routes}
     with torch.inference_mode():
-        for m in rows:
-            for warm_up in ("plain", "packed"):
-                one_pass(m, warm_up)
-            times: dict[str, list[float]] = {"plain": [], "packed": []}
-            for _ in range(passes):
-                for route in ("plain", "packed"):
-                    times[route].append(one_pass(m, route))
-            skinny_s.append(min(times["plain"]))
-            packed_s.append(min(times["packed"]))
-    return RowsCalibration(tuple(rows), tuple(skinny_s), tuple(packed_s))
+        for calls in routes.values():
+            one_pass(calls)
+        for _ in range(passes):
+            for route, calls in routes.items():
+                times[route].append(one_pass(calls))
+    return {route: min(t) for route, t in times.items()}
 
 
 def configured_skinny_rows() -> int | None:
