@@ -80,116 +80,154 @@ inline void for_each_slot(const int32_t* table, int64_t block_size, int64_t p0, 
 inline vf exp2v(vf x) { return exp2_of<vf, vi>(x); }
 
 // --- micro-kernels -----------------------------------------------------------------------------
-// C[x][m-block] over XB values of x and MV vectors of rows; A is broadcast one scalar at a time.
+// C[x][m-block] over XB values of x and MV vectors of L rows each; A is broadcast one scalar at a time.
+
+// The fp32 vector of L lanes: vec8.h's 8, or vecw.h's widest (16 where the build targets AVX-512).
+template <int L>
+struct Lanes {
+  static_assert(L == kLanes || L == W::kW, "8 lanes or the machine's widest");
+  using V = std::conditional_t<L == kLanes, vf, W::vw>;
+  static V load(const float* p) {
+    if constexpr (L == kLanes) return chariot_vec8::load(p); else return W::load(p);
+  }
+  static void store(float* p, V v) {
+    if constexpr (L == kLanes) chariot_vec8::store(p, v); else W::store(p, v);
+  }
+  static V splat(float x) {
+    if constexpr (L == kLanes) return chariot_vec8::splat(x); else return W::splat(x);
+  }
+};
 
 // St[x][·] = Σ_d krow[x][d] · Qt[d][·] for keys x < XB.
-template <int XB, int MV>
+template <int XB, int MV, int L>
 inline void qk_block(const float* const* krow, int64_t dim, const float* qt, int64_t ld, float* st, PrefetchQueue& pf) {
-  vf c[XB][MV] = {};
+  using T = Lanes<L>;
+  typename T::V c[XB][MV] = {};
   for (int64_t d = 0; d < dim; ++d) {
     if constexpr (MV == 1) pf.issue_one();  // decode-sized tiles; wide (prefill) tiles compute long enough without
-    vf b[MV];
-    for (int j = 0; j < MV; ++j) b[j] = load(qt + d * ld + j * kLanes);
+    typename T::V b[MV];
+    for (int j = 0; j < MV; ++j) b[j] = T::load(qt + d * ld + j * L);
     for (int i = 0; i < XB; ++i) {
-      const vf a = splat(krow[i][d]);
+      const auto a = T::splat(krow[i][d]);
       for (int j = 0; j < MV; ++j) c[i][j] += a * b[j];
     }
   }
   for (int i = 0; i < XB; ++i)
-    for (int j = 0; j < MV; ++j) store(st + i * ld + j * kLanes, c[i][j]);
+    for (int j = 0; j < MV; ++j) T::store(st + i * ld + j * L, c[i][j]);
 }
 
 // accT[d0 + x][·] = alpha[·] · accT[d0 + x][·] + Σ_n vrow[n][d0 + x] · Pt[n][·] for x < XB.
-template <int XB, int MV>
+template <int XB, int MV, int L>
 inline void pv_block(const float* const* vrow, int64_t d0, int64_t keys, const float* pt, int64_t ld,
                      const float* alpha, float* acc) {
-  vf c[XB][MV];
+  using T = Lanes<L>;
+  typename T::V c[XB][MV];
   for (int j = 0; j < MV; ++j) {
-    const vf a = load(alpha + j * kLanes);
-    for (int i = 0; i < XB; ++i) c[i][j] = load(acc + (d0 + i) * ld + j * kLanes) * a;
+    const auto a = T::load(alpha + j * L);
+    for (int i = 0; i < XB; ++i) c[i][j] = T::load(acc + (d0 + i) * ld + j * L) * a;
   }
   for (int64_t n = 0; n < keys; ++n) {
-    vf b[MV];
-    for (int j = 0; j < MV; ++j) b[j] = load(pt + n * ld + j * kLanes);
+    typename T::V b[MV];
+    for (int j = 0; j < MV; ++j) b[j] = T::load(pt + n * ld + j * L);
     const float* v = vrow[n] + d0;
     for (int i = 0; i < XB; ++i) {
-      const vf a = splat(v[i]);
+      const auto a = T::splat(v[i]);
       for (int j = 0; j < MV; ++j) c[i][j] += a * b[j];
     }
   }
   for (int i = 0; i < XB; ++i)
-    for (int j = 0; j < MV; ++j) store(acc + (d0 + i) * ld + j * kLanes, c[i][j]);
+    for (int j = 0; j < MV; ++j) T::store(acc + (d0 + i) * ld + j * L, c[i][j]);
 }
 
 // A remainder of fewer than XB rows of x, as blocks of decreasing size (each size at most once).
-template <int XB, int MV>
+template <int XB, int MV, int L>
 inline void qk_tail(const float* const* krow, int64_t rest, int64_t dim, const float* qt, int64_t ld, float* st,
                     PrefetchQueue& pf) {
   if constexpr (XB > 0) {
     if (rest >= XB) {
-      qk_block<XB, MV>(krow, dim, qt, ld, st, pf);
+      qk_block<XB, MV, L>(krow, dim, qt, ld, st, pf);
       krow += XB, st += XB * ld, rest -= XB;
     }
-    qk_tail<XB - 1, MV>(krow, rest, dim, qt, ld, st, pf);
+    qk_tail<XB - 1, MV, L>(krow, rest, dim, qt, ld, st, pf);
   }
 }
 
-template <int XB, int MV>
+template <int XB, int MV, int L>
 inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t keys, const float* pt, int64_t ld,
                     const float* alpha, float* acc) {
   if constexpr (XB > 0) {
     if (rest >= XB) {
-      pv_block<XB, MV>(vrow, d0, keys, pt, ld, alpha, acc);
+      pv_block<XB, MV, L>(vrow, d0, keys, pt, ld, alpha, acc);
       d0 += XB, rest -= XB;
     }
-    pv_tail<XB - 1, MV>(vrow, d0, rest, keys, pt, ld, alpha, acc);
+    pv_tail<XB - 1, MV, L>(vrow, d0, rest, keys, pt, ld, alpha, acc);
   }
 }
 
-// Register blocking: XB values of x × MV vectors of rows. With 16 ymm registers, 12 accumulators
-// (6 × 2, or 8 × 1). With AVX-512's 32 (usable by 8-lane code too), 28 (7 × 4) in panels of 32
-// rows: 1.07-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Chosen with
-// vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2 machine runs.
+// Register blocking: XB values of x × MV vectors of L rows. 8 lanes with 16 ymm registers: 12
+// accumulators (6 × 2, or 8 × 1). 8 lanes with AVX-512's 32 registers: 28 (7 × 4) in panels of 32
+// rows: 1.07-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Where the
+// build targets AVX-512 the panels take 16-lane vectors (kWideTiles): 24 accumulators (6 × 4, 64
+// rows), then 8 × 2 and 8 × 1, a last 8 rows in one 8-lane vector; on a Xeon whose 512-bit FMAs
+// run at twice its 256-bit rate that made prefill tiles 1.46-1.54x as fast, and 6 × 4 beat 7 × 4
+// and 8 × 2 (kernels.md). Chosen with vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2
+// machine runs.
+constexpr bool kWideTiles = W::kW == 16;
 constexpr int kPanel = W::kW == 16 ? 4 : 2;
-template <int MV>
-constexpr int kBlockX = MV == 4 ? 7 : MV == 2 ? 6 : 8;
+template <int MV, int L>
+constexpr int kBlockX = L == 16 ? (MV == 4 ? 6 : 8) : MV == 4 ? 7 : MV == 2 ? 6 : 8;
 
-template <int MV>
+template <int MV, int L>
 void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st,
               PrefetchQueue& pf) {
-  constexpr int XB = kBlockX<MV>;
+  constexpr int XB = kBlockX<MV, L>;
   int64_t x = 0;
-  for (; x + XB <= keys; x += XB) qk_block<XB, MV>(krow + x, dim, qt, ld, st + x * ld, pf);
-  qk_tail<XB - 1, MV>(krow + x, keys - x, dim, qt, ld, st + x * ld, pf);
+  for (; x + XB <= keys; x += XB) qk_block<XB, MV, L>(krow + x, dim, qt, ld, st + x * ld, pf);
+  qk_tail<XB - 1, MV, L>(krow + x, keys - x, dim, qt, ld, st + x * ld, pf);
 }
 
-template <int MV>
+template <int MV, int L>
 void pv_panel(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t ld, const float* alpha,
               float* acc) {
-  constexpr int XB = kBlockX<MV>;
+  constexpr int XB = kBlockX<MV, L>;
   int64_t d0 = 0;
-  for (; d0 + XB <= dim; d0 += XB) pv_block<XB, MV>(vrow, d0, keys, pt, ld, alpha, acc);
-  pv_tail<XB - 1, MV>(vrow, d0, dim - d0, keys, pt, ld, alpha, acc);
+  for (; d0 + XB <= dim; d0 += XB) pv_block<XB, MV, L>(vrow, d0, keys, pt, ld, alpha, acc);
+  pv_tail<XB - 1, MV, L>(vrow, d0, dim - d0, keys, pt, ld, alpha, acc);
 }
 
-// The row vectors in panels of kPanel vectors, then of 2 and 1 (rows are padded to a multiple of 8).
+// Calls panel(MV, L, m) over the row vectors: 16-lane panels of 4, 2 and 1 vectors where kWideTiles,
+// else 8-lane panels of kPanel, 2 and 1 vectors; rows are padded to a multiple of 8, so a last
+// 8-lane vector takes what the 16-lane ones leave.
+template <typename F>
+inline void over_panels(int64_t rows, F&& panel) {
+  int64_t m = 0;
+  if constexpr (kWideTiles) {
+    constexpr int WL = W::kW;
+    for (; m + 4 * WL <= rows; m += 4 * WL) panel(std::integral_constant<int, 4>{}, std::integral_constant<int, WL>{}, m);
+    for (; m + 2 * WL <= rows; m += 2 * WL) panel(std::integral_constant<int, 2>{}, std::integral_constant<int, WL>{}, m);
+    for (; m + WL <= rows; m += WL) panel(std::integral_constant<int, 1>{}, std::integral_constant<int, WL>{}, m);
+  } else {
+    for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes)
+      panel(std::integral_constant<int, kPanel>{}, std::integral_constant<int, 8>{}, m);
+    if constexpr (kPanel > 2)
+      for (; m + 2 * kLanes <= rows; m += 2 * kLanes)
+        panel(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{}, m);
+  }
+  if (m < rows) panel(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, m);
+}
+
 void scores(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t rows, float* st,
             PrefetchQueue& pf) {
-  int64_t m = 0;
-  for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes) qk_panel<kPanel>(krow, keys, dim, qt + m, rows, st + m, pf);
-  if constexpr (kPanel > 2)
-    for (; m + 2 * kLanes <= rows; m += 2 * kLanes) qk_panel<2>(krow, keys, dim, qt + m, rows, st + m, pf);
-  if (m < rows) qk_panel<1>(krow, keys, dim, qt + m, rows, st + m, pf);
+  over_panels(rows, [&](auto mv, auto lanes, int64_t m) {
+    qk_panel<decltype(mv)::value, decltype(lanes)::value>(krow, keys, dim, qt + m, rows, st + m, pf);
+  });
 }
 
 void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float* pt, int64_t rows,
                 const float* alpha, float* acc) {
-  int64_t m = 0;
-  for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes)
-    pv_panel<kPanel>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
-  if constexpr (kPanel > 2)
-    for (; m + 2 * kLanes <= rows; m += 2 * kLanes) pv_panel<2>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
-  if (m < rows) pv_panel<1>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+  over_panels(rows, [&](auto mv, auto lanes, int64_t m) {
+    pv_panel<decltype(mv)::value, decltype(lanes)::value>(vrow, dim, keys, pt + m, rows, alpha + m, acc + m);
+  });
 }
 
 // --- one work item -----------------------------------------------------------------------------
