@@ -168,9 +168,9 @@ inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t 
 // accumulators (6 × 2, or 8 × 1). 8 lanes with AVX-512's 32 registers: 28 (7 × 4) in panels of 32
 // rows: 1.07-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Where the
 // build targets AVX-512 the panels take 16-lane vectors (kWideTiles): 24 accumulators (6 × 4, 64
-// rows), then 8 × 2 and 8 × 1, a last 8 rows in one 8-lane vector; on a Xeon whose 512-bit FMAs
-// run at twice its 256-bit rate that made prefill tiles 1.46-1.54x as fast, and 6 × 4 beat 7 × 4
-// and 8 × 2 (kernels.md). Chosen with vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2
+// rows), then 8 × 2 and 8 × 1, a last 8 rows in one 8-lane vector; on a Xeon that runs 512-bit
+// FMAs at full rate that made prefill tiles 1.46-1.54x as fast, and 6 × 4 beat 7 × 4 and 8 × 2
+// (kernels.md). Chosen with vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2
 // machine runs.
 constexpr bool kWideTiles = W::kW == 16;
 constexpr int kPanel = W::kW == 16 ? 4 : 2;
