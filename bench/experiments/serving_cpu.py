@@ -74,11 +74,24 @@ def measured_round(base_url: str, seed: str) -> dict[str, Any]:
     trace = make_trace(TRACES["chat"], 64, 1.0, seed=0, scale=0.25, max_len=2048)
     prompts = peer.fresh_prompts([r.prompt_len for r in trace], 8192, seed)
     pids = descendants(os.getpid())
-    before = {key: cpu for key, _, _, cpu in threads(pids)}
+    before = cpu_seconds(pids)
     mine = os.times()
     res = asyncio.run(peer.run_load(base_url, peer.SERVED_NAME, peer.planned_requests(trace, None, prompts),
                                     drain_s=600))
     client = os.times()
+    client_s = client.user + client.system - mine.user - mine.system
+    return {"wall_s": res.wall_s, "errors": list(res.errors), "client_cpu_s": client_s,
+            "output_tokens": sum(len(t.token_times) for t in res.traces), "processes": cpu_used(pids, before)}
+
+
+def cpu_seconds(pids: set[int]) -> dict[tuple[int, int], float]:
+    """CPU seconds so far of every thread of `pids`, by (pid, tid)."""
+    return {key: cpu for key, _, _, cpu in threads(pids)}
+
+
+def cpu_used(pids: set[int], before: dict[tuple[int, int], float]) -> dict[str, dict[str, Any]]:
+    """CPU seconds since `before` (`cpu_seconds`) per process of `pids`: its command, its total and
+    the threads that used at least 10 ms."""
     processes: dict[str, dict[str, Any]] = {}
     for key, command, name, cpu in threads(pids):
         used = cpu - before.get(key, 0.0)
@@ -86,9 +99,7 @@ def measured_round(base_url: str, seed: str) -> dict[str, Any]:
         proc["cpu_s"] += used
         if used >= 0.01:
             proc["threads"].append({"name": name, "cpu_s": round(used, 3)})
-    client_s = client.user + client.system - mine.user - mine.system
-    return {"wall_s": res.wall_s, "errors": list(res.errors), "client_cpu_s": client_s,
-            "output_tokens": sum(len(t.token_times) for t in res.traces), "processes": processes}
+    return processes
 
 
 def main(rounds: int, dtype: str, out_dir: Path) -> None:

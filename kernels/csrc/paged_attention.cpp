@@ -164,18 +164,14 @@ inline void pv_tail(const float* const* vrow, int64_t d0, int64_t rest, int64_t 
   }
 }
 
-// Register blocking: XB values of x × MV vectors of L rows. 8 lanes with 16 ymm registers: 12
-// accumulators (6 × 2, or 8 × 1). 8 lanes with AVX-512's 32 registers: 28 (7 × 4) in panels of 32
-// rows: 1.07-1.16x on prefill tiles of the 100m shapes on an AVX-512 EPYC (kernels.md). Where the
-// build targets AVX-512 the panels take 16-lane vectors (kWideTiles): 24 accumulators (6 × 4, 64
-// rows), then 8 × 2 and 8 × 1, a last 8 rows in one 8-lane vector; on a Xeon that runs 512-bit
-// FMAs at full rate that made prefill tiles 1.46-1.54x as fast, and 6 × 4 beat 7 × 4 and 8 × 2
-// (kernels.md). Chosen with vecw.h's width, so CHARIOT_VECTOR_256 builds what an AVX2
-// machine runs.
-constexpr bool kWideTiles = W::kW == 16;
-constexpr int kPanel = W::kW == 16 ? 4 : 2;
+// Register blocking: XB values of x × MV vectors of L rows, L the build's widest vector. 16 lanes
+// (the build targets AVX-512, 32 zmm registers): 24 accumulators (6 × 4, panels of 64 rows), then
+// 8 × 2 and 8 × 1, a last 8 rows in one 8-lane vector; on a Xeon that runs 512-bit FMAs at full rate
+// that made prefill tiles 1.46-1.54x as fast as the 8-lane 7 × 4 panels before, and 6 × 4 beat
+// 7 × 4 and 8 × 2 (kernels.md). 8 lanes (AVX2, 16 ymm registers): 12 accumulators (6 × 2, or 8 × 1).
+// CHARIOT_VECTOR_256 builds the 8-lane form on an AVX-512 machine.
 template <int MV, int L>
-constexpr int kBlockX = L == 16 ? (MV == 4 ? 6 : 8) : MV == 4 ? 7 : MV == 2 ? 6 : 8;
+constexpr int kBlockX = MV == 4 ? 6 : MV == 2 && L == 8 ? 6 : 8;
 
 template <int MV, int L>
 void qk_panel(const float* const* krow, int64_t keys, int64_t dim, const float* qt, int64_t ld, float* st,
@@ -195,24 +191,18 @@ void pv_panel(const float* const* vrow, int64_t dim, int64_t keys, const float* 
   pv_tail<XB - 1, MV, L>(vrow, d0, dim - d0, keys, pt, ld, alpha, acc);
 }
 
-// Calls panel(MV, L, m) over the row vectors: 16-lane panels of 4, 2 and 1 vectors where kWideTiles,
-// else 8-lane panels of kPanel, 2 and 1 vectors; rows are padded to a multiple of 8, so a last
-// 8-lane vector takes what the 16-lane ones leave.
+// Calls panel(MV, L, m) over the row vectors, L the widest vector: panels of 4 (16 lanes only), 2
+// and 1 vectors; rows are padded to a multiple of 8, so with 16 lanes a last 8-lane vector takes
+// what the wide ones leave.
 template <typename F>
 inline void over_panels(int64_t rows, F&& panel) {
+  constexpr int WL = W::kW;
+  using Wide = std::integral_constant<int, WL>;
   int64_t m = 0;
-  if constexpr (kWideTiles) {
-    constexpr int WL = W::kW;
-    for (; m + 4 * WL <= rows; m += 4 * WL) panel(std::integral_constant<int, 4>{}, std::integral_constant<int, WL>{}, m);
-    for (; m + 2 * WL <= rows; m += 2 * WL) panel(std::integral_constant<int, 2>{}, std::integral_constant<int, WL>{}, m);
-    for (; m + WL <= rows; m += WL) panel(std::integral_constant<int, 1>{}, std::integral_constant<int, WL>{}, m);
-  } else {
-    for (; m + kPanel * kLanes <= rows; m += kPanel * kLanes)
-      panel(std::integral_constant<int, kPanel>{}, std::integral_constant<int, 8>{}, m);
-    if constexpr (kPanel > 2)
-      for (; m + 2 * kLanes <= rows; m += 2 * kLanes)
-        panel(std::integral_constant<int, 2>{}, std::integral_constant<int, 8>{}, m);
-  }
+  if constexpr (WL == 16)
+    for (; m + 4 * WL <= rows; m += 4 * WL) panel(std::integral_constant<int, 4>{}, Wide{}, m);
+  for (; m + 2 * WL <= rows; m += 2 * WL) panel(std::integral_constant<int, 2>{}, Wide{}, m);
+  for (; m + WL <= rows; m += WL) panel(std::integral_constant<int, 1>{}, Wide{}, m);
   if (m < rows) panel(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{}, m);
 }
 
