@@ -180,12 +180,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp: ModelInput, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage's layers; returns hidden states [T, hidden]. A decode-only batch that a
-        graph bucket serves goes through the graph runner (`graph_runner.py`), on every rank alike."""
+        """Run this stage's layers; returns hidden states [T, hidden], or on the last stage, when not
+        every row samples, the sampled rows alone ([N, hidden], `LlamaStage.forward`'s
+        `sampled_rows`). A decode-only batch that a graph bucket serves goes through the graph
+        runner (`graph_runner.py`), on every rank alike."""
         if self.graphs is not None and (bucket := self.graphs.bucket(inp)) is not None:
             return self.graphs.run(inp, bucket, hidden_states)
         ids = inp.input_ids if hidden_states is None else None
-        return self._run_layers(inp.positions, inp.attn, ids, hidden_states)
+        prune = self.stage.is_last and inp.sample_indices.numel() < inp.num_tokens
+        return self.stage(inp.positions, self.kv_caches, inp.attn, input_ids=ids, hidden_states=hidden_states,
+                          sampled_rows=inp.sample_indices if prune else None)
 
     def _run_layers(self, positions: torch.Tensor, meta: AttentionMetadata, input_ids: torch.Tensor | None,
                     hidden_states: torch.Tensor | None) -> torch.Tensor:
@@ -229,8 +233,11 @@ class ModelRunner:
         gathered); only the leader, which has the sampler, samples."""
         if not self.stage.is_last or inp.sample_indices.numel() == 0:
             return _NOTHING_SAMPLED
-        every_token = inp.sample_indices.numel() == len(hidden_states)  # decode-only: rows are 0..T-1
-        logits = self.stage.compute_logits(hidden_states if every_token else hidden_states[inp.sample_indices])
+        # `forward` returned the sampled rows alone, or every row when every row samples (0..T-1)
+        if len(hidden_states) != inp.sample_indices.numel():
+            raise ValueError(f"expected the {inp.sample_indices.numel()} sampled rows' hidden states, "
+                             f"got {len(hidden_states)} rows")
+        logits = self.stage.compute_logits(hidden_states)
         if self.sampler is None or inp.sampling is None:
             return _NOTHING_SAMPLED
         return self.sampler(logits, inp.sampling)

@@ -72,13 +72,16 @@ class Runner:
         self.done = 0
 
     @torch.no_grad()
-    def feed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits for every position of `ids`, the next tokens of the sequence."""
+    def feed(self, ids: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Logits for every position of `ids`, the next tokens of the sequence; with `rows`, the
+        last stage runs its last layer over those rows alone and gives theirs only."""
         meta = make_meta(self.block_table, self.done, len(ids), BLOCK_SIZE)
         positions = torch.arange(self.done, self.done + len(ids))
         hidden = None
+        kept = None if rows is None else torch.tensor(rows, dtype=torch.long)
         for stage, caches in zip(self.stages, self.caches, strict=True):
-            hidden = stage(positions, caches, meta, input_ids=ids if stage.is_first else None, hidden_states=hidden)
+            hidden = stage(positions, caches, meta, input_ids=ids if stage.is_first else None, hidden_states=hidden,
+                           sampled_rows=kept if stage.is_last else None)
         self.done += len(ids)
         assert hidden is not None
         return self.stages[-1].compute_logits(hidden)
@@ -128,6 +131,33 @@ def test_chunked_prefill_and_decode_match_hf(variant: tuple[Path, torch.Tensor, 
         pieces.append(runner.feed(ids[pos : pos + size]))
         pos += size
     assert_logits_close(torch.cat(pieces), ref)
+
+
+@pytest.mark.parametrize("split", ["whole", "halves", "layer-per-stage"])
+def test_sampled_rows_alone_match_hf(variant: tuple[Path, torch.Tensor, torch.Tensor], split: str) -> None:
+    """The last layer run over the sampled rows only (the serving path's prompt chunks): those rows'
+    logits match HF, in the order asked, and the rows skipped still left their k, v for later chunks
+    and decodes. With one layer per stage the last stage's first layer is its last (no residual in)."""
+    model_dir, ids, ref = variant
+    num_layers = _num_layers(model_dir)
+    ranges = split_layers(num_layers, {"whole": 1, "halves": 2, "layer-per-stage": num_layers}[split])
+    runner = Runner([load_stage(model_dir, r, torch.float32, progress=False) for r in ranges], seed=6)
+    pieces, wanted, pos = [], [], 0
+    for size, rows in zip((*CHUNKS, *([1] * DECODE_STEPS)), ([16], [], [16, 3, 0], *([[0]] * DECODE_STEPS)),
+                          strict=True):
+        pieces.append(runner.feed(ids[pos : pos + size], rows))
+        wanted += [pos + r for r in rows]
+        pos += size
+    assert pieces[1].shape[0] == 0  # a chunk that samples nothing runs no row of the last layer's MLP
+    assert_logits_close(torch.cat(pieces), ref[wanted])
+
+
+def test_a_middle_stage_refuses_sampled_rows(tiny_model_dir: Path) -> None:
+    first = load_stage(tiny_model_dir, (0, 1), torch.float32, progress=False)
+    caches = allocate_kv_caches(first.config, 1, NUM_BLOCKS, BLOCK_SIZE, torch.float32)
+    with pytest.raises(ValueError, match="not the last stage"):
+        first(torch.arange(3), caches, make_meta([0], 0, 3, BLOCK_SIZE), input_ids=torch.arange(3),
+              sampled_rows=torch.tensor([2]))
 
 
 @pytest.mark.parametrize("split", ["halves", "layer-per-stage"])

@@ -115,7 +115,10 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Output rows [T, hidden], or only the rows `keep` selects ([N, hidden]): every row's k, v still
+        goes to the cache, only o_proj is skipped for the others."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
@@ -123,8 +126,8 @@ class Attention(nn.Module):
         # q, k rotated in place in the projection's output; k, v written to the cache (one kernel on CUDA)
         rope_write_kv(q, k, v.view(t, self.num_kv_heads, self.head_dim), cos, sin, k_cache, v_cache,
                       meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        out = paged_attention(q, k_cache, v_cache, meta, scale=self.scale).reshape(t, self.q_size)
+        return self.tp.all_reduce(self.o_proj(out if keep is None else out.index_select(0, keep)))
 
 
 class MLP(nn.Module):
@@ -183,14 +186,19 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         residual: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual) for every row, or for the rows `keep` selects only (the attention
+        block still runs over every row, so every row's k, v reaches the cache)."""
         # Residual adds in place into each block's fresh output (addition is exact either way round);
         # `h` itself is only written when it is a block's output (residual given).
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm.add_forward(h, residual)
-        attn = self.self_attn(x, cos, sin, kv_cache, meta)
+        attn = self.self_attn(x, cos, sin, kv_cache, meta, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
         x, residual = self.post_attention_layernorm.add_forward(attn, residual)
         return self.mlp(x), residual
 
@@ -237,8 +245,17 @@ class LlamaStage(nn.Module):
         meta: AttentionMetadata,
         input_ids: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        sampled_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run this stage's layers; returns hidden states [T, hidden] (not final-normed)."""
+        """Run this stage's layers; returns hidden states [T, hidden] (not final-normed).
+
+        `sampled_rows` (the last stage only): the rows whose logits will be taken. The last layer then
+        runs its o_proj and MLP over those rows alone and returns them ([N, hidden], in that order):
+        no later layer reads the other rows, whose k, v are in the cache by then. A prompt chunk
+        that does not end its prompt samples nothing, so one layer's o_proj and MLP of every such
+        row is skipped: 1 / num_layers of its linear work, the same values for the rows kept."""
+        if sampled_rows is not None and not self.is_last:
+            raise ValueError(f"stage [{self.start}, {self.end}) is not the last stage: its every row goes on")
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
         if self.embed_tokens is not None:
@@ -251,8 +268,9 @@ class LlamaStage(nn.Module):
             h = hidden_states
         cos, sin = self.rotary.lookup(positions, h.dtype)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, cos, sin, kv_cache, meta, residual)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            h, residual = layer(h, cos, sin, kv_cache, meta, residual, sampled_rows if i == last else None)
         return h.add_(residual) if residual is not None else h  # the last MLP output, fresh: added in place
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
