@@ -131,6 +131,14 @@ class StepCostMeter:
             intercept, slope = 0.0, sum(x * y for x, y in self._samples) / sum(x * x for x, _ in self._samples)
         return intercept + slope * tokens
 
+    def expected_seconds(self, tokens: int) -> float:
+        """`step_seconds` for a batch no larger than the window's largest, else 0.0 (no prediction):
+        a line fitted to decode steps alone, memory-bound and nearly flat in tokens, puts a prompt
+        chunk at a decode's cost, and every prompt after a quiet spell would look like a stall."""
+        if not self._samples or tokens > max(n for n, _ in self._samples):
+            return 0.0
+        return self.step_seconds(tokens)
+
     def tokens_per_s_at(self, budget: int) -> float:
         seconds = self.step_seconds(budget) if budget > 0 else 0.0
         return budget / seconds if seconds > 0 else 0.0
@@ -176,7 +184,7 @@ class EngineCore:
         result, outputs = run_step(self.engine, self.processor)
         batch, times = result.batch, result.times
         if batch is not None:
-            self.stalls.step(times.total, lambda: self._step_cost.step_seconds(batch.num_tokens),
+            self.stalls.step(times.total, lambda: self._step_cost.expected_seconds(batch.num_tokens),
                              self.gc.total_s - gc_before, lambda: _step_parts(batch, times))
             self._meter.record(batch.num_prefill_tokens, times.total)
             self._step_cost.record(batch.num_tokens, times.total)

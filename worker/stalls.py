@@ -4,7 +4,8 @@ Why: a client that sees a gap of a second between two tokens cannot tell where i
 slow engine step, the engine loop busy with something else while requests waited, a garbage
 collection, or the serving path in front of the engine. The worker can tell the first three apart,
 so it says so in its log: a step that took `SLOW_STEP_FACTOR`× what the step-cost line predicts for
-its batch (and at least `MIN_STALL_S`), or a loop turn that spent `MIN_STALL_S` outside the step
+its batch (and at least `MIN_STALL_S`; with no prediction, as past the largest batch the line was
+fitted to, `SLOW_STEP_FACTOR`× `MIN_STALL_S`), or a loop turn that spent `MIN_STALL_S` outside the step
 with work queued, is a stall. The log line gives its parts (schedule, prepare, execute, postprocess;
 or receive and send), the batch, and the collector's pause inside it. At most one line per
 `REPORT_INTERVAL_S`, counting the stalls it did not print, so a slow machine does not flood the log.

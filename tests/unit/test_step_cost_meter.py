@@ -15,6 +15,7 @@ import random
 import pytest
 
 from chariot.worker.engine_core import PrefillMeter, StepCostMeter
+from chariot.worker.stalls import StallWatch
 
 FIXED_S, PER_TOKEN_S, BUDGET = 0.004, 20e-6, 512  # a step: 4 ms of fixed cost plus 20 µs per token
 
@@ -101,3 +102,23 @@ def test_the_window_follows_a_machine_that_slowed_down() -> None:
         tokens = 1 + (i % 8) * 60
         meter.record(tokens, true_seconds(tokens) * (1 if i < 32 else 3))  # the last 32 steps at a third of the speed
     assert meter.step_seconds(BUDGET) == pytest.approx(3 * true_seconds(BUDGET))
+
+
+def test_no_prediction_past_the_largest_batch_in_the_window() -> None:
+    """A quiet spell leaves decode steps alone in the window, memory-bound: about 30 ms whatever their
+    size. The line through them puts a 453-token prompt chunk at about a decode's cost; the stall
+    watch must not take that as the chunk's expected time (it did, and logged every prompt after a
+    quiet spell as a stall)."""
+    meter = StepCostMeter()
+    rng = random.Random(3)
+    for _ in range(256):
+        decodes = rng.randint(1, 24)
+        meter.record(decodes, 0.030 + 0.0002 * decodes + rng.uniform(-0.002, 0.002))
+    assert meter.step_seconds(453) < 0.2  # the extrapolation: far below a real 453-token step's ~0.4 s
+    assert meter.expected_seconds(453) == 0.0
+    assert meter.expected_seconds(12) == pytest.approx(meter.step_seconds(12))
+    assert StepCostMeter().expected_seconds(1) == 0.0
+    watch = StallWatch()
+    assert watch.step(0.409, lambda: meter.expected_seconds(453), 0.0, str) is None
+    assert watch.step(0.825, lambda: meter.expected_seconds(453), 0.0, str) is not None  # past 3 x the floor
+    assert watch.step(0.300, lambda: meter.expected_seconds(24), 0.0, str) is not None  # 10 x a 24-decode step
