@@ -1,6 +1,6 @@
 """Variants of one engine side by side on the peer benchmark's offline trace, in one process: the loop
 the A/B experiments share (`prompt_route_ab`, `kernel_revision_ab`, `block_size_ab`, `amx_linear_ab`,
-`linear_dispatch_ab`, `add_rms_norm_ab`, `bf16_upcast_ab`).
+`linear_dispatch_ab`, `add_rms_norm_ab`, `bf16_upcast_ab`, `sampled_rows_ab`) and the record they save.
 
 The trace is 64 chat requests ×0.25, all at t=0, `ignore_eos`, fresh prompt contents per round. Each
 variant is a function that puts it in place and returns the `LLM` to run; every variant first runs
@@ -12,6 +12,7 @@ Not a script: the experiments that use it are (`python -m chariot.bench.experime
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -85,3 +86,13 @@ def medians(walls: Mapping[str, list[float]]) -> dict[str, float]:
 def same_tokens(tokens: Mapping[str, list[list[int]]], a: str, b: str) -> int:
     """In how many warm-up requests variants a and b sampled the same greedy tokens."""
     return sum(x == y for x, y in zip(tokens[a], tokens[b], strict=True))
+
+
+def save(path: Path, dtype: str, rounds: int, walls: Mapping[str, list[float]], **extra: Any) -> None:
+    """One experiment's record: the machine (with its CPU flags), dtype, rounds, every variant's wall
+    times and their medians, and what the experiment adds (`extra`), as JSON at `path`."""
+    from chariot.bench.linear_bench import cpu_record
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": cpu_record(), "dtype": dtype, "rounds": rounds, "wall_s": walls,
+                                "median_s": medians(walls), **extra}, indent=1))

@@ -18,12 +18,10 @@ block size's median wall time.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from chariot.bench import offline_ab as ab
-from chariot.bench.linear_bench import cpu_record
 
 
 def main(dtype: str, sizes: list[int], rounds: int, out_dir: Path) -> None:
@@ -33,10 +31,8 @@ def main(dtype: str, sizes: list[int], rounds: int, out_dir: Path) -> None:
     same = {name: ab.same_tokens(tokens, first, name) for name in llms}
     print("median wall: " + ", ".join(f"block {b} {med[b]:.1f} s ({med[first] / med[b]:.2f}x)" for b in llms)
           + f"; greedy tokens equal to block {first}'s: {same}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"block_size_ab_{dtype}.json").write_text(json.dumps(
-        {"machine": cpu_record(), "dtype": dtype, "block_sizes": sizes, "rounds": rounds, "wall_s": walls,
-         "median_s": med, "greedy_equal_to_first": same}, indent=1))
+    ab.save(out_dir / f"block_size_ab_{dtype}.json", dtype, rounds, walls, block_sizes=sizes,
+            greedy_equal_to_first=same)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ prints each variant's median wall time.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from typing import Any
 import torch
 
 from chariot.bench import offline_ab as ab
-from chariot.bench.linear_bench import cpu_record
 from chariot.worker.model.llama import LlamaStage
 
 ROUNDS = 4
@@ -55,10 +53,8 @@ def main(dtype: str, out_dir: Path, rounds: int) -> None:
     ratio = med["every_row"] / med["sampled_rows"]
     print(f"median wall: every_row {med['every_row']:.1f} s, sampled_rows {med['sampled_rows']:.1f} s "
           f"({ratio:.3f}x); greedy tokens identical in {same}/8 requests")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"sampled_rows_ab_{dtype}.json").write_text(json.dumps(
-        {"machine": cpu_record(), "dtype": dtype, "rounds": rounds, "wall_s": walls, "median_s": med,
-         "every_row_over_sampled_rows": ratio, "greedy_identical": same}, indent=1))
+    ab.save(out_dir / f"sampled_rows_ab_{dtype}.json", dtype, rounds, walls, every_row_over_sampled_rows=ratio,
+            greedy_identical=same)
 
 
 if __name__ == "__main__":
