@@ -29,9 +29,10 @@ each, every round's wall time kept) and single-request decode TBT.
 
 Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant and
 search by search, the systems' order reversed on every other search (Chariot, vLLM, vLLM, Chariot, …:
-the two phases a ratio compares are always adjacent), each phase on a server started for it, and a
-calibration workload (`machine_speed`) is timed before and after every phase with no server running,
-and between the phase's measurements. Each comparison reports how much the machine changed between and
+the two phases a ratio compares are always adjacent), each phase on a server started for it (in a
+session of its own, waited out to its last process when stopped, so its exit does not run into the
+next calibration), and a calibration workload (`machine_speed`) is timed before and after every
+phase with no server running, and between the phase's measurements. Each comparison reports how much the machine changed between and
 within its two phases and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is left out of the
 ratios' claimed range, and a probe next to a contended calibration is left out of its capacity bracket
 (both stay in `peer.json`).
@@ -755,7 +756,7 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
 
     cmd = chariot_command(cfg)
     log(f"starting Chariot: {shlex.join(cmd)}")
-    child = spawn("chariot up", cmd, dict(os.environ), "chariot up ready")
+    child = spawn("chariot up", cmd, dict(os.environ), "chariot up ready", new_session=True)
     try:
         t0 = time.monotonic()
         log(f"waiting for Chariot to be ready (timeout {cfg.ready_timeout_s:.0f} s)…")
@@ -767,6 +768,7 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
         yield Server("chariot", f"http://{found.group(1)}")
     finally:
         shutdown([child])
+        _end_server_group("Chariot", child.proc.pid, grace_s=20.0)
 
 
 @contextlib.contextmanager
@@ -814,7 +816,7 @@ def _wait_http_ready(proc: subprocess.Popen[bytes], base: str, timeout_s: float,
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
-    """SIGTERM the server, then SIGKILL its process group (its engine-core children) if needed."""
+    """SIGTERM the server, then wait out its process group (its engine-core children)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
@@ -822,8 +824,17 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session: only processes it started
+    _end_server_group("vLLM", proc.pid, grace_s)
+
+
+def _end_server_group(system: str, pgid: int, grace_s: float) -> None:
+    """Return once no process the server started still runs (its own session: only those), so the
+    calibration after it and the next phase do not share the CPU with its exit; SIGKILL stragglers."""
+    from chariot.contracts.processes import end_group
+
+    killed = end_group(pgid, grace_s)
+    if killed:
+        log(f"{system}: killed processes {killed} still running {grace_s:g} s after the server exited")
 
 
 BUSY_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "chariot_requests_running",

@@ -5,11 +5,14 @@ of local child processes that print a ready line.
 `MASTER_ADDR`, `MASTER_PORT`) that the operator sets in pods and `chariot up` sets for local
 processes, so both start stages the same way. `spawn`/`wait_ready`/`shutdown` run the `chariot`
 processes of a local deployment (`chariot up`, the benchmarks); children die with their parent
-(PR_SET_PDEATHSIG), so none is orphaned even if the parent is killed. Torch-free.
+(PR_SET_PDEATHSIG), so none is orphaned even if the parent is killed. `end_group` waits out a whole
+process group (a server started in a session of its own and everything it started), so a benchmark's
+next phase does not share the CPU with the last one's exit. Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -19,6 +22,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from chariot.contracts.errors import ConfigError
 
@@ -97,9 +101,11 @@ class Child:
         self.ready.set()  # EOF: the child exited
 
 
-def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str) -> Child:
+def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str, new_session: bool = False) -> Child:
+    """Start `cmd`; `new_session` puts it in a session and process group of its own (its PID is the
+    group's ID) so `end_group` can wait out everything it starts."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=die_with_parent, start_new_session=new_session)
     child = Child(name, proc)
     threading.Thread(target=child.pump, args=(ready_prefix,), daemon=True).start()
     return child
@@ -134,3 +140,43 @@ def shutdown(children: list[Child], grace_s: float = 10.0) -> None:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+
+
+def group_members(pgid: int, proc_root: Path = Path("/proc")) -> list[int]:
+    """The processes of process group `pgid` still running, from `/proc/<pid>/stat` (zombies left out:
+    they have exited and only wait to be reaped)."""
+    members = []
+    for entry in proc_root.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after `pid (comm)`, which may hold spaces
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(entry.name))
+    return sorted(members)
+
+
+def end_group(pgid: int, grace_s: float = 20.0, kill_wait_s: float = 30.0, poll_s: float = 0.1) -> list[int]:
+    """Wait up to `grace_s` for every process of group `pgid` to exit, SIGKILL those still running,
+    and return once none runs; returns the PIDs it had to kill. Raises RuntimeError naming the PIDs
+    that outlive SIGKILL by `kill_wait_s` (stuck in the kernel)."""
+    if _wait_group(pgid, grace_s, poll_s) == []:
+        return []
+    killed = group_members(pgid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    left = _wait_group(pgid, kill_wait_s, poll_s)
+    if left:
+        raise RuntimeError(f"processes {left} of group {pgid} still run {kill_wait_s:g}s after SIGKILL")
+    return killed
+
+
+def _wait_group(pgid: int, timeout_s: float, poll_s: float) -> list[int]:
+    """The group's running members once none runs or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while (left := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return left

@@ -79,6 +79,7 @@ from chariot.bench.peer import (
 from chariot.bench.traces import TRACES
 from chariot.cli.main import parser as chariot_parser
 from chariot.contracts.errors import ConfigError
+from chariot.contracts.processes import group_members
 
 VOCAB = 512
 
@@ -619,9 +620,12 @@ def test_streaming_client_against_chariot_http_front(tiny_model_dir: Path, tmp_p
     prompts = fresh_prompts([12, 30, 5, 60], VOCAB, probe_seed(0, "chariot", "fresh", 0))
     planned = [Planned(0.1 * i, p, n) for i, (p, n) in enumerate(zip(prompts, [6, 1, 9, 4], strict=True))]
     with chariot_server(cfg) as server:
+        group = next(pid for pid, cmd in _children() if "chariot.cli" in cmd and "up" in cmd)
+        assert len(group_members(group)) > 1  # `chariot up` and the processes it started, in its own group
         warm_up(server, VOCAB)
         result = asyncio.run(run_load(server.base_url, SERVED_NAME, planned, drain_s=60))
         wait_idle(server, timeout_s=30)
+    assert group_members(group) == []  # the server's exit is over before the harness goes on
     assert result.gave_up is None and result.errors == ()
     for p, t in zip(planned, result.traces, strict=True):
         assert t.ok and len(t.token_times) == p.max_tokens and t.prompt_tokens == len(p.prompt)
@@ -662,12 +666,17 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
 
 def _children_commands() -> list[list[str]]:
     """The command lines of this process's children (from /proc): a server the phase started."""
+    return [cmd for _, cmd in _children()]
+
+
+def _children() -> list[tuple[int, list[str]]]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             if ppid == os.getpid():
-                out.append((stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0"))
+                cmd = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                out.append((int(stat.parent.name), cmd))
         except (OSError, ValueError, IndexError):
             continue
     return out
