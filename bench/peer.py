@@ -30,12 +30,12 @@ each, every round's wall time kept) and single-request decode TBT.
 Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant and
 search by search, the systems' order reversed on every other search (Chariot, vLLM, vLLM, Chariot, …:
 the two phases a ratio compares are always adjacent), each phase on a server started for it (in a
-session of its own, waited out to its last process when stopped, so its exit does not run into the
-next calibration), and a calibration workload (`machine_speed`) is timed before and after every
-phase with no server running, and between the phase's measurements. Each comparison reports how much the machine changed between and
-within its two phases and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is left out of the
-ratios' claimed range, and a probe next to a contended calibration is left out of its capacity bracket
-(both stay in `peer.json`).
+session of its own, waited out to its last process when stopped, so its exit does not run into the next
+calibration), and a calibration workload (`machine_speed`) is timed before and after every phase with no
+server running, and between the phase's measurements. Each comparison reports how much the machine
+changed between and within its two phases and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is
+left out of the ratios' claimed range, and a probe next to a contended calibration is left out of its
+capacity bracket (both stay in `peer.json`).
 
     chariot bench peer --model models/100m
 """
