@@ -180,12 +180,13 @@ class EngineCore:
 
     def step(self) -> tuple[StepResult, tuple[RequestOutput, ...]]:
         """schedule → execute → postprocess, then text and stop strings."""
-        gc_before = self.gc.total_s
+        gc_before, cpu_before = self.gc.total_s, time.process_time()
         result, outputs = run_step(self.engine, self.processor)
         batch, times = result.batch, result.times
         if batch is not None:
             self.stalls.step(times.total, lambda: self._step_cost.expected_seconds(batch.num_tokens),
-                             self.gc.total_s - gc_before, lambda: _step_parts(batch, times))
+                             self.gc.total_s - gc_before, lambda: _step_parts(batch, times),
+                             time.process_time() - cpu_before)
             self._meter.record(batch.num_prefill_tokens, times.total)
             self._step_cost.record(batch.num_tokens, times.total)
         return result, self._track(outputs)

@@ -61,6 +61,13 @@ def test_stall_lines_are_rate_limited_and_count_what_they_left_out(caplog: pytes
     assert len(lines) == 2 and watch.count == 4
     assert lines[0] == "engine step stall: 1300 ms, fitted 400 ms; 512 tokens; garbage collection 300 ms of it"
     assert lines[1].startswith("engine step stall: 1500 ms") and lines[1].endswith("(2 more since the last report)")
+    with caplog.at_level(logging.WARNING, logger="chariot.worker.stalls"):
+        watch.step(0.9, lambda: 0.1, 0.0, lambda: "1 tokens", cpu_s=1.75)  # held back: 11 s, as the last line
+        clock.now = 30.0
+        stall = watch.step(0.8, lambda: 0.1, 0.0, lambda: "1 tokens", cpu_s=0.04)
+    assert stall is not None and stall.describe().endswith(
+        "garbage collection 0 ms of it; process CPU time 40 ms (0.05 cores busy)")
+    assert caplog.records[-1].getMessage().endswith("(0.05 cores busy) (1 more since the last report)")
 
 
 def test_gc_pauses_add_up_the_collectors_time() -> None:
@@ -109,3 +116,5 @@ def test_a_slow_step_of_a_real_engine_is_logged_with_its_parts(tiny_model_dir: P
     slow = [line for line in stalls if int(line.split("execute ")[1].split(",")[0]) >= 800]
     assert len(slow) == 1 and core.stalls.count >= 1
     assert slow[0].startswith("engine step stall: ") and "1 tokens (0 prompt, 1 decodes)" in slow[0]
+    busy = float(slow[0].split("(")[-1].split(" cores busy")[0])
+    assert busy < 0.5, "the step slept off the CPU: its process CPU time is a fraction of its wall"
