@@ -5,10 +5,13 @@ Why: `chariot bench peer` flags a comparison whose calibrations (`machine_speed.
 by more than `DRIFT_TOLERANCE`. Whether a flag reports the machine or the instrument depends on the
 instrument's own repeatability, which this measures: it times the calibration back to back for a
 while on a quiet machine and reports, per metric (matmul GFLOP/s, read GB/s),
-- `consecutive`: the change between one calibration and the next (max/min - 1, a second or two
+- `consecutive`: the change between one calibration and the next (max/min - 1, about a second
   apart): what the instrument alone contributes;
-- `windows`: the spread (max/min - 1, the peer's `within`) over every window of 1, 5 and 12 minutes
+- `windows`: the spread (max/min - 1, the peer's `within`) over every window of 1, 5 and 10 minutes
   (about a probe, two probes, a phase of the peer run): what the machine contributes on that scale;
+- `phase_like`: the spread of `PHASE_CALIBRATIONS` calibrations evenly spaced over every 10-minute
+  window, as a peer phase takes them (before, between its probes and rounds, after): the spread
+  the drift check would see for a phase on this machine with the systems taken away;
 - `whole`: the spread over the run.
 Calibrations during which other processes took more than `CONTENTION_LIMIT` of the CPU are kept in
 the record and left out of the statistics, as the peer benchmark does.
@@ -21,6 +24,7 @@ CPU record) and calibration_repeatability.png (both metrics over time).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import statistics
@@ -33,8 +37,10 @@ from typing import Any
 from chariot.bench.machine_speed import CONTENTION_LIMIT, DRIFT_TOLERANCE, Speed, measure_speed
 
 MINUTES = 15.0
-WINDOWS_S = (60.0, 300.0, 720.0)
+WINDOWS_S = (60.0, 300.0, 600.0)
 METRICS = ("matmul_gflops", "read_gbps")
+PHASE_S = 600.0  # about one phase of a peer run
+PHASE_CALIBRATIONS = 9  # about as many as a peer phase takes
 
 
 def spread(values: Sequence[float]) -> float:
@@ -60,6 +66,22 @@ def window_spreads(times: Sequence[float], values: Sequence[float], window_s: fl
     return out
 
 
+def phase_like_spreads(times: Sequence[float], values: Sequence[float], window_s: float = PHASE_S,
+                       count: int = PHASE_CALIBRATIONS) -> list[float]:
+    """For every window [t, t + window_s] starting at a sample and covered by the run, the spread of
+    the `count` samples nearest to `count` evenly spaced times in it (the first at t, the last at its
+    end)."""
+    out = []
+    for start in times:
+        if times[-1] < start + window_s:
+            break
+        targets = [start + window_s * k / (count - 1) for k in range(count)]
+        picked = [values[bisect.bisect_left(times, target) if target <= times[-1] else len(times) - 1]
+                  for target in targets]
+        out.append(spread(picked))
+    return out
+
+
 def summary(changes: Sequence[float]) -> dict[str, float] | None:
     """Median, 90th percentile and largest of a list of changes (None when it is empty)."""
     if not changes:
@@ -80,6 +102,7 @@ def statistics_of(times: Sequence[float], speeds: Sequence[Speed]) -> dict[str, 
         values = [getattr(s, metric) for _, s in kept]
         out[metric] = {"consecutive": summary(consecutive_changes(values)),
                        "windows": {f"{w / 60:g} min": summary(window_spreads(ts, values, w)) for w in WINDOWS_S},
+                       "phase_like": summary(phase_like_spreads(ts, values)),
                        "whole": round(spread(values), 4) if len(values) >= 2 else None,
                        "range": [min(values), max(values)] if values else None}
     return out
@@ -139,8 +162,11 @@ def main(minutes: float, out_dir: Path) -> None:
         s = stats[metric]
         windows = "".join(f"{w} windows: median {v['median']:.1%} max {v['max']:.1%}; "
                           for w, v in s["windows"].items() if v)
+        phase = s["phase_like"]
+        phase_text = f"{PHASE_CALIBRATIONS} calibrations over {PHASE_S / 60:g} min: median {phase['median']:.1%}; " \
+            if phase else ""
         print(f"{metric}: consecutive median {s['consecutive']['median']:.1%} p90 {s['consecutive']['p90']:.1%}; "
-              f"{windows}whole run {s['whole']:.1%}")
+              f"{windows}{phase_text}whole run {s['whole']:.1%}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 
 from chariot.bench.experiments.calibration_repeatability import (
     consecutive_changes,
+    phase_like_spreads,
     spread,
     statistics_of,
     summary,
@@ -45,3 +46,11 @@ def test_contended_calibrations_are_left_out_of_the_statistics() -> None:
     assert matmul["range"] == [100.0, 104.0]
     assert stats["read_gbps"]["whole"] == pytest.approx(0.05)
     assert all(v is None for v in matmul["windows"].values())  # a 3 s run covers no 1-minute window
+
+
+def test_phase_like_spreads_pick_evenly_spaced_calibrations() -> None:
+    times = [float(t) for t in range(11)]  # one calibration a second for 10 s
+    values = [100.0] * 11
+    values[5] = 50.0  # a dip at 5 s, between the picks at 4 and 6 s (spaced 2 s over 8 s windows)
+    assert phase_like_spreads(times, values, window_s=8.0, count=5) == pytest.approx([0.0, 1.0, 0.0])
+    assert phase_like_spreads(times, values, window_s=11.0, count=5) == []  # longer than the run
