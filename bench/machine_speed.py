@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -156,12 +156,17 @@ class PhaseSpeed:
         """How much the machine changed during the phase: the largest max/min - 1 of a metric over the
         phase's calibrations."""
         columns = zip(*(s.values() for s in self.samples), strict=True)
-        return max(max(c) / min(c) - 1.0 for c in columns)
+        return max(spread(c) for c in columns)
 
     def to_json(self) -> dict[str, Any]:
         return {"before": asdict(self.before), "during": [asdict(s) for s in self.during], "after": asdict(self.after),
                 "steal_share": self.steal, "contended": sum(s.contended for s in self.calibrations),
                 "counted": len(self.samples), "within_change": round(self.within(), 4)}
+
+
+def spread(values: Sequence[float]) -> float:
+    """max/min - 1: how far apart the slowest and the fastest of a metric's calibrations are."""
+    return max(values) / min(values) - 1.0
 
 
 def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:

@@ -163,9 +163,9 @@ def end_group(pgid: int, grace_s: float = 20.0, kill_wait_s: float = 30.0, poll_
     """Wait up to `grace_s` for every process of group `pgid` to exit, SIGKILL those still running,
     and return once none runs; returns the PIDs it had to kill. Raises RuntimeError naming the PIDs
     that outlive SIGKILL by `kill_wait_s` (stuck in the kernel)."""
-    if _wait_group(pgid, grace_s, poll_s) == []:
+    killed = _wait_group(pgid, grace_s, poll_s)
+    if not killed:
         return []
-    killed = group_members(pgid)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     left = _wait_group(pgid, kill_wait_s, poll_s)

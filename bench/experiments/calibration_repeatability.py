@@ -34,18 +34,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from chariot.bench.machine_speed import CONTENTION_LIMIT, DRIFT_TOLERANCE, Speed, measure_speed
+from chariot.bench.machine_speed import CONTENTION_LIMIT, DRIFT_TOLERANCE, Speed, measure_speed, spread
 
 MINUTES = 15.0
 WINDOWS_S = (60.0, 300.0, 600.0)
 METRICS = ("matmul_gflops", "read_gbps")
 PHASE_S = 600.0  # about one phase of a peer run
 PHASE_CALIBRATIONS = 9  # about as many as a peer phase takes
-
-
-def spread(values: Sequence[float]) -> float:
-    """max/min - 1: the peer benchmark's measure of how much a phase's calibrations moved."""
-    return max(values) / min(values) - 1.0
 
 
 def consecutive_changes(values: Sequence[float]) -> list[float]:

@@ -8,12 +8,11 @@ import pytest
 from chariot.bench.experiments.calibration_repeatability import (
     consecutive_changes,
     phase_like_spreads,
-    spread,
     statistics_of,
     summary,
     window_spreads,
 )
-from chariot.bench.machine_speed import CONTENTION_LIMIT, Speed
+from chariot.bench.machine_speed import CONTENTION_LIMIT, Speed, spread
 
 
 def test_spread_and_consecutive_changes() -> None:
