@@ -211,7 +211,8 @@ def test_disconnect_mid_stream_closes_every_choice(router: Router, workers: list
         httpx.Client(base_url=router.url, timeout=TIMEOUT) as client,
         client.stream("POST", COMP, json=payload) as resp,
     ):
-        for _, event in sse_events(resp):
+        events = sse_events(resp)  # held: a generator dropped at `break` is closed, and the connection with it
+        for _, event in events:
             seen.add(event["choices"][0]["index"])
             if seen == {0, 1, 2}:
                 break
