@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,12 @@ class PhaseSpeed:
         return {"before": asdict(self.before), "during": [asdict(s) for s in self.during], "after": asdict(self.after),
                 "steal_share": self.steal, "contended": sum(s.contended for s in self.calibrations),
                 "counted": len(self.samples), "within_change": round(self.within(), 4)}
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> PhaseSpeed:
+        """The phase `to_json` wrote (its derived fields are recomputed, not read)."""
+        return PhaseSpeed(Speed(**raw["before"]), Speed(**raw["after"]), raw.get("steal_share"),
+                          tuple(Speed(**s) for s in raw.get("during", ())))
 
 
 def spread(values: Sequence[float]) -> float:
