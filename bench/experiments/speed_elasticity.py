@@ -41,6 +41,7 @@ from typing import Any
 
 from chariot.bench.experiments.iterations_from_traces import load
 from chariot.bench.machine_speed import PhaseSpeed
+from chariot.bench.peer import Bounds, format_span, ratio_range
 
 BOOTSTRAP = 2000
 INTERVAL = (0.025, 0.975)
@@ -59,6 +60,12 @@ class PhasePoint:
     capacity_high: float | None
     offline_tokens_per_s: float | None
     matmul_gflops: float
+
+    @property
+    def bounds(self) -> Bounds:
+        """The capacity's bracket as the peer report keeps it (low 0: the floor failed; high None: no
+        probe failed)."""
+        return Bounds(self.capacity_low or 0.0, self.capacity_high)
 
     @property
     def capacity(self) -> float | None:
@@ -146,50 +153,42 @@ def normalised(points: Sequence[PhasePoint], capacity: Fit, offline: Fit) -> lis
     """Per search with both systems: the ratios as measured, the speed ratio s, and the ratios over
     s^e for e across each fit's interval (the widest range those exponents give)."""
     rows = []
-    searches = sorted({(p.variant, p.search) for p in points})
-    for variant, search in searches:
+    for variant, search in sorted({(p.variant, p.search) for p in points}):
         by = {p.system: p for p in points if (p.variant, p.search) == (variant, search)}
         if "chariot" not in by or "vllm" not in by:
             continue
         c, v = by["chariot"], by["vllm"]
         s = c.matmul_gflops / v.matmul_gflops
         row: dict[str, Any] = {"variant": variant, "search": search + 1, "speed_ratio": round(s, 3)}
-        if c.capacity_low and v.capacity_high and v.capacity_low:
-            lo = c.capacity_low / v.capacity_high
-            hi = c.capacity_high / v.capacity_low if c.capacity_high and math.isfinite(c.capacity_high) else math.inf
-            row["capacity_ratio"] = [round(lo, 3), _finite(hi)]
-            row["capacity_ratio_normalised"] = [round(min(lo / s**e for e in (capacity.low, capacity.high)), 3),
-                                                _finite(max(hi / s**e for e in (capacity.low, capacity.high)))]
+        lo, hi = ratio_range(c.bounds, v.bounds)
+        if lo > 0:  # a lower end exists: both floors passed and vLLM's search found a failing probe
+            row["capacity_ratio"] = _rounded(lo, hi)
+            row["capacity_ratio_normalised"] = _rounded(min(lo / s**e for e in (capacity.low, capacity.high)),
+                                                        max(hi / s**e for e in (capacity.low, capacity.high)))
         if c.offline_tokens_per_s and v.offline_tokens_per_s:
             ratio = c.offline_tokens_per_s / v.offline_tokens_per_s
             row["offline_ratio"] = round(ratio, 3)
-            row["offline_ratio_normalised"] = [round(min(ratio / s**e for e in (offline.low, offline.high)), 3),
-                                               round(max(ratio / s**e for e in (offline.low, offline.high)), 3)]
+            row["offline_ratio_normalised"] = _rounded(min(ratio / s**e for e in (offline.low, offline.high)),
+                                                       max(ratio / s**e for e in (offline.low, offline.high)))
         rows.append(row)
     return rows
 
 
-def _finite(x: float) -> float | None:
-    return round(x, 3) if math.isfinite(x) else None
+def _rounded(lo: float, hi: float) -> list[float | None]:
+    """[lo, hi] to 3 decimals, an infinite end as None (the peer report's convention)."""
+    return [round(lo, 3), round(hi, 3) if math.isfinite(hi) else None]
 
 
 def markdown(run: str, rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [f"{run}:", "", "| search | matmul, Chariot's phase / vLLM's | capacity ratio | normalised | "
              "offline ratio | normalised |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['search']} | {r['speed_ratio']:.2f}× | {_range(r.get('capacity_ratio'))} | "
-                     f"{_range(r.get('capacity_ratio_normalised'))} | {_range([r.get('offline_ratio')] * 2)} | "
-                     f"{_range(r.get('offline_ratio_normalised'))} |")
+        offline = r.get("offline_ratio")
+        lines.append(f"| {r['search']} | {r['speed_ratio']:.2f}× | {format_span(r.get('capacity_ratio'))} | "
+                     f"{format_span(r.get('capacity_ratio_normalised'))} | "
+                     f"{format_span(None if offline is None else [offline, offline])} | "
+                     f"{format_span(r.get('offline_ratio_normalised'))} |")
     return [*lines, ""]
-
-
-def _range(span: Sequence[float | None] | None) -> str:
-    if not span or span[0] is None:
-        return "-"
-    lo, hi = span
-    if hi is None:
-        return f"≥ {lo:.2f}×"
-    return f"{lo:.2f}×" if lo == hi else f"{lo:.2f}–{hi:.2f}×"
 
 
 def plot(groups: Sequence[Sequence[PhasePoint]], fits: dict[str, Fit], path: Path) -> None:
