@@ -1,5 +1,6 @@
 // The machine's ceilings for the `100m` preset's work, for docs/BENCHMARKS.md's bounds on the peer
-// ratio: the fp32 FMA rate (VFMADD on ymm, which AVX2 and AVX-512 machines both run), the bf16
+// ratio: the fp32 FMA rate (VFMADD on ymm, which AVX2 and AVX-512 machines both run, and on zmm
+// where the CPU has AVX-512: a core with two 512-bit FMA units runs twice the ymm rate), the bf16
 // dot-product rate where the CPU has AVX512-BF16 (VDPBF16PS on zmm), each with 12 independent
 // accumulators per thread so nothing waits on a result, and the rate one pass reads memory at
 // (256 MiB, past every cache, 4 KiB pages and then 2 MiB ones). Not part of the package; build and
@@ -34,6 +35,30 @@ static double fma_rate(void) {
   if (out < 0) printf("%g\n", out);
   return (double)per_thread * 12 * omp_get_max_threads() * 16 / t / 1e9;  // 8 lanes x 2 FLOP per FMA
 }
+
+#ifdef __AVX512F__
+static double fma512_rate(void) {
+  const long per_thread = 100000000 / 12;
+  double t0 = omp_get_wtime();
+  float out = 0;
+#pragma omp parallel reduction(+ : out)
+  {
+    volatile float seed[12] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    __m512 a[12];
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_ps(seed[i]);
+    const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+    for (long i = 0; i < per_thread; ++i)
+#pragma GCC unroll 12
+      for (int j = 0; j < 12; ++j) a[j] = _mm512_fmadd_ps(a[j], x, y);
+    __m512 s = a[0];
+    for (int i = 1; i < 12; ++i) s = _mm512_add_ps(s, a[i]);
+    out += _mm512_reduce_add_ps(s);
+  }
+  const double t = omp_get_wtime() - t0;
+  if (out < 0) printf("%g\n", out);
+  return (double)per_thread * 12 * omp_get_max_threads() * 32 / t / 1e9;  // 16 lanes x 2 FLOP per FMA
+}
+#endif
 
 #ifdef __AVX512BF16__
 static double dot_rate(void) {
@@ -94,6 +119,9 @@ static double read_rate(int huge) {
 int main(void) {
   printf("threads %d (the first pass of each rate also warms the cores up)\n", omp_get_max_threads());
   for (int i = 0; i < 5; ++i) printf("fp32 FMA: %.0f GFLOP/s\n", fma_rate());
+#ifdef __AVX512F__
+  for (int i = 0; i < 5; ++i) printf("fp32 FMA on zmm: %.0f GFLOP/s\n", fma512_rate());
+#endif
 #ifdef __AVX512BF16__
   for (int i = 0; i < 5; ++i) printf("bf16 dot products: %.0f GFLOP/s\n", dot_rate());
 #else

@@ -17,23 +17,16 @@
 // 96 rows (held in L2), the partial sums added up in y, whose lines are requested at the start of
 // each tile so they arrive while the FMAs run (without those requests the order falls back to
 // about oneDNN's rate; docs/kernels.md has the measurements).
-//
-// Where the compiler targets AVX-512, prefill chunks take 16-lane vectors instead (`blocked_wide`):
-// a panel is then one zmm vector, and a tile takes four panels against six rows, 24 accumulators of
-// the 32 registers, so it runs at the 512-bit FMA rate the 8-lane tiles leave half unused. The
-// packed layouts are the same in both forms.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cstdint>
 #include <vector>
 
 #include "vec8.h"
-#include "vecw.h"
 
 #ifndef CHARIOT_OPS_NAMESPACE
 #define CHARIOT_OPS_NAMESPACE chariot_cpu_panel_linear
@@ -153,120 +146,6 @@ void blocked(const float* xpack, int64_t M, int64_t K, const float* wp, const fl
   }
 }
 
-#if defined(__AVX512F__) && !defined(CHARIOT_VECTOR_256)
-constexpr bool kWide = true;
-#else
-constexpr bool kWide = false;
-#endif
-static_assert(!kWide || chariot_vecw::kW == kPanel, "the wide tiles hold one panel in one vector");
-#ifndef WP
-#define WP 4
-#endif
-#ifndef WD
-#define WD 256
-#endif
-#ifndef WG
-#define WG 64
-#endif
-constexpr int64_t kWidePanels = WP;  // panels per wide tile: 4 x 6 rows = 24 accumulators of 32 zmm
-constexpr int64_t kWideDepth = WD;  // steps of k per block: four panels' blocks are 32 KiB, held in L1
-
-// Rows [0, MR) of one group of x (packed [K][6], from step k0) times depth steps of NP adjacent
-// panels (from the same step; panel j at b + j * panel_floats), 16-lane vectors: into y as `tile`
-// does, the last of the NP panels `cols_last` outputs wide.
-template <int MR, int NP>
-inline void wide_tile(const float* a, const float* b, int64_t panel_floats, int64_t depth, const float* bias,
-                      bool first, float* y, int64_t ldy, int64_t cols_last, const float* pf, int64_t pf_lines) {
-  using chariot_vecw::vw;
-  vw acc[MR][NP];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NP; ++j) acc[m][j] = vw{};
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NP; ++j) prefetch_from_register(y + m * ldy + j * kPanel);
-  const int64_t pf_every = pf_lines > 0 ? std::max<int64_t>(1, depth / pf_lines) : depth + 1;
-  for (int64_t k = 0; k < depth; ++k) {
-#ifdef PF
-    if (k % pf_every == 0 && k / pf_every < pf_lines) prefetch_from_register(pf + (k / pf_every) * kPanel);
-#endif
-    vw w[NP];
-    for (int j = 0; j < NP; ++j) w[j] = chariot_vecw::load(b + j * panel_floats + k * kPanel);
-    const float* ak = a + k * kRowsPerPass;
-    for (int m = 0; m < MR; ++m) {
-      const vw am = chariot_vecw::splat(ak[m]);
-      for (int j = 0; j < NP; ++j) acc[m][j] += am * w[j];
-    }
-  }
-  for (int j = 0; j < NP; ++j) {
-    const vw bias_j = first && bias ? chariot_vecw::load(bias + j * kPanel) : vw{};
-    const int64_t cols = j == NP - 1 ? cols_last : kPanel;
-    for (int m = 0; m < MR; ++m) {
-      float* out = y + m * ldy + j * kPanel;
-      if (cols == kPanel) {
-        chariot_vecw::store(out, acc[m][j] + (first ? bias_j : chariot_vecw::load(out)));
-      } else {  // the last panel of an N that is not a multiple of 16
-        float part[kPanel];
-        chariot_vecw::store(part, acc[m][j] + bias_j);
-        for (int64_t c = 0; c < cols; ++c) out[c] = first ? part[c] : out[c] + part[c];
-      }
-    }
-  }
-}
-
-template <int MR>
-inline void wide_panels(int64_t panels, const float* a, const float* b, int64_t panel_floats, int64_t depth,
-                        const float* bias, bool first, float* y, int64_t ldy, int64_t cols_last, const float* pf,
-                        int64_t pf_lines) {
-  switch (panels) {
-    case 4: return wide_tile<MR, 4>(a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 3: return wide_tile<MR, 3>(a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 2: return wide_tile<MR, 2>(a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 1: return wide_tile<MR, 1>(a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    default: return;
-  }
-}
-
-// One group of `rows` (1-6) rows against `panels` (1-4) adjacent panels: `wide_tile` for those counts.
-inline void wide_group(int64_t rows, int64_t panels, const float* a, const float* b, int64_t panel_floats,
-                       int64_t depth, const float* bias, bool first, float* y, int64_t ldy, int64_t cols_last,
-                       const float* pf, int64_t pf_lines) {
-  switch (rows) {
-    case 6: return wide_panels<6>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 5: return wide_panels<5>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 4: return wide_panels<4>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 3: return wide_panels<3>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 2: return wide_panels<2>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    case 1: return wide_panels<1>(panels, a, b, panel_floats, depth, bias, first, y, ldy, cols_last, pf, pf_lines);
-    default: return;
-  }
-}
-
-// `blocked` with 16-lane tiles of up to kWidePanels panels each (AVX-512 builds).
-void blocked_wide(const float* xpack, int64_t M, int64_t K, const float* wp, const float* bias, float* y, int64_t N,
-                  int64_t begin, int64_t end, int64_t g_first = 0, int64_t g_last = -1) {
-  const int64_t groups = g_last < 0 ? (M + kRowsPerPass - 1) / kRowsPerPass : g_last, panel_floats = K * kPanel;
-  const int64_t blocks = (K + kWideDepth - 1) / kWideDepth, depth_step = (K + blocks - 1) / blocks;
-  for (int64_t k0 = 0; k0 < K; k0 += depth_step) {
-    const int64_t depth = std::min(depth_step, K - k0);
-    for (int64_t g0 = g_first; g0 < groups; g0 += WG) {
-      for (int64_t p = begin; p < end; p += kWidePanels) {
-        const int64_t panels = std::min(kWidePanels, end - p), last = p + panels - 1;
-        const int64_t cols_last = std::min(kPanel, N - last * kPanel);
-        // The next tile's panels (their lines for this depth block), requested a share per group.
-        const int64_t next_panels = std::min(kWidePanels, end - p - panels), share = (next_panels * depth + WG - 1) / WG;
-        for (int64_t g = g0; g < std::min(groups, g0 + WG); ++g) {
-          const int64_t line = (g - g0) * share, j = depth ? line / depth : 0;
-          const bool any = next_panels > 0 && j < next_panels;
-          const float* pf = any ? wp + (p + panels + j) * panel_floats + (k0 + line % depth) * kPanel : nullptr;
-          const int64_t pf_lines = any ? std::min(share, depth - line % depth) : 0;
-          wide_group(rows_of(g, M), panels, xpack + (g * K + k0) * kRowsPerPass, wp + p * panel_floats + k0 * kPanel,
-                     panel_floats, depth, bias ? bias + p * kPanel : nullptr, k0 == 0,
-                     y + g * kRowsPerPass * N + p * kPanel, N, cols_last, pf, pf_lines);
-        }
-      }
-    }
-  }
-}
-
 // Runs f(begin, end) over every range of panels, handed out a unit at a time from a shared counter
 // rather than split in one range per thread: when the OS or the hypervisor takes a thread off its core
 // (the server's other processes, a neighbour's vCPU), the other threads take the rest of the work
@@ -288,12 +167,6 @@ void for_each_unit(int64_t panels, F&& f) {
 
 // x [M, K] -> groups of six rows, each [K][6] (a group's k-th values adjacent, so one pass's
 // broadcasts read one cache line per 2.7 steps of k instead of six rows 4 KiB apart).
-inline void pack_group(const float* x, int64_t M, int64_t K, int64_t g, float* dst) {
-  const int64_t first = g * kRowsPerPass, rows = std::min<int64_t>(kRowsPerPass, M - first);
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t r = 0; r < rows; ++r) dst[k * kRowsPerPass + r] = x[(first + r) * K + k];
-}
-
 void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
   const int64_t groups = (M + kRowsPerPass - 1) / kRowsPerPass;
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
@@ -343,34 +216,10 @@ void panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::opti
   }
   const float* wp = panels.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  const int64_t groups_all = (M + kRowsPerPass - 1) / kRowsPerPass;
-  std::unique_ptr<float[]> xbuf(new float[groups_all * kRowsPerPass * K]);  // every value read is written first
-#ifndef NO_ROWSPLIT2
-  if (M > kStreamRows && kWide) {
-    const float* xs = x.data_ptr<float>();
-    float* xw = xbuf.get();
-    at::parallel_for(0, groups_all, 1, [&](int64_t gb, int64_t ge) {
-      for (int64_t g = gb; g < ge; ++g) pack_group(xs, M, K, g, xw + g * kRowsPerPass * K);
-      blocked_wide(xw, M, K, wp, b, yp, N, 0, panels.size(0), gb, ge);
-    });
-    return;
-  }
-#endif
-  pack_rows(x.data_ptr<float>(), M, K, xbuf.get());
-  const float* xp = xbuf.get();
-#ifdef SKIP_COMPUTE
-  return;
-#endif
-#ifdef ROWSPLIT
-  if (M > kStreamRows && kWide) {
-    const int64_t groups = (M + kRowsPerPass - 1) / kRowsPerPass;
-    at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) { blocked_wide(xp, M, K, wp, b, yp, N, 0, panels.size(0), gb, ge); });
-    return;
-  }
-#endif
-  if (M > kStreamRows && kWide)
-    for_each_unit(panels.size(0), [&](int64_t begin, int64_t end) { blocked_wide(xp, M, K, wp, b, yp, N, begin, end); });
-  else if (M > kStreamRows)
+  std::vector<float> xpack(((M + kRowsPerPass - 1) / kRowsPerPass) * kRowsPerPass * K);
+  pack_rows(x.data_ptr<float>(), M, K, xpack.data());
+  const float* xp = xpack.data();
+  if (M > kStreamRows)
     for_each_unit(panels.size(0), [&](int64_t begin, int64_t end) { blocked(xp, M, K, wp, b, yp, N, begin, end); });
   else  // one range per thread: each thread's stream of W and its requests ahead run unbroken
     at::parallel_for(0, panels.size(0), 4, [&](int64_t begin, int64_t end) { streamed(xp, M, K, wp, b, yp, N, begin, end); });
