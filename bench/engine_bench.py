@@ -65,6 +65,8 @@ def make_engine(target: Target, policy: str, budget: int | None, max_len: int) -
 
 
 def summarize(case: str, tokens: int, times: list[IterationTimes], bytes_read: int | None = None) -> Row:
+    if not times:
+        raise RuntimeError(f"{case}: no step of this kind was timed")
     total = statistics.median(t.total for t in times)
     overhead = statistics.median(t.overhead for t in times)
     return Row(case, tokens, total * 1e3, overhead * 1e3, 100 * overhead / total, bytes_read)
@@ -84,13 +86,17 @@ def decode_bytes(engine: Engine, batch: int, context: int) -> int:
     return weights + batch * context * kv_per_token
 
 
-def run_steps(engine: Engine, n: int, keep: Callable[[StepResult], bool]) -> list[IterationTimes]:
-    """Times of the next `n` steps that `keep` accepts (it sees each step's result)."""
-    times = []
-    for _ in range(n):
+def run_steps(engine: Engine, n: int, keep: Callable[[StepResult], bool],
+              max_steps: int | None = None) -> list[IterationTimes]:
+    """Times of the next `n` steps that `keep` accepts (it sees each step's result), stepping at most
+    `max_steps` times (default `n`)."""
+    times: list[IterationTimes] = []
+    for _ in range(n if max_steps is None else max_steps):
         result = engine.step()
         if keep(result):
             times.append(result.times)
+            if len(times) == n:
+                break
     return times
 
 
@@ -119,17 +125,38 @@ def bench_prefill(target: Target, length: int, iters: int) -> Row:
     return summarize(f"prefill {length}", length, times)
 
 
-def bench_hybrid(target: Target, decodes: int, budget: int, context: int, iters: int) -> Row:
-    engine = make_engine(target, "sarathi", budget, 8192)
+def hybrid_tokens(result: StepResult, decodes: int) -> int:
+    """The tokens of the hybrid iteration the step completed (`decodes` decodes beside a prompt chunk),
+    or 0 when it completed no such iteration. Read from the batch the step completed, not from the
+    load report: with asynchronous scheduling (CUDA) the report is taken one batch ahead."""
+    batch = result.batch
+    if batch is None or batch.num_decodes != decodes or batch.num_prefill_tokens == 0:
+        return 0
+    return batch.num_tokens
+
+
+def bench_hybrid(target: Target, decodes: int, budget: int, context: int, iters: int, prompt: int = 2048,
+                 max_len: int = 8192) -> Row:
+    engine = make_engine(target, "sarathi", budget, max_len)
     for _ in range(decodes):
         engine.add_request([7] * context, NEVER_STOP)
     prefill_all(engine)
-    prompt = 2048
-    engine.add_request([9] * prompt, NEVER_STOP)  # chunked over several iterations
-    # full chunks only: steps after which part of the prompt is still left
-    hybrid = run_steps(engine, iters, lambda r: r.stats.queued_prefill_tokens > 0)
-    label = f"sarathi hybrid: {decodes} decodes + {budget - decodes}-token chunks of a {prompt}-token prompt"
-    return summarize(label, budget, hybrid)
+    # More prompt tokens than `iters` budgets, each prompt done after its first token, so that the
+    # decodes stay `decodes`; the chunks shrink as a prompt's cached part grows (attention-aware).
+    for _ in range(-(-(iters + 2) * budget // prompt) + 1):
+        engine.add_request([9] * prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    sizes: list[int] = []
+
+    def keep(result: StepResult) -> bool:
+        tokens = hybrid_tokens(result, decodes)
+        if tokens:
+            sizes.append(tokens)
+        return tokens > 0
+
+    hybrid = run_steps(engine, iters, keep, max_steps=4 * iters + 8)
+    label = (f"sarathi hybrid, budget {budget}: {decodes} decodes + prompt chunks"
+             f" ({min(sizes, default=0) - decodes}-{max(sizes, default=0) - decodes} tokens) of {prompt}-token prompts")
+    return summarize(label, round(statistics.median(sizes)) if sizes else budget, hybrid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, job in tqdm(jobs, desc="engine bench", file=sys.stderr):
         tqdm.write(f"running {name}", file=sys.stderr)
         rows.append(job())
+        tqdm.write(f"{rows[-1].case}: {rows[-1].median_ms:.2f} ms", file=sys.stderr)  # kept should a later case fail
 
     print(f"device={args.device} threads={torch.get_num_threads()} model={args.model}\n")
     print(markdown_table(rows, args.peak_bw_gbs))

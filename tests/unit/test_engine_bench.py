@@ -1,4 +1,5 @@
-"""The engine benchmark's decode roofline: bytes a decode iteration must read, and the bound column."""
+"""The engine benchmark: the decode roofline (bytes a decode iteration must read, the bound column) and
+which steps its hybrid rows time."""
 
 from __future__ import annotations
 
@@ -6,8 +7,22 @@ import json
 import math
 from pathlib import Path
 
-from chariot.bench.engine_bench import Row, Target, decode_bytes, make_engine, markdown_table
+import pytest
+
+from chariot.bench.engine_bench import (
+    Row,
+    Target,
+    bench_hybrid,
+    decode_bytes,
+    hybrid_tokens,
+    make_engine,
+    markdown_table,
+    summarize,
+)
+from chariot.contracts.outputs import EngineStats, IterationTimes
+from chariot.worker.engine_output import StepResult
 from chariot.worker.model.make_model import weight_shapes
+from chariot.worker.scheduler.output import ScheduledChunk, SchedulerOutput
 
 
 def test_decode_bytes_counts_every_weight_but_the_embedding_and_the_batch_kv(tiny_model_dir: Path) -> None:
@@ -28,3 +43,32 @@ def test_table_shows_the_bound_only_for_decode_rows() -> None:
     assert table[2].endswith("| 1.00 | 50% |")  # 3.35 GB at 3350 GB/s = 1 ms, measured 2 ms
     assert table[3].endswith("| – | – |")
     assert "bound" not in markdown_table(rows, None)
+
+
+def test_hybrid_rows_time_only_hybrid_iterations(tiny_model_dir: Path) -> None:
+    """Every timed step completed the decodes beside a prompt chunk, read from the batch the step
+    completed (on CUDA the load report runs one batch ahead, which once left the 512-token case with no
+    step timed at all); the row names the chunk sizes it ran."""
+    row = bench_hybrid(Target(str(tiny_model_dir)), decodes=4, budget=64, context=32, iters=5, prompt=1024,
+                       max_len=2048)
+    assert row.median_ms > 0 and 4 < row.tokens <= 64
+    assert "budget 64: 4 decodes + prompt chunks (" in row.case
+
+
+def test_hybrid_tokens_counts_only_steps_with_the_decodes_and_a_chunk() -> None:
+    def step(decodes: int, prefill: list[int]) -> StepResult:
+        chunks = tuple(ScheduledChunk(seq_id=i, start=0, num_tokens=1, samples=True) for i in range(decodes)) + tuple(
+            ScheduledChunk(seq_id=100 + i, start=0, num_tokens=n, samples=False) for i, n in enumerate(prefill))
+        batch = SchedulerOutput(chunks=chunks, num_decodes=decodes)
+        return StepResult(outputs=(), batch=batch, times=IterationTimes(0, 0, 0, 0),
+                          stats=EngineStats(0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0.0, 0))
+
+    assert hybrid_tokens(step(4, [60]), 4) == 64
+    assert hybrid_tokens(step(4, [40, 20]), 4) == 64
+    assert hybrid_tokens(step(4, []), 4) == 0  # decodes alone
+    assert hybrid_tokens(step(3, [61]), 4) == 0  # not the benchmark's decodes
+
+
+def test_a_case_with_no_timed_step_names_itself() -> None:
+    with pytest.raises(RuntimeError, match="prefill 512: no step of this kind was timed"):
+        summarize("prefill 512", 512, [])
