@@ -13,13 +13,17 @@ after it still run, and the report says what is missing and why. Parts, in order
 - `engine`: decode iterations for 1, 16, 64 and 128 sequences (context 512) and prefill chunks of
   512 and 2,048 tokens, each with CUDA graphs on and off (`EngineConfig.cuda_graphs`); the kernels
   per decode iteration and the GPU's own busy time in it (torch.profiler), against the iteration's
-  wall time: what is left is the host's share; greedy tokens of a few prompts under both settings.
+  wall time: what is left is the host's share; greedy tokens of a few prompts under both settings;
+  Sarathi's hybrid iterations (64 decodes beside a fresh prompt's chunk filling a token budget of
+  128-2,048), graphs on and off, at the measured depth.
   Per-layer figures are scaled to 32 layers by a linear fit over the full and the half depth.
 - `gpu_tests`: `pytest -m gpu` over the test files that carry the marker.
 - `capacity`: `sarathi` against `vllm` under the paper's strict SLO (P99 TBT <= 5x a lone decode
   iteration, measured by `engine`) and a relaxed one (25x), with the capacity search of `chariot
   bench capacity` and few probes. Sarathi-Serve derives its token budget from the TBT SLO, so each
-  SLO gets its own sarathi search with its own budget (`sarathi-strict`, `sarathi-relaxed`); vllm has
+  SLO gets its own sarathi search with its own budget (`sarathi-strict`, `sarathi-relaxed`: the
+  largest budget whose timed hybrid iteration fits 80 % of the SLO; from the prefill and decode
+  times where an older `engine.json` has no hybrid rows); vllm has
   no budget and one search covers both SLOs. Each search is its own child process with its own limit,
   so one long search cannot cost another its turn.
 - `vllm`: if this Python can `import vllm`, the same offline trace through vLLM and Chariot on the
@@ -100,6 +104,7 @@ PREFILL_TOKENS = (512, 2048)
 HEADLINE_BATCH = 64
 STRICT_SLO_FACTOR, RELAXED_SLO_FACTOR = 5.0, 25.0  # Sarathi-Serve §5: strict and relaxed TBT SLOs
 BUDGET_CANDIDATES = (64, 128, 256, 512, 1024, 2048)
+HYBRID_BUDGETS = (128, 256, 512, 1024, 2048)  # hybrid iterations timed: HEADLINE_BATCH decodes + the rest a chunk
 HYBRID_SHARE_OF_SLO = 0.8  # the share of its TBT SLO a Sarathi hybrid iteration may take
 CAPACITY_TRACE, CAPACITY_SCALE, CAPACITY_MAX_LEN, CAPACITY_REQUESTS = "chat", 1.0, 4096, 24
 CAPACITY_TOLERANCE, CAPACITY_MAX_PROBES, CAPACITY_DRAIN_S = 0.25, 3, 30.0
@@ -273,6 +278,17 @@ def pick_token_budget(prefill_ms: Mapping[int, float], decode_ms: float, slo_ms:
     return max(fitting) if fitting else min(candidates)
 
 
+def measured_token_budget(hybrid_ms: Mapping[int, float], slo_ms: float) -> int:
+    """Sarathi's token budget for a TBT SLO from timed hybrid iterations (budget → median ms): the
+    largest budget whose iteration took at most `HYBRID_SHARE_OF_SLO` of the SLO; the smallest timed
+    one if none did. Where hybrid iterations are bound by the host, a smaller chunk does not make them
+    shorter, which a model from the prefill times alone misses."""
+    if not hybrid_ms:
+        raise ValueError("need at least one timed hybrid iteration")
+    fitting = [b for b, ms in hybrid_ms.items() if ms <= HYBRID_SHARE_OF_SLO * slo_ms]
+    return max(fitting) if fitting else min(hybrid_ms)
+
+
 def token_budgets(prefill_ms: Mapping[int, float], decode_ms: float, slo_ms: Mapping[str, float]) -> dict[str, int]:
     """Sarathi's token budget per SLO (name → budget), each from its own SLO: a looser SLO leaves room
     for a larger chunk beside the decodes."""
@@ -317,6 +333,9 @@ def capacity_plan(engine: Mapping[str, Any], requests: int = CAPACITY_REQUESTS, 
     if 1 not in decode or not prefill:
         raise ValueError(f"the engine part measured no lone decode iteration or no prefill (graphs {mode})")
     slo = {k: round(v, 1) for k, v in slos_ms(decode[1]).items()}
+    hybrid = {r["budget"]: r["median_ms"] for r in runs.get(mode, {}).get("hybrid", [])}
+    budgets = ({name: measured_token_budget(hybrid, ms) for name, ms in slo.items()} if hybrid else
+               token_budgets(prefill, decode.get(HEADLINE_BATCH, decode[max(decode)]), slo))
     batch = max(decode)
     trace = make_trace(TRACES[CAPACITY_TRACE], requests, None, seed=0, scale=CAPACITY_SCALE,
                        max_len=CAPACITY_MAX_LEN)
@@ -325,7 +344,7 @@ def capacity_plan(engine: Mapping[str, Any], requests: int = CAPACITY_REQUESTS, 
     per_token = prefill_ms_at(max(prefill), prefill) / max(prefill)
     low, high = probe_qps_range(decode[batch], batch, per_token, mean_prompt, mean_decode)
     return {"graphs": mode, "lone_decode_ms": decode[1], "slo_ms": slo,
-            "token_budgets": token_budgets(prefill, decode.get(HEADLINE_BATCH, decode[batch]), slo),
+            "token_budgets": budgets, "budgets_from": "hybrid iterations" if hybrid else "prefill and decode times",
             "trace": CAPACITY_TRACE, "scale": CAPACITY_SCALE, "max_len": CAPACITY_MAX_LEN,
             "requests": requests, "mean_prompt": mean_prompt, "mean_decode": mean_decode,
             "qps_low": low, "qps_high": high, "tolerance": CAPACITY_TOLERANCE, "max_probes": max_probes,
@@ -512,6 +531,16 @@ def prefill_rows(engine: Mapping[str, Any], layers: int) -> list[dict[str, Any]]
     return rows
 
 
+def hybrid_rows(engine: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each run's timed hybrid iterations beside the same run's decode-only iteration of as many
+    sequences (at the depth measured: a hybrid row has no half-depth run to scale from)."""
+    rows = []
+    for mode, run in engine.get("runs", {}).items():
+        decode = {r["batch"]: r["median_ms"] for r in run.get("decode", [])}
+        rows += [{"graphs": mode, **r, "decode_only_ms": decode.get(r["decodes"])} for r in run.get("hybrid", [])]
+    return rows
+
+
 def capacity_folder(search: str) -> str:
     """Where a capacity search leaves `chariot bench capacity`'s files, under the check's folder."""
     return f"capacity-{search}"
@@ -592,7 +621,7 @@ def summarize(out: Path, layers: int, statuses: Mapping[str, Mapping[str, Any]])
         "dry_run": prepare.get("preset", PRESET) != PRESET, "decode_context": engine.get("decode_context"),
         "model": prepare.get("model"), "bandwidth": prepare.get("bandwidth"), "parts": dict(statuses),
         "graphs_available": engine.get("graphs_available"), "graphs_note": engine.get("graphs_note"),
-        "decode": decode, "prefill": prefill_rows(engine, layers),
+        "decode": decode, "prefill": prefill_rows(engine, layers), "hybrid": hybrid_rows(engine),
         "kernels": kernel_rows(engine.get("kernels", {}), decode),
         "greedy": greedy, "greedy_async": greedy_sync, "gpu_tests": read_json(out / "gpu_tests.json"),
         "capacity": capacity_summary({s: read_json(out / capacity_folder(s) / "capacity.json")
@@ -631,7 +660,7 @@ def _num(value: Any, digits: int = 2, missing: str = "–") -> str:
 def render_report(summary: Mapping[str, Any]) -> str:
     """report.md: the headline, then one short section per part."""
     sections = [_report_head(summary), _report_parts(summary), _report_tests(summary), _report_decode(summary),
-                _report_prefill(summary), _report_kernels(summary), _report_greedy(summary),
+                _report_prefill(summary), _report_hybrid(summary), _report_kernels(summary), _report_greedy(summary),
                 _report_capacity(summary), _report_vllm(summary)]
     return "\n\n".join(s for s in sections if s) + "\n"
 
@@ -701,6 +730,21 @@ def _report_prefill(s: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _report_hybrid(s: Mapping[str, Any]) -> str:
+    rows = s.get("hybrid") or []
+    if not rows:
+        return ""
+    lines = ["## Hybrid iterations (decodes beside a fresh prompt's chunk, median)", "",
+             "Sarathi-Serve's stall-free batches; the capacity searches size sarathi's token budget from these "
+             f"(the largest budget whose iteration fits {HYBRID_SHARE_OF_SLO:.0%} of the SLO).", "",
+             f"| graphs | budget | decodes + chunk tokens | ms at {s.get('layers')} layers "
+             "| decode-only iteration ms |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['graphs']} | {r['budget']} | {r['decodes']} + {r['tokens'] - r['decodes']} | "
+              f"{_num(r['median_ms'])} | {_num(r.get('decode_only_ms'))} |" for r in rows]
+    return "\n".join(lines)
+
+
 def _report_kernels(s: Mapping[str, Any]) -> str:
     kernels = s.get("kernels") or {}
     if not kernels:
@@ -746,8 +790,9 @@ def _report_capacity(s: Mapping[str, Any]) -> str:
     slos, budgets = plan.get("slo_ms") or {}, plan.get("token_budgets") or {}
     lines = ["## Capacity under SLO (`sarathi` against `vllm`)", "",
              f"Lone decode iteration {_num(plan.get('lone_decode_ms'))} ms: strict SLO {_num(slos.get(STRICT))} ms "
-             f"(5×), relaxed {_num(slos.get(RELAXED))} ms (25×); sarathi token budget per SLO (the largest chunk "
-             f"whose hybrid iteration fits {HYBRID_SHARE_OF_SLO:.0%} of it): {budgets.get(STRICT)} strict, "
+             f"(5×), relaxed {_num(slos.get(RELAXED))} ms (25×); sarathi token budget per SLO (the largest "
+             f"whose hybrid iteration fits {HYBRID_SHARE_OF_SLO:.0%} of it, from "
+             f"{plan.get('budgets_from', 'prefill and decode times')}): {budgets.get(STRICT)} strict, "
              f"{budgets.get(RELAXED)} relaxed, each SLO its own sarathi search; trace {plan.get('trace')} "
              f"×{plan.get('scale')}, {plan.get('requests')} requests per probe, probes from {plan.get('qps_low')} QPS.",
              "", "| search | policy | capacity (QPS) by SLO (ms) |", "|---|---|---|"]

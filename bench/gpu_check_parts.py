@@ -35,6 +35,7 @@ from chariot.bench.gpu_check import (
     FULL_LAYERS,
     GRAPHS_UNAVAILABLE,
     HEADLINE_BATCH,
+    HYBRID_BUDGETS,
     PREFILL_TOKENS,
     PRESET,
     PROGRESS,
@@ -154,25 +155,30 @@ class Sweep:
     batches: tuple[int, ...] = DECODE_BATCHES
     context: int = DECODE_CONTEXT
     prefill_tokens: tuple[int, ...] = PREFILL_TOKENS
+    hybrid_budgets: tuple[int, ...] = HYBRID_BUDGETS
+    hybrid_decodes: int = HEADLINE_BATCH
     max_model_len: int = MAX_MODEL_LEN
     kv_cache_tokens: int = KV_CACHE_TOKENS
 
     def engine_config(self, model: str, mode: str) -> EngineConfig:
-        """Budget of the largest prefill chunk, batches up to the largest decode batch; `mode` is the
+        """Budget of the largest prefill chunk or hybrid iteration, batches up to the largest decode batch
+        (or the hybrid iterations' decodes and their prompt); `mode` is the
         CUDA-graphs setting (left out where this build has none), or `sync`: graphs on, the engine
         not scheduling ahead."""
         graphs: dict[str, Any] = {}
         if graphs_in_this_build():
             graphs = {"cuda_graphs": "on", "async_scheduling": "off"} if mode == "sync" else {"cuda_graphs": mode}
-        return EngineConfig(model=model, policy="sarathi", token_budget=max(self.prefill_tokens),
-                            max_batch_size=max(self.batches), max_model_len=self.max_model_len,
+        return EngineConfig(model=model, policy="sarathi", token_budget=max(self.prefill_tokens + self.hybrid_budgets),
+                            max_batch_size=max(*self.batches, self.hybrid_decodes + 1),
+                            max_model_len=self.max_model_len,
                             kv_cache_tokens=self.kv_cache_tokens, device=self.device, dtype=self.dtype,
                             prefix_caching=False, attention_aware_chunks=False, **graphs)
 
 
 DRY_RUN_PRESET = "small"  # a dry run on the CPU: every part's code on a checkpoint the CPU decodes quickly
 DRY_RUN_SWEEP = Sweep(device="cpu", dtype="float32", batches=(1, 4, 16, HEADLINE_BATCH), context=64,
-                      prefill_tokens=(64, 256), max_model_len=MAX_MODEL_LEN, kv_cache_tokens=16384)
+                      prefill_tokens=(64, 256), hybrid_budgets=(128, 256), max_model_len=MAX_MODEL_LEN,
+                      kv_cache_tokens=16384)
 
 
 def dtype_for(device: str) -> str:
@@ -244,6 +250,32 @@ def measure_prefill(engine: Engine, tokens: int) -> dict[str, Any]:
     return {"tokens": tokens, "median_ms": statistics.median(times), "reps": len(times)}
 
 
+def measure_hybrid(engine: Engine, decodes: int, context: int, budget: int) -> dict[str, Any]:
+    """Median wall time of a Sarathi hybrid iteration: `decodes` decodes at about `context` tokens
+    beside a fresh prompt's chunk filling the rest of `budget`. The step timed is the one whose
+    completed batch held the chunk (with asynchronous scheduling a prompt runs a step after it is added)."""
+    params = SamplingParams(max_tokens=DECODE_TOKENS + 4 * (PREFILL_REPS + 1), temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request([7] * context, params) for _ in range(decodes)]
+    prefill_all(engine)
+    timed_steps(engine, WARM_STEPS)
+    once, chunk, times = SamplingParams(max_tokens=1, ignore_eos=True), budget - decodes, []
+    for rep in range(PREFILL_REPS + 1):
+        engine.add_request([LOW_TOKEN_ID + rep] * chunk, once)
+        for _ in range(3):
+            t0 = time.perf_counter()
+            batch = engine.step().batch
+            elapsed = (time.perf_counter() - t0) * 1e3
+            if batch is not None and batch.num_prefill_tokens == chunk and batch.num_decodes == decodes:
+                if rep:
+                    times.append(elapsed)
+                break
+    drain(engine, ids)
+    if not times:
+        raise RuntimeError(f"no step ran {decodes} decodes beside a {chunk}-token chunk (budget {budget})")
+    return {"budget": budget, "decodes": decodes, "tokens": budget, "median_ms": statistics.median(times),
+            "reps": len(times)}
+
+
 def greedy_prompts(vocab_size: int) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(LOW_TOKEN_ID, vocab_size) for _ in range(n)] for n in GREEDY_PROMPT_LENS]
@@ -272,7 +304,7 @@ class EngineRecord:
 
     def run(self, key: str) -> dict[str, Any]:
         """The record of run `key`, started afresh (a rerun replaces what an earlier one left)."""
-        fresh: dict[str, Any] = {"decode": [], "prefill": []}
+        fresh: dict[str, Any] = {"decode": [], "prefill": [], "hybrid": []}
         self.doc["runs"][key] = fresh
         return fresh
 
@@ -303,6 +335,10 @@ def measure_engine(record: EngineRecord, model: str, mode: str, key: str, full: 
             run["prefill"].append(measure_prefill(engine, tokens))
             record.save()
             progress(f"{key}: prefill {tokens}: {run['prefill'][-1]['median_ms']:.2f} ms")
+        for budget in sweep.hybrid_budgets if full and key in ("on", "off") else ():  # as the served worker runs them
+            run["hybrid"].append(measure_hybrid(engine, sweep.hybrid_decodes, sweep.context, budget))
+            record.save()
+            progress(f"{key}: hybrid, budget {budget}: {run['hybrid'][-1]['median_ms']:.2f} ms")
     finally:
         engine.shutdown()
         del engine

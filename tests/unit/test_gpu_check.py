@@ -116,6 +116,16 @@ def test_budget_is_the_largest_chunk_whose_hybrid_iteration_fits_the_strict_slo(
         gpu_check.pick_token_budget({}, 5.0, 50.0)
 
 
+def test_timed_hybrid_iterations_set_the_budget_even_where_a_smaller_chunk_is_no_faster() -> None:
+    # host-bound: 128 and 256 take the same, so a strict SLO that 256 fits takes 256, not the smaller one
+    hybrid = {128: 19.0, 256: 19.2, 512: 25.0, 2048: 60.0}
+    assert gpu_check.measured_token_budget(hybrid, 24.3) == 256  # 0.8 × 24.3 = 19.44 ms
+    assert gpu_check.measured_token_budget(hybrid, 121.7) == 2048
+    assert gpu_check.measured_token_budget(hybrid, 10.0) == 128  # none fits: the smallest timed
+    with pytest.raises(ValueError):
+        gpu_check.measured_token_budget({}, 10.0)
+
+
 def test_each_slo_gets_its_own_token_budget() -> None:
     prefill = {512: 10.0, 2048: 40.0}
     # strict: 0.8 × 20 ms leaves 11 ms beside the decodes (~563 tokens: 512); relaxed: 75 ms (~3,840: 2,048)
@@ -163,6 +173,13 @@ def test_capacity_plan_uses_the_graphs_run_and_derives_everything_from_it() -> N
     assert set(budgets) == {"strict", "relaxed"} and set(budgets.values()) <= set(gpu_check.BUDGET_CANDIDATES)
     assert budgets["relaxed"] > budgets["strict"]  # the looser SLO leaves room for a larger chunk
     assert plan["requests"] == gpu_check.CAPACITY_REQUESTS
+    assert plan["budgets_from"] == "prefill and decode times"  # fake_engine has no hybrid rows
+    timed = fake_engine()
+    timed["runs"]["on"]["hybrid"] = [{"budget": b, "decodes": 64, "tokens": b, "median_ms": ms}
+                                     for b, ms in ((128, 7.0), (256, 9.0), (2048, 30.0))]
+    hybrid_plan = gpu_check.capacity_plan(timed)  # 0.8 × 10.2 = 8.16 ms: 128 fits, 256 not; relaxed all
+    assert hybrid_plan["token_budgets"] == {"strict": 128, "relaxed": 2048}
+    assert hybrid_plan["budgets_from"] == "hybrid iterations"
     dry_run = gpu_check.capacity_plan(fake_engine(), **gpu_check.DRY_RUN_CAPACITY)
     assert {k: dry_run[k] for k in gpu_check.DRY_RUN_CAPACITY} == gpu_check.DRY_RUN_CAPACITY
     assert 0 < plan["qps_low"] < plan["qps_high"] <= gpu_check.MAX_PROBE_QPS
@@ -465,13 +482,18 @@ def test_half_depth_checkpoint_reads_only_its_layers(tmp_path: Path, small_model
 def test_engine_part_measures_and_records_on_a_tiny_model(tmp_path: Path, tiny_model_dir: Path) -> None:
     record = parts.EngineRecord(tmp_path / "engine.json", context=16)
     sweep = parts.Sweep(device="cpu", dtype="float32", batches=(1, 3), context=16, prefill_tokens=(8, 32),
-                        max_model_len=512, kv_cache_tokens=4096)
+                        hybrid_budgets=(8, 16), hybrid_decodes=3, max_model_len=512, kv_cache_tokens=4096)
     parts.measure_engine(record, str(tiny_model_dir), "off", "off", full=True, sweep=sweep)
     saved = json.loads((tmp_path / "engine.json").read_text())
     run = saved["runs"]["off"]
     assert [r["batch"] for r in run["decode"]] == [1, 3] and [r["tokens"] for r in run["prefill"]] == [8, 32]
     assert all(r["median_ms"] > 0 and math.isfinite(r["median_ms"]) for r in run["decode"] + run["prefill"])
     assert [len(t) for t in run["greedy"]] == [parts.GREEDY_TOKENS] * len(parts.GREEDY_PROMPT_LENS)
+    assert [(r["budget"], r["decodes"]) for r in run["hybrid"]] == [(8, 3), (16, 3)]
+    assert all(r["median_ms"] > 0 and r["reps"] == parts.PREFILL_REPS for r in run["hybrid"])
+    rows = gpu_check.hybrid_rows(saved)
+    assert [r["decode_only_ms"] for r in rows] == [run["decode"][1]["median_ms"]] * 2  # 3 decodes alone
+    assert "| off | 16 | 3 + 13 |" in gpu_check._report_hybrid({"hybrid": rows, "layers": 2})
 
 
 def test_engine_runs_follow_the_build_and_the_depth() -> None:
@@ -487,7 +509,7 @@ def test_an_engine_run_replaces_its_own_record_and_keeps_the_others(tmp_path: Pa
     record.run("off")["decode"].append(3)
     record.save()
     saved = json.loads((tmp_path / "engine.json").read_text())
-    assert saved["runs"] == {"on": {"decode": [1]}, "off": {"decode": [3], "prefill": []}}
+    assert saved["runs"] == {"on": {"decode": [1]}, "off": {"decode": [3], "prefill": [], "hybrid": []}}
     assert saved["graphs_available"] == gpu_check.graphs_in_this_build()
 
 
