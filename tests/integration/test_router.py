@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -121,10 +122,20 @@ class LoopThread:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(TIMEOUT)
-        assert not self.thread.is_alive(), f"{self.thread.name} did not stop"
+        assert not self.thread.is_alive(), f"{self.thread.name} did not stop:\n{self.where()}"
         if self.error is not None:
             raise self.error
         return self.result
+
+
+    def where(self) -> str:
+        """Where a thread that did not stop is: its stack, and the stacks of its loop's pending tasks."""
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        lines = ["thread:", *(traceback.format_stack(frame) if frame is not None else ["(gone)"])]
+        with contextlib.suppress(RuntimeError):  # the set of tasks changed while it was read
+            for task in asyncio.all_tasks(self._loop):
+                lines += [f"task {task.get_name()}:", *(traceback.format_stack(f)[-1] for f in task.get_stack())]
+        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
 
 
 class Worker:
