@@ -274,8 +274,7 @@ def pick_token_budget(prefill_ms: Mapping[int, float], decode_ms: float, slo_ms:
     none does."""
     if not prefill_ms:
         raise ValueError("need at least one measured prefill chunk")
-    fitting = [c for c in candidates if decode_ms + prefill_ms_at(c, prefill_ms) <= HYBRID_SHARE_OF_SLO * slo_ms]
-    return max(fitting) if fitting else min(candidates)
+    return measured_token_budget({c: decode_ms + prefill_ms_at(c, prefill_ms) for c in candidates}, slo_ms)
 
 
 def measured_token_budget(hybrid_ms: Mapping[int, float], slo_ms: float) -> int:
@@ -740,7 +739,7 @@ def _report_hybrid(s: Mapping[str, Any]) -> str:
              f"| graphs | budget | decodes + chunk tokens | ms at {s.get('layers')} layers "
              "| decode-only iteration ms |",
              "|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['graphs']} | {r['budget']} | {r['decodes']} + {r['tokens'] - r['decodes']} | "
+    lines += [f"| {r['graphs']} | {r['budget']} | {r['decodes']} + {r['budget'] - r['decodes']} | "
               f"{_num(r['median_ms'])} | {_num(r.get('decode_only_ms'))} |" for r in rows]
     return "\n".join(lines)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from chariot.bench.engine_bench import prefill_all
+from chariot.bench.engine_bench import hybrid_tokens, prefill_all
 from chariot.bench.gpu_check import (
     CAPACITY_SEARCHES,
     DECODE_BATCHES,
@@ -254,7 +254,7 @@ def measure_hybrid(engine: Engine, decodes: int, context: int, budget: int) -> d
     """Median wall time of a Sarathi hybrid iteration: `decodes` decodes at about `context` tokens
     beside a fresh prompt's chunk filling the rest of `budget`. The step timed is the one whose
     completed batch held the chunk (with asynchronous scheduling a prompt runs a step after it is added)."""
-    params = SamplingParams(max_tokens=DECODE_TOKENS + 4 * (PREFILL_REPS + 1), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)  # outlives the reps
     ids = [engine.add_request([7] * context, params) for _ in range(decodes)]
     prefill_all(engine)
     timed_steps(engine, WARM_STEPS)
@@ -263,17 +263,16 @@ def measure_hybrid(engine: Engine, decodes: int, context: int, budget: int) -> d
         engine.add_request([LOW_TOKEN_ID + rep] * chunk, once)
         for _ in range(3):
             t0 = time.perf_counter()
-            batch = engine.step().batch
+            result = engine.step()
             elapsed = (time.perf_counter() - t0) * 1e3
-            if batch is not None and batch.num_prefill_tokens == chunk and batch.num_decodes == decodes:
+            if hybrid_tokens(result, decodes) == budget:
                 if rep:
                     times.append(elapsed)
                 break
     drain(engine, ids)
     if not times:
         raise RuntimeError(f"no step ran {decodes} decodes beside a {chunk}-token chunk (budget {budget})")
-    return {"budget": budget, "decodes": decodes, "tokens": budget, "median_ms": statistics.median(times),
-            "reps": len(times)}
+    return {"budget": budget, "decodes": decodes, "median_ms": statistics.median(times), "reps": len(times)}
 
 
 def greedy_prompts(vocab_size: int) -> list[list[int]]:

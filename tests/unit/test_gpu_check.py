@@ -175,7 +175,7 @@ def test_capacity_plan_uses_the_graphs_run_and_derives_everything_from_it() -> N
     assert plan["requests"] == gpu_check.CAPACITY_REQUESTS
     assert plan["budgets_from"] == "prefill and decode times"  # fake_engine has no hybrid rows
     timed = fake_engine()
-    timed["runs"]["on"]["hybrid"] = [{"budget": b, "decodes": 64, "tokens": b, "median_ms": ms}
+    timed["runs"]["on"]["hybrid"] = [{"budget": b, "decodes": 64, "median_ms": ms}
                                      for b, ms in ((128, 7.0), (256, 9.0), (2048, 30.0))]
     hybrid_plan = gpu_check.capacity_plan(timed)  # 0.8 × 10.2 = 8.16 ms: 128 fits, 256 not; relaxed all
     assert hybrid_plan["token_budgets"] == {"strict": 128, "relaxed": 2048}
