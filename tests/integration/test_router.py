@@ -127,7 +127,6 @@ class LoopThread:
             raise self.error
         return self.result
 
-
     def where(self) -> str:
         """Where a thread that did not stop is: its stack, and the stacks of its loop's pending tasks."""
         frame = sys._current_frames().get(self.thread.ident or -1)
