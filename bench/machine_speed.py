@@ -152,6 +152,11 @@ class PhaseSpeed:
         columns = list(zip(*(s.values() for s in self.samples), strict=True))
         return Speed(*(sum(c) / len(c) for c in columns))
 
+    def median(self) -> Speed:
+        """Per metric, the median of the counted calibrations: a calibration that lands on a sub-second
+        slow spell moves it less than the mean (a probe of tens of seconds averages such a spell out)."""
+        return Speed(*(statistics.median(c) for c in zip(*(s.values() for s in self.samples), strict=True)))
+
     def within(self) -> float:
         """How much the machine changed during the phase: the largest max/min - 1 of a metric over the
         phase's calibrations."""
@@ -182,37 +187,60 @@ def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
     return max(between, a.within(), b.within())
 
 
+def interleaved_drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
+    """How far apart the machine was for two systems whose measurements interleaved in one span: the
+    largest relative difference of their calibrations' medians. A change within the span is not
+    counted: both systems' measurements alternated through it."""
+    return max(abs(r - 1.0) for r in a.median().ratio(b.median()).values())
+
+
 class PhaseClock:
     """Brackets a phase: `start()` calibrates and reads the CPU counters, `mark()` calibrates between
-    the phase's measurements, `stop()` calibrates and reads the counters again."""
+    the phase's measurements, `stop()` calibrates and reads the counters again.
+
+    When several systems' measurements interleave in one phase, each calls `mark(track)` with its own
+    track and `stop_tracks()` gives each its own `PhaseSpeed`."""
 
     def __init__(self, measure: Callable[[], Speed] = measure_speed,
                  read_times: Callable[[], CpuTimes | None] = CpuTimes.read, settle_s: float = 0.0) -> None:
         self.measure, self.read_times, self.settle_s = measure, read_times, settle_s
         self._before: Speed | None = None
         self._times: CpuTimes | None = None
-        self._during: list[Speed] = []
+        self._during: dict[str, list[Speed]] = {}
 
     def start(self) -> Speed:
         self._before = self.measure()
         self._times = self.read_times()
-        self._during = []
+        self._during = {}
         return self._before
 
-    def mark(self) -> Speed:
+    def mark(self, track: str = "") -> Speed:
         """One calibration inside the phase, between two measurements, `settle_s` after the last one
         ended (the server up and idle: contended if it still spins)."""
         if self._before is None:
             raise RuntimeError("PhaseClock.mark() outside a phase (call start() first)")
         time.sleep(self.settle_s)
         speed = self.measure()
-        self._during.append(speed)
+        self._during.setdefault(track, []).append(speed)
         return speed
 
     def stop(self) -> PhaseSpeed:
+        return self.stop_tracks([""])[""]
+
+    def stop_tracks(self, tracks: Sequence[str]) -> dict[str, PhaseSpeed]:
+        """Calibrate once more and give each track its phase: the first track's starts with the phase's
+        start, every other track's with its own first mark (the calibration right before its first
+        measurement); each ends with this calibration, the steal share is the phase's."""
         if self._before is None:
             raise RuntimeError("PhaseClock.stop() without start()")
         times = self.read_times()
-        phase = PhaseSpeed(self._before, self.measure(), steal_share(self._times, times), tuple(self._during))
-        self._before, self._during = None, []
-        return phase
+        after, steal = self.measure(), steal_share(self._times, times)
+        phases = {}
+        for k, track in enumerate(tracks):
+            marks = self._during.get(track, [])
+            if k > 0 and not marks:
+                raise RuntimeError(f"PhaseClock track {track!r} has no calibration of its own")
+            first, rest = (self._before, marks) if k == 0 else (marks[0], marks[1:])
+            phases[track] = PhaseSpeed(first, after, steal, tuple(rest))
+        self._before, self._during = None, {}
+        return phases

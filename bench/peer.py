@@ -3,7 +3,7 @@ same token budget, same client.
 
 Why it exists: `chariot bench capacity` compares Chariot's own scheduling policies with each other;
 it cannot say how Chariot stands against the reference open-source server. This command starts each
-system as a local OpenAI-compatible server (one after the other, in one invocation) and drives both
+system as a local OpenAI-compatible server (both in one invocation) and drives both
 through the SAME async streaming client, so every difference in the numbers is a difference of the
 servers, not of the measurement.
 
@@ -27,14 +27,18 @@ passes when P99 TBT <= SLO, median TTFT <= SLO and no request failed), TTFT/TBT 
 load, offline throughput (every request at t=0; the median of `--offline-rounds` runs, fresh prompts in
 each, every round's wall time kept) and single-request decode TBT.
 
-Drift control: the machine's own speed drifts (a shared VM), so the phases run variant by variant and
-search by search, the systems' order reversed on every other search (Chariot, vLLM, vLLM, Chariot, …:
-the two phases a ratio compares are always adjacent), each phase on a server started for it (in a
-session of its own, waited out to its last process when stopped, so its exit does not run into the next
-calibration), and a calibration workload (`machine_speed`) is timed before and after every phase with no
-server running, and between the phase's measurements. Each comparison reports how much the machine
-changed between and within its two phases and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is
-left out of the ratios' claimed range, and a probe next to a contended calibration is left out of its
+Drift control: the machine's own speed drifts (a shared VM). By default (`--order probe`) both
+systems' servers run together through each search, and their measurements take turns: probe by
+probe (each capacity search picks its own next load), then offline round by round and the single
+requests, the system that goes first alternating from search to search; so a slow stretch of the
+machine falls on both systems' probes. With `--order variant` the phases run one system at a time,
+variant by variant and search by search, the systems' order reversed on every other search. Every
+phase runs on servers started for it (each in a session of its own, waited out to its last process
+when stopped, so its exit does not run into the next calibration), and a calibration workload
+(`machine_speed`) is timed before and after every phase with no server running, and before each
+measurement in it, the servers idle. Each comparison reports how much the machine differed between
+the two systems' measurements and is flagged beyond `DRIFT_TOLERANCE`; a flagged search is left out
+of the ratios' claimed range, and a probe next to a contended calibration is left out of its
 capacity bracket (both stay in `peer.json`).
 
     chariot bench peer --model models/100m
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -58,15 +63,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
-from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift
+from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift, interleaved_drift
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
 from chariot.contracts.engine_settings import PREFILL_ORDER
 from chariot.contracts.errors import ConfigError
@@ -82,7 +89,7 @@ VLLM_UNUSED_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 DEFAULT_MODEL = "models/100m"
 SYSTEMS = ("chariot", "vllm")
 VARIANTS = ("fresh", "shared-prefix")
-ORDERS = ("variant", "system")
+ORDERS = ("probe", "variant", "system")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SERVED_NAME = "peer"
@@ -141,7 +148,7 @@ class PeerConfig:
     variants: tuple[str, ...]
     quick: bool
     out: Path
-    order: str = "variant"
+    order: str = "probe"
     max_len: int = 2048
     kv_cache_gib: int = 1
     vllm_reserved_cpus: int | None = 0  # VLLM_CPU_NUM_OF_RESERVED_CPU; None: vLLM's own default (one core per rank)
@@ -915,6 +922,7 @@ class VariantResult:
     speed: PhaseSpeed | None = None  # the machine's calibrations before, during and after this phase
     search: int = 0  # which repetition of the system's capacity search (0-based)
     flagged: frozenset[float] = frozenset()  # probes next to a contended calibration (`flag_probes`)
+    interleaved: bool = False  # measured probe by probe in turn with the other system (`--order probe`)
 
     @property
     def offline_traces(self) -> tuple[RequestTrace, ...]:
@@ -934,12 +942,16 @@ def planned_requests(trace: Sequence[TraceRequest], qps: float | None, prompts: 
 
 
 class Prober:
-    """`search_capacity`'s evaluate(qps): memoised; every probe sends fresh prompt contents."""
+    """`search_capacity`'s evaluate(qps): memoised; every probe sends fresh prompt contents. `turn`
+    brackets each probe (`Turns.turn` when systems take turns); `mark_first` calibrates before the
+    first probe too (when another system's measurement came after the phase's start)."""
 
     def __init__(self, cfg: PeerConfig, server: Server, variant: str, vocab: int,
-                 mark: Callable[[], Speed | None] = lambda: None, search: int = 0) -> None:
+                 mark: Callable[[], Speed | None] = lambda: None, search: int = 0, *,
+                 turn: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+                 mark_first: bool = False) -> None:
         self.cfg, self.server, self.variant, self.vocab, self.mark = cfg, server, variant, vocab, mark
-        self.search = search
+        self.search, self.turn, self.mark_first = search, turn, mark_first
         self.prefix = variant_prefix(variant, vocab, cfg.seed)
         self.trace = trace_lengths(cfg, len(self.prefix))
         self.probes: dict[float, Probe] = {}
@@ -952,13 +964,14 @@ class Prober:
     def __call__(self, qps: float) -> RunMetrics:
         key = round(qps, 6)
         if key not in self.probes:
-            self.probes[key] = self._probe(key)
+            with self.turn():
+                self.probes[key] = self._probe(key)
         return self.probes[key].metrics
 
     def _probe(self, qps: float) -> Probe:
         from tqdm.auto import tqdm
 
-        machine = self.mark() if self.probes else None  # the phase's start calibrated before the first
+        machine = self.mark() if self.probes or self.mark_first else None  # else the phase's start did
         seed, prompts = self.prompts()
         label = f"{phase_label(self.server.system, self.variant, self.search)} @ {qps:.3f} QPS"
         with tqdm(total=self.cfg.requests, desc=f"  {label}", unit="req", leave=False, file=sys.stderr,
@@ -987,28 +1000,49 @@ def _ms(seconds: float) -> str:
 def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
                     mark: Callable[[], Speed | None] = lambda: None, search: int = 0) -> VariantResult:
     """Capacity search, then an offline run and a single-request decode run, on a running server;
-    `mark` calibrates the machine between them (the server idle). Every search starts from the run's
-    grid (`qps_low`, `qps_high`), whatever another system or search found, and goes below the floor
-    when the floor fails, so each system gets up to `max_probes` probes."""
+    `mark` calibrates the machine between them (the server idle)."""
     prober = Prober(cfg, server, variant, vocab, mark, search)
-    log(f"{phase_label(server.system, variant, search)}: capacity search from [{cfg.qps_low:g}, {cfg.qps_high:g}] "
-        f"QPS, {cfg.requests} requests per probe, at most {cfg.max_probes} probes")
+    res = capacity_search(cfg, prober)
+    offline_rounds(cfg, [(res, prober)])
+    single_request(cfg, res, prober)
+    return res
+
+
+def capacity_search(cfg: PeerConfig, prober: Prober) -> VariantResult:
+    """One system's capacity search. Every search starts from the run's grid (`qps_low`, `qps_high`),
+    whatever another system or search found, and goes below the floor when the floor fails, so each
+    system gets up to `max_probes` probes."""
+    log(f"{phase_label(prober.server.system, prober.variant, prober.search)}: capacity search from "
+        f"[{cfg.qps_low:g}, {cfg.qps_high:g}] QPS, {cfg.requests} requests per probe, at most {cfg.max_probes} probes")
     search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes,
                     descend=True)
-    res = VariantResult(server.system, variant, dict(prober.probes), search=search)
+    res = VariantResult(prober.server.system, prober.variant, dict(prober.probes), search=prober.search)
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
-    res.offline_rounds = tuple(offline_round(cfg, server, prober, i, mark) for i in range(cfg.offline_rounds))
-    res.offline = median_round(res.offline_rounds)
-    mark()
-    log(f"{server.system}/{variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
+    return res
+
+
+def offline_rounds(cfg: PeerConfig, systems: Sequence[tuple[VariantResult, Prober]]) -> None:
+    """`offline_rounds` offline runs of each system, the systems' rounds alternating; the median round
+    is the one reported."""
+    rounds: list[list[OfflineRound]] = [[] for _ in systems]
+    for i in range(cfg.offline_rounds):
+        for (_, prober), done in zip(systems, rounds, strict=True):
+            done.append(offline_round(cfg, prober.server, prober, i, prober.mark))
+    for (res, _), done in zip(systems, rounds, strict=True):
+        res.offline_rounds, res.offline = tuple(done), median_round(done)
+
+
+def single_request(cfg: PeerConfig, res: VariantResult, prober: Prober) -> None:
+    """One request on the idle server (a calibration first): its decode TBT."""
+    prober.mark()
+    log(f"{res.system}/{res.variant}: single request ({SINGLE_PROMPT_TOKENS}-token prompt, {cfg.single_output} "
         "output tokens)")
     seed, _ = prober.prompts()
-    prompt = fresh_prompts([SINGLE_PROMPT_TOKENS], vocab, seed, prober.prefix)[0]
-    single = asyncio.run(run_load(server.base_url, SERVED_NAME, [Planned(0.0, prompt, cfg.single_output)],
+    prompt = fresh_prompts([SINGLE_PROMPT_TOKENS], prober.vocab, seed, prober.prefix)[0]
+    single = asyncio.run(run_load(prober.server.base_url, SERVED_NAME, [Planned(0.0, prompt, cfg.single_output)],
                                   drain_s=cfg.drain_s))
-    wait_idle(server)
+    wait_idle(prober.server)
     res.single, res.single_traces = latency_summary(single.traces, single.wall_s), single.traces
-    return res
 
 
 def offline_round(cfg: PeerConfig, server: Server, prober: Prober, index: int,
@@ -1038,6 +1072,7 @@ def median_round(rounds: Sequence[OfflineRound]) -> dict[str, Any]:
 
 
 Phase = tuple[str, str, int]  # system, variant, search
+Group = tuple[tuple[str, ...], str, int]  # the systems measured together, variant, search
 
 
 def phase_order(systems: Sequence[str], variants: Sequence[str], order: str, searches: int = 1) -> list[Phase]:
@@ -1045,11 +1080,21 @@ def phase_order(systems: Sequence[str], variants: Sequence[str], order: str, sea
     searches in turn, the systems' order reversed on every other search (A B, B A, A B, …), so the two
     phases a comparison uses are adjacent in time; `system`: in each search, each system runs all its
     variants in turn, the systems' order reversed on every other search. Every phase starts its own
-    server."""
+    server. (`probe` orders its phases as `variant` does, each pair measured together: `run_groups`.)"""
     if order == "system":
         return [(s, v, i) for i in range(searches) for s in _turn(systems, i) for v in variants]
     rounds = [(v, i) for v in variants for i in range(searches)]
     return [(s, v, i) for k, (v, i) in enumerate(rounds) for s in _turn(systems, k)]
+
+
+def run_groups(systems: Sequence[str], variants: Sequence[str], order: str, searches: int = 1) -> list[Group]:
+    """What runs together, in run order: with `probe`, every variant's searches in turn, both systems'
+    servers up together for each, the system that goes first alternating (A B, B A, …); otherwise one
+    system per phase in `phase_order`."""
+    if order != "probe":
+        return [((s,), v, i) for s, v, i in phase_order(systems, variants, order, searches)]
+    rounds = [(v, i) for v in variants for i in range(searches)]
+    return [(_turn(systems, k), v, i) for k, (v, i) in enumerate(rounds)]
 
 
 def _turn(systems: Sequence[str], k: int) -> tuple[str, ...]:
@@ -1058,6 +1103,11 @@ def _turn(systems: Sequence[str], k: int) -> tuple[str, ...]:
 
 def phase_label(system: str, variant: str, search: int) -> str:
     return f"{system}/{variant}/search {search + 1}"
+
+
+def group_label(systems: Sequence[str], variant: str, search: int) -> str:
+    """`chariot/fresh/search 1`; systems measured together are joined by `+` in the order they take turns."""
+    return phase_label("+".join(systems), variant, search)
 
 
 def format_speed(speed: Speed) -> str:
@@ -1072,8 +1122,7 @@ def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock,
     vocab = vocab_size(cfg.model)
     label = phase_label(system, variant, search)
     log(f"{label}: machine before the phase (no server running): {format_speed(clock.start())}")
-    starter = chariot_server if system == "chariot" else vllm_server
-    with starter(cfg) as server:
+    with STARTERS[system](cfg) as server:
         log(f"{system}: warm-up")
         warm_up(server, vocab)
         res = measure_variant(cfg, server, variant, vocab, clock.mark, search)
@@ -1083,6 +1132,97 @@ def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock,
         f"spread {res.speed.within():.1%} over {len(res.speed.samples)} uncontended calibrations; "
         f"{len(res.probes)} probes, {len(res.flagged)} flagged; capacity {format_capacity(res.capacity)}")
     return res
+
+
+class Turns:
+    """Parties that take turns in a fixed order, one at a time: `turn(party)` waits for the party's go
+    and passes it to the next party still taking part when the turn ends; a party that is done
+    `leave`s. Two systems' capacity searches advance this way probe by probe."""
+
+    def __init__(self, parties: Sequence[str]) -> None:
+        self._order, self._active = list(parties), set(parties)
+        self._next = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def turn(self, party: str) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: self._order[self._next] == party)
+        try:
+            yield
+        finally:
+            self._pass(party)
+
+    def leave(self, party: str) -> None:
+        with self._cond:
+            self._active.discard(party)
+        self._pass(party)
+
+    def _pass(self, party: str) -> None:
+        with self._cond:
+            if self._order[self._next] == party and self._active:
+                k = self._next
+                for _ in self._order:
+                    k = (k + 1) % len(self._order)
+                    if self._order[k] in self._active:
+                        break
+                self._next = k
+            self._cond.notify_all()
+
+
+STARTERS: dict[str, Callable[[PeerConfig], contextlib.AbstractContextManager[Server]]] = {
+    "chariot": chariot_server, "vllm": vllm_server}
+
+
+def measure_interleaved(cfg: PeerConfig, systems: Sequence[str], variant: str, clock: PhaseClock, search: int = 0,
+                        starters: dict[str, Callable[[PeerConfig], contextlib.AbstractContextManager[Server]]]
+                        | None = None) -> list[VariantResult]:
+    """Two (or more) systems measured together (`--order probe`): both servers up, their capacity
+    searches advancing probe by probe in turn, then their offline rounds and single requests in turn,
+    each measurement after a calibration; so each system's probes ran beside the other's on the same
+    stretch of the machine's time. Each system's calibrations are its own track of the clock."""
+    vocab, starters = vocab_size(cfg.model), starters or STARTERS
+    label = group_label(systems, variant, search)
+    log(f"{label}: machine before the phase (no server running): {format_speed(clock.start())}")
+    turns = Turns(systems)
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(starters[system](cfg)) for system in systems]
+        for server in servers:
+            log(f"{server.system}: warm-up")
+            warm_up(server, vocab)
+        probers = [Prober(cfg, server, variant, vocab, functools.partial(clock.mark, server.system), search,
+                          turn=functools.partial(turns.turn, server.system), mark_first=k > 0)
+                   for k, server in enumerate(servers)]
+        with ThreadPoolExecutor(len(probers), thread_name_prefix="peer-search") as pool:
+            futures = [pool.submit(_search_in_turn, cfg, prober, turns) for prober in probers]
+            results = [f.result() for f in futures]
+        offline_rounds(cfg, list(zip(results, probers, strict=True)))
+        for res, prober in zip(results, probers, strict=True):
+            single_request(cfg, res, prober)
+    speeds = clock.stop_tracks(systems)
+    for res in results:
+        res.speed, res.interleaved = speeds[res.system], True
+        flag_probes(res, cfg.limits)
+        log(f"{phase_label(res.system, variant, search)}: spread {res.speed.within():.1%} over "
+            f"{len(res.speed.samples)} uncontended calibrations; {len(res.probes)} probes, {len(res.flagged)} "
+            f"flagged; capacity {format_capacity(res.capacity)}")
+    return results
+
+
+def _search_in_turn(cfg: PeerConfig, prober: Prober, turns: Turns) -> VariantResult:
+    try:
+        return capacity_search(cfg, prober)
+    finally:
+        turns.leave(prober.server.system)
+
+
+def measure_group(cfg: PeerConfig, systems: Sequence[str], variant: str, clock: PhaseClock,
+                  search: int = 0) -> list[VariantResult]:
+    """One phase of `run_groups`: a system alone (`measure_phase`) or systems together
+    (`measure_interleaved`)."""
+    if len(systems) == 1:
+        return [measure_phase(cfg, systems[0], variant, clock, search)]
+    return measure_interleaved(cfg, systems, variant, clock, search)
 
 
 def flag_probes(res: VariantResult, limits: Limits) -> None:
@@ -1194,7 +1334,7 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
 
 def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
     return {
-        "system": r.system, "variant": r.variant, "search": r.search,
+        "system": r.system, "variant": r.variant, "search": r.search, "interleaved": r.interleaved,
         "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity),
                      "flagged_probes_left_out": len(r.flagged)},
         "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "flagged": q in r.flagged,
@@ -1235,7 +1375,7 @@ def comparison(results: Sequence[VariantResult], variant: str, limits: Limits,
         out["capacity_ratio_range"] = [_finite(x) for x in ratio_range(c.capacity, v.capacity)]
         tc, tv = c.offline.get("output_tokens_per_s"), v.offline.get("output_tokens_per_s")
         out["offline_throughput_ratio"] = round(tc / tv, 3) if tc and tv else None
-        out["machine"] = machine_comparison(c.speed, v.speed)
+        out["machine"] = machine_comparison(c.speed, v.speed, interleaved=c.interleaved and v.interleaved)
         out["flagged"] = out["machine"] is None or not out["machine"]["trusted"]
     return out
 
@@ -1301,16 +1441,26 @@ def format_span(span: Sequence[float | None] | None, digits: int = 2) -> str:
     return f"< {hi:.{digits}f}×" if math.isfinite(hi) else "unknown"
 
 
-def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None) -> dict[str, Any] | None:
-    """How the machine differed between the two phases a comparison uses: the speed ratio (Chariot's
-    phase / vLLM's, > 1: Chariot ran on the faster machine), the drift, and whether it is within
-    `DRIFT_TOLERANCE`."""
+def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None,
+                       interleaved: bool = False) -> dict[str, Any] | None:
+    """How the machine differed between the two systems' measurements: the speed ratio (Chariot's
+    calibrations' mean / vLLM's, > 1: Chariot ran on the faster machine), the drift, and whether it
+    is within `DRIFT_TOLERANCE`. Phases one after the other drift by the difference of their means or
+    the spread within either, whichever is larger (`drift`); measurements that interleaved in one
+    span by the difference of their calibrations' medians (`interleaved_drift`: the spread within the
+    span fell on both systems' probes alike), the spread kept beside it (`within`)."""
     if chariot is None or vllm is None:
         return None
     ratio = chariot.mean().ratio(vllm.mean())
-    d = drift(chariot, vllm)
-    return {"speed_ratio": {"matmul": round(ratio.matmul_gflops, 3), "read": round(ratio.read_gbps, 3)},
-            "drift": round(d, 4), "tolerance": DRIFT_TOLERANCE, "trusted": d <= DRIFT_TOLERANCE}
+    d = interleaved_drift(chariot, vllm) if interleaved else drift(chariot, vllm)
+    out: dict[str, Any] = {"speed_ratio": {"matmul": round(ratio.matmul_gflops, 3), "read": round(ratio.read_gbps, 3)},
+                           "drift": round(d, 4), "tolerance": DRIFT_TOLERANCE, "trusted": d <= DRIFT_TOLERANCE,
+                           "interleaved": interleaved}
+    if interleaved:
+        median = chariot.median().ratio(vllm.median())
+        out["median_ratio"] = {"matmul": round(median.matmul_gflops, 3), "read": round(median.read_gbps, 3)}
+        out["within"] = round(max(chariot.within(), vllm.within()), 4)
+    return out
 
 
 def machine_note(label: str, machine: dict[str, Any] | None) -> str:
@@ -1319,6 +1469,13 @@ def machine_note(label: str, machine: dict[str, Any] | None) -> str:
     r = machine["speed_ratio"]
     verdict = (f"≤ {machine['tolerance']:.0%}: the phases ran on the same machine speed" if machine["trusted"] else
                f"> {machine['tolerance']:.0%}: flagged, the ratios mix the systems with the machine's drift")
+    if machine.get("interleaved"):
+        verdict = verdict.replace("the phases ran", "the systems' probes ran")
+        m = machine["median_ratio"]
+        return (f"{label}: probes interleaved; machine speed by Chariot's calibrations / vLLM's: mean matmul "
+                f"{r['matmul']:.2f}×, read {r['read']:.2f}×; median matmul {m['matmul']:.2f}×, read "
+                f"{m['read']:.2f}×; drift {machine['drift']:.1%} ({verdict}); the machine moved "
+                f"{machine['within']:.1%} within the span, under both systems' probes")
     return (f"{label}: machine speed in Chariot's phase / vLLM's: matmul {r['matmul']:.2f}×, read "
             f"{r['read']:.2f}×; drift {machine['drift']:.1%} ({verdict})")
 
@@ -1478,10 +1635,12 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"prompt variants (default {','.join(VARIANTS)}; shared-prefix prepends one "
                         f"{SHARED_PREFIX_TOKENS}-token system prompt to every prompt)")
-    p.add_argument("--order", default="variant",
-                   help="phase order: variant (default; systems alternate A B, B A, … so compared phases are "
-                        "adjacent) or system (each system's variants back to back); every phase starts its "
-                        "own server")
+    p.add_argument("--order", default="probe",
+                   help="phase order: probe (default; both servers up together, their capacity searches "
+                        "taking turns probe by probe, then their offline and single runs in turn, the system "
+                        "that goes first alternating), variant (one system per phase, A B, B A, … so compared "
+                        "phases are adjacent) or system (each system's variants back to back); every phase "
+                        "starts its own servers")
     p.add_argument("--quick", action="store_true", help="few probes, loose tolerance, short single-request run")
     p.add_argument("--max-len", type=int, default=2048, help="max model length of both systems (default 2048)")
     p.add_argument("--kv-cache-gib", type=int, default=1,
@@ -1520,14 +1679,14 @@ def run_peer(args: argparse.Namespace) -> int:
     results: list[VariantResult] = []
     summaries: list[dict[str, Any]] = []
     clock = PhaseClock(settle_s=SETTLE_S)
-    phases = phase_order(cfg.systems, cfg.variants, cfg.order, cfg.searches)
-    setup["phases"] = [phase_label(*phase) for phase in phases]
+    groups = run_groups(cfg.systems, cfg.variants, cfg.order, cfg.searches)
+    setup["phases"] = [group_label(*group) for group in groups]
     log(f"vLLM's allocator: {cfg.vllm_allocator or 'glibc (--no-vllm-tcmalloc)'}; OpenMP: {cfg.vllm_openmp}")
     log(f"phases in order: {', '.join(setup['phases'])}")
-    for system, variant, search in tqdm(phases, desc="phases", unit="phase", file=sys.stderr, disable=None):
-        label = phase_label(system, variant, search)
+    for systems, variant, search in tqdm(groups, desc="phases", unit="phase", file=sys.stderr, disable=None):
+        label = group_label(systems, variant, search)
         try:
-            results.append(measure_phase(cfg, system, variant, clock, search))
+            results.extend(measure_group(cfg, systems, variant, clock, search))
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
             setup.setdefault("failures", {})[label] = str(exc)
             log(f"{label} failed: {exc}")

@@ -15,6 +15,7 @@ from chariot.bench.machine_speed import (
     PhaseSpeed,
     Speed,
     drift,
+    interleaved_drift,
     measure_speed,
     others_busy,
     steal_share,
@@ -97,3 +98,23 @@ def test_phase_clock_brackets_a_phase() -> None:
     assert phase.before == Speed(100.0, 20.0) and phase.after == Speed(90.0, 21.0) and phase.steal == 0.05
     assert phase.during == (Speed(95.0, 20.0),)
     assert phase.to_json()["within_change"] == pytest.approx(100 / 90 - 1, abs=1e-4)
+
+
+def test_a_phase_clock_gives_each_interleaved_system_its_own_calibrations() -> None:
+    speeds = iter([Speed(100.0, 20.0), Speed(98.0, 20.0), Speed(96.0, 20.0), Speed(94.0, 20.0), Speed(90.0, 21.0),
+                   Speed(100.0, 20.0), Speed(90.0, 21.0)])
+    times = iter([CpuTimes(1000, 10), CpuTimes(1400, 30), CpuTimes(1500, 30), CpuTimes(1600, 30)])
+    clock = PhaseClock(measure=lambda: next(speeds), read_times=lambda: next(times))
+    clock.start()
+    clock.mark("vllm")  # before vLLM's first measurement (Chariot's came right after the start)
+    clock.mark("chariot")
+    clock.mark("vllm")
+    phases = clock.stop_tracks(["chariot", "vllm"])
+    chariot, vllm = phases["chariot"], phases["vllm"]
+    assert chariot.before == Speed(100.0, 20.0) and chariot.during == (Speed(96.0, 20.0),)
+    assert vllm.before == Speed(98.0, 20.0) and vllm.during == (Speed(94.0, 20.0),)
+    assert chariot.after == vllm.after == Speed(90.0, 21.0) and chariot.steal == vllm.steal == 0.05
+    assert chariot.median() == Speed(96.0, 20.0) and interleaved_drift(chariot, vllm) == pytest.approx(96 / 94 - 1)
+    clock.start()
+    with pytest.raises(RuntimeError, match="no calibration of its own"):
+        clock.stop_tracks(["chariot", "vllm"])  # vLLM never measured: its phase would borrow Chariot's start

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from chariot.bench.peer import (
     PeerConfig,
     Planned,
     Probe,
+    Server,
+    Turns,
     VariantResult,
     _Stream,
     add_peer_args,
@@ -52,6 +57,9 @@ from chariot.bench.peer import (
     fresh_prompts,
     grid_note,
     latency_summary,
+    machine_comparison,
+    machine_note,
+    measure_interleaved,
     measure_phase,
     median_round,
     parse_cpuinfo,
@@ -61,6 +69,7 @@ from chariot.bench.peer import (
     probe_verdict,
     request_body,
     resolve_config,
+    run_groups,
     run_load,
     sse_payload,
     stop_reason,
@@ -111,7 +120,7 @@ def test_defaults_resolve_to_the_documented_run() -> None:
     assert cfg.trace == TRACES["chat"] and cfg.scale == 0.25 and cfg.requests == 64
     assert cfg.tbt_slo_ms == 1000 and cfg.ttft_slo_ms == 2000
     assert cfg.systems == ("chariot", "vllm") and cfg.variants == ("fresh", "shared-prefix")
-    assert cfg.out == Path("bench/results/peer") and not cfg.quick and cfg.order == "variant"
+    assert cfg.out == Path("bench/results/peer") and not cfg.quick and cfg.order == "probe"
     quick = resolve_config(args("--quick"))
     assert quick.max_probes < cfg.max_probes and quick.single_output < cfg.single_output
     assert cfg.searches == 3 and quick.searches == 1 and resolve_config(args("--searches", "5")).searches == 5
@@ -500,6 +509,11 @@ def test_searches_alternate_the_systems_so_each_comparison_is_adjacent() -> None
     assert all(a[1:] == b[1:] and a[0] != b[0] for a, b in zip(two[::2], two[1::2], strict=True))
     by_system = phase_order(("chariot", "vllm"), ("fresh",), "system", searches=2)
     assert by_system == [("chariot", "fresh", 0), ("vllm", "fresh", 0), ("vllm", "fresh", 1), ("chariot", "fresh", 1)]
+    together = run_groups(("chariot", "vllm"), ("fresh", "shared-prefix"), "probe", searches=2)
+    assert together == [(("chariot", "vllm"), "fresh", 0), (("vllm", "chariot"), "fresh", 1),
+                        (("chariot", "vllm"), "shared-prefix", 0), (("vllm", "chariot"), "shared-prefix", 1)]
+    assert run_groups(("chariot", "vllm"), ("fresh",), "variant", searches=2) == [
+        (("chariot",), "fresh", 0), (("vllm",), "fresh", 0), (("vllm",), "fresh", 1), (("chariot",), "fresh", 1)]
     assert len({probe_seed(0, "vllm", "fresh", 0, search) for search in range(3)}) == 3  # fresh prompts per search
 
 
@@ -591,6 +605,56 @@ def test_every_search_flagged_claims_no_ratio() -> None:
     assert "every search flagged by the drift check, no ratio claimed" in summary_table([summary])
 
 
+def test_turns_let_two_searches_probe_one_at_a_time_in_alternation() -> None:
+    turns = Turns(("chariot", "vllm"))
+    log: list[str] = []
+    inside = threading.Semaphore(1)
+
+    def search(system: str, probes: int) -> None:
+        try:
+            for i in range(probes):
+                with turns.turn(system):
+                    assert inside.acquire(blocking=False), "two probes at once"
+                    log.append(f"{system}{i}")
+                    time.sleep(0.01)
+                    inside.release()
+        finally:
+            turns.leave(system)
+
+    threads = [threading.Thread(target=search, args=("vllm", 4)), threading.Thread(target=search, args=("chariot", 2))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+    # chariot goes first; once it is done, vLLM's search goes on alone
+    assert log == ["chariot0", "vllm0", "chariot1", "vllm1", "vllm2", "vllm3"]
+
+
+def test_interleaved_searches_drift_by_their_calibrations_medians_not_the_spread_they_share() -> None:
+    dip = Speed(75.0, 12.5)  # a calibration that landed on a short slow spell
+    chariot = PhaseSpeed(Speed(120.0, 20.0), Speed(121.0, 20.0), 0.0, (dip, Speed(119.0, 20.0), Speed(120.0, 20.1)))
+    vllm = PhaseSpeed(Speed(121.0, 20.0), Speed(121.0, 20.0), 0.0, (Speed(120.0, 20.0), Speed(118.0, 19.9)))
+    apart = machine_comparison(chariot, vllm)
+    together = machine_comparison(chariot, vllm, interleaved=True)
+    assert apart is not None and together is not None
+    assert not apart["trusted"] and apart["drift"] == pytest.approx(121 / 75 - 1, abs=1e-3)  # the dip's spread
+    assert together["trusted"] and together["drift"] < 0.02 and together["within"] == apart["drift"]
+    assert together["speed_ratio"]["matmul"] < 0.95  # the mean still shows the dip; the check reads the medians
+    note = machine_note("fresh search 1 (chariot, vllm)", together)
+    assert "probes interleaved" in note and "the systems' probes ran on the same machine speed" in note
+    slower = PhaseSpeed(Speed(100.0, 17.0), Speed(101.0, 17.0), 0.0, (Speed(99.0, 17.0), Speed(100.0, 17.0)))
+    tilted = machine_comparison(chariot, slower, interleaved=True)
+    assert tilted is not None and not tilted["trusted"]  # one system's probes ran on a slower machine: flagged
+    res = [searched("chariot", 0, {0.25: True, 1.0: False}, chariot, 110.0),
+           searched("vllm", 0, {0.25: True, 1.0: False}, vllm, 100.0)]
+    for r in res:
+        r.interleaved = True
+    comp = comparison(res, "fresh", LIMITS)
+    assert comp is not None and comp["flagged"] is False and comp["machine"]["interleaved"] is True
+    assert variant_json(res[0], LIMITS)["interleaved"] is True
+
+
 def test_a_probe_next_to_a_contended_calibration_is_flagged_not_passed() -> None:
     busy = Speed(60.0, 10.0, others_busy=0.5)
     quiet = Speed(120.0, 20.0, others_busy=0.01)
@@ -662,6 +726,58 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
     assert res.offline["output_tokens"] > 0 and res.single["output_tokens"] == 8
     assert len(res.offline_rounds) == len(res.offline["rounds"]) == 2 and res.offline["round"] in (0, 1)
     assert res.offline_traces == res.offline_rounds[res.offline["round"]].traces
+
+
+@pytest.mark.slow
+def test_interleaved_searches_take_turns_on_two_servers_up_together(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`--order probe` end to end on two real Chariot servers: vLLM cannot run here (the suite does not
+    install it), so a second Chariot server stands in for it under the name `vllm`."""
+    cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
+                     requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
+                     max_probes=2, systems=("chariot", "vllm"), variants=("fresh",), quick=True, out=tmp_path,
+                     max_len=512, kv_cache_gib=1, ready_timeout_s=180, single_output=8, offline_rounds=2)
+    events: list[tuple[str, str]] = []  # (what, servers up) in time order
+
+    @contextlib.contextmanager
+    def stand_in(c: PeerConfig) -> Iterator[Server]:
+        with chariot_server(c) as server:
+            yield Server("vllm", server.base_url)
+
+    def measure() -> Speed:
+        events.append(("calibration", str(sum("chariot.cli" in " ".join(c) for c in _children_commands()))))
+        return measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20)
+
+    class TrackedClock(PhaseClock):
+        def mark(self, track: str = "") -> Speed:
+            events.append(("mark", track))
+            return super().mark(track)
+
+    clock = TrackedClock(measure=measure)
+    results = measure_interleaved(cfg, ("vllm", "chariot"), "fresh", clock, search=1,
+                                  starters={"chariot": chariot_server, "vllm": stand_in})
+    assert [r.system for r in results] == ["vllm", "chariot"] and all(r.interleaved for r in results)
+    # in turn: vLLM's first probe right after the span's start, then chariot's, vLLM's second, …; then the
+    # offline rounds and single runs in the same turns
+    assert [track for what, track in events if what == "mark"] == ["chariot", "vllm"] * 4 + ["chariot"]
+    calibrations = [up for what, up in events if what == "calibration"]
+    assert calibrations[0] == "0" and calibrations[-1] == "0"  # no server around the span
+    assert all(up == "2" for up in calibrations[1:-1])  # both servers up for every calibration inside it
+    for r in results:
+        assert r.search == 1 and r.speed is not None and len(r.probes) == 2
+        seeds = [p.prompt_seed for p in r.probes.values()]
+        assert all(f":{r.system}:fresh:1:" in seed for seed in seeds)
+        assert len(r.offline_rounds) == 2 and r.single["output_tokens"] == 8
+        # its own calibrations: one before each probe, offline round and the single run, then the span's end
+        assert len(r.speed.calibrations) == len(r.probes) + cfg.offline_rounds + 1 + 1
+        assert r.speed.after == results[0].speed.after if results[0].speed else False  # the span's end
+    first, second = results
+    assert first.speed is not None and second.speed is not None
+    assert sum(p.machine is None for p in first.probes.values()) == 1  # the span's start calibrated before it
+    assert all(p.machine is not None for p in second.probes.values())  # it went second: its own calibration
+    # 1 before the span + each system's probes, rounds and single run + 1 after, none shared but the ends
+    assert len(calibrations) == 1 + sum(len(r.probes) + cfg.offline_rounds + 1 for r in results) - 1 + 1
+    comp = comparison(results, "fresh", Limits(1.0, 2.0), search=1)
+    assert comp is not None and comp["machine"]["interleaved"] is True and comp["order"] == ["vllm", "chariot"]
 
 
 def _children_commands() -> list[list[str]]:
