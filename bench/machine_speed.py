@@ -152,10 +152,18 @@ class PhaseSpeed:
         columns = list(zip(*(s.values() for s in self.samples), strict=True))
         return Speed(*(sum(c) / len(c) for c in columns))
 
+    @property
+    def leading(self) -> tuple[Speed, ...]:
+        """The calibrations right before the phase's measurements, every one but the closing one (which
+        systems measured in one phase share): the uncontended ones, or all when none is."""
+        own = (self.before, *self.during)
+        return tuple(s for s in own if not s.contended) or own
+
     def median(self) -> Speed:
-        """Per metric, the median of the counted calibrations: a calibration that lands on a sub-second
-        slow spell moves it less than the mean (a probe of tens of seconds averages such a spell out)."""
-        return Speed(*(statistics.median(c) for c in zip(*(s.values() for s in self.samples), strict=True)))
+        """Per metric, the median of the `leading` calibrations: a calibration that lands on a
+        sub-second slow spell moves it less than the mean (a probe of tens of seconds averages such a
+        spell out)."""
+        return Speed(*(statistics.median(c) for c in zip(*(s.values() for s in self.leading), strict=True)))
 
     def within(self) -> float:
         """How much the machine changed during the phase: the largest max/min - 1 of a metric over the
@@ -189,8 +197,9 @@ def drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
 
 def interleaved_drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
     """How far apart the machine was for two systems whose measurements interleaved in one span: the
-    largest relative difference of their calibrations' medians. A change within the span is not
-    counted: both systems' measurements alternated through it."""
+    largest relative difference of the medians of the calibrations right before each system's
+    measurements (`PhaseSpeed.median`; the closing one, which both share, left out). A change within
+    the span is not counted: both systems' measurements alternated through it."""
     return max(abs(r - 1.0) for r in a.median().ratio(b.median()).values())
 
 
