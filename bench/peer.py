@@ -997,17 +997,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms" if math.isfinite(seconds) else "- ms"
 
 
-def measure_variant(cfg: PeerConfig, server: Server, variant: str, vocab: int,
-                    mark: Callable[[], Speed | None] = lambda: None, search: int = 0) -> VariantResult:
-    """Capacity search, then an offline run and a single-request decode run, on a running server;
-    `mark` calibrates the machine between them (the server idle)."""
-    prober = Prober(cfg, server, variant, vocab, mark, search)
-    res = capacity_search(cfg, prober)
-    offline_rounds(cfg, [(res, prober)])
-    single_request(cfg, res, prober)
-    return res
-
-
 def capacity_search(cfg: PeerConfig, prober: Prober) -> VariantResult:
     """One system's capacity search. Every search starts from the run's grid (`qps_low`, `qps_high`),
     whatever another system or search found, and goes below the floor when the floor fails, so each
@@ -1115,25 +1104,6 @@ def format_speed(speed: Speed) -> str:
     return f"matmul {speed.matmul_gflops:.0f} GFLOP/s, read {speed.read_gbps:.1f} GB/s{others}"
 
 
-def measure_phase(cfg: PeerConfig, system: str, variant: str, clock: PhaseClock, search: int = 0) -> VariantResult:
-    """One phase on a server of its own: calibrate the machine with no server running, start the
-    system, warm it up, measure the variant (calibrating between its measurements, the server idle),
-    stop the server, calibrate again; then flag the probes the calibrations leave in doubt."""
-    vocab = vocab_size(cfg.model)
-    label = phase_label(system, variant, search)
-    log(f"{label}: machine before the phase (no server running): {format_speed(clock.start())}")
-    with STARTERS[system](cfg) as server:
-        log(f"{system}: warm-up")
-        warm_up(server, vocab)
-        res = measure_variant(cfg, server, variant, vocab, clock.mark, search)
-    res.speed = clock.stop()
-    flag_probes(res, cfg.limits)
-    log(f"{label}: machine after the phase (no server running): {format_speed(res.speed.after)}; "
-        f"spread {res.speed.within():.1%} over {len(res.speed.samples)} uncontended calibrations; "
-        f"{len(res.probes)} probes, {len(res.flagged)} flagged; capacity {format_capacity(res.capacity)}")
-    return res
-
-
 class Turns:
     """Parties that take turns in a fixed order, one at a time: `turn(party)` waits for the party's go
     and passes it to the next party still taking part when the turn ends; a party that is done
@@ -1174,13 +1144,16 @@ STARTERS: dict[str, Callable[[PeerConfig], contextlib.AbstractContextManager[Ser
     "chariot": chariot_server, "vllm": vllm_server}
 
 
-def measure_interleaved(cfg: PeerConfig, systems: Sequence[str], variant: str, clock: PhaseClock, search: int = 0,
-                        starters: dict[str, Callable[[PeerConfig], contextlib.AbstractContextManager[Server]]]
-                        | None = None) -> list[VariantResult]:
-    """Two (or more) systems measured together (`--order probe`): both servers up, their capacity
-    searches advancing probe by probe in turn, then their offline rounds and single requests in turn,
-    each measurement after a calibration; so each system's probes ran beside the other's on the same
-    stretch of the machine's time. Each system's calibrations are its own track of the clock."""
+def measure_phase(cfg: PeerConfig, systems: Sequence[str], variant: str, clock: PhaseClock, search: int = 0,
+                  starters: dict[str, Callable[[PeerConfig], contextlib.AbstractContextManager[Server]]]
+                  | None = None) -> list[VariantResult]:
+    """One phase: calibrate the machine with no server running, start the systems' servers and warm
+    them up, then measure: the capacity searches advancing probe by probe in turn, then the offline
+    rounds and single requests in turn, each measurement after a calibration (servers idle); stop the
+    servers, calibrate again and flag the probes the calibrations leave in doubt. With two systems
+    (`--order probe`) each one's probes ran beside the other's on the same stretch of the machine's
+    time, and each system's calibrations are its own track of the clock; with one system this is a
+    phase of its own (`--order variant`/`system`)."""
     vocab, starters = vocab_size(cfg.model), starters or STARTERS
     label = group_label(systems, variant, search)
     log(f"{label}: machine before the phase (no server running): {format_speed(clock.start())}")
@@ -1200,8 +1173,9 @@ def measure_interleaved(cfg: PeerConfig, systems: Sequence[str], variant: str, c
         for res, prober in zip(results, probers, strict=True):
             single_request(cfg, res, prober)
     speeds = clock.stop_tracks(systems)
+    log(f"{label}: machine after the phase (no server running): {format_speed(speeds[systems[0]].after)}")
     for res in results:
-        res.speed, res.interleaved = speeds[res.system], True
+        res.speed, res.interleaved = speeds[res.system], len(systems) > 1
         flag_probes(res, cfg.limits)
         log(f"{phase_label(res.system, variant, search)}: spread {res.speed.within():.1%} over "
             f"{len(res.speed.samples)} uncontended calibrations; {len(res.probes)} probes, {len(res.flagged)} "
@@ -1214,15 +1188,6 @@ def _search_in_turn(cfg: PeerConfig, prober: Prober, turns: Turns) -> VariantRes
         return capacity_search(cfg, prober)
     finally:
         turns.leave(prober.server.system)
-
-
-def measure_group(cfg: PeerConfig, systems: Sequence[str], variant: str, clock: PhaseClock,
-                  search: int = 0) -> list[VariantResult]:
-    """One phase of `run_groups`: a system alone (`measure_phase`) or systems together
-    (`measure_interleaved`)."""
-    if len(systems) == 1:
-        return [measure_phase(cfg, systems[0], variant, clock, search)]
-    return measure_interleaved(cfg, systems, variant, clock, search)
 
 
 def flag_probes(res: VariantResult, limits: Limits) -> None:
@@ -1686,7 +1651,7 @@ def run_peer(args: argparse.Namespace) -> int:
     for systems, variant, search in tqdm(groups, desc="phases", unit="phase", file=sys.stderr, disable=None):
         label = group_label(systems, variant, search)
         try:
-            results.extend(measure_group(cfg, systems, variant, clock, search))
+            results.extend(measure_phase(cfg, systems, variant, clock, search))
         except RuntimeError as exc:  # a server that does not start or dies: keep what was measured
             setup.setdefault("failures", {})[label] = str(exc)
             log(f"{label} failed: {exc}")

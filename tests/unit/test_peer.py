@@ -59,7 +59,6 @@ from chariot.bench.peer import (
     latency_summary,
     machine_comparison,
     machine_note,
-    measure_interleaved,
     measure_phase,
     median_round,
     parse_cpuinfo,
@@ -713,8 +712,8 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
         calibrations.append(measure_speed(reps=3, shape=(32, 64, 128), read_bytes=1 << 20))
         return calibrations[-1]
 
-    res = measure_phase(cfg, "chariot", "fresh", PhaseClock(measure=measure))
-    assert res.system == "chariot" and res.variant == "fresh" and res.speed is not None
+    [res] = measure_phase(cfg, ("chariot",), "fresh", PhaseClock(measure=measure))
+    assert res.system == "chariot" and res.variant == "fresh" and res.speed is not None and not res.interleaved
     probes = list(res.probes.values())
     # before the phase, before every probe after the first, before each offline round and the single run, after
     assert len(calibrations) == 1 + (len(probes) - 1) + cfg.offline_rounds + 1 + 1
@@ -753,8 +752,8 @@ def test_interleaved_searches_take_turns_on_two_servers_up_together(tiny_model_d
             return super().mark(track)
 
     clock = TrackedClock(measure=measure)
-    results = measure_interleaved(cfg, ("vllm", "chariot"), "fresh", clock, search=1,
-                                  starters={"chariot": chariot_server, "vllm": stand_in})
+    results = measure_phase(cfg, ("vllm", "chariot"), "fresh", clock, search=1,
+                            starters={"chariot": chariot_server, "vllm": stand_in})
     assert [r.system for r in results] == ["vllm", "chariot"] and all(r.interleaved for r in results)
     # in turn: vLLM's first probe right after the span's start, then chariot's, vLLM's second, …; then the
     # offline rounds and single runs in the same turns
@@ -769,9 +768,9 @@ def test_interleaved_searches_take_turns_on_two_servers_up_together(tiny_model_d
         assert len(r.offline_rounds) == 2 and r.single["output_tokens"] == 8
         # its own calibrations: one before each probe, offline round and the single run, then the span's end
         assert len(r.speed.calibrations) == len(r.probes) + cfg.offline_rounds + 1 + 1
-        assert r.speed.after == results[0].speed.after if results[0].speed else False  # the span's end
     first, second = results
     assert first.speed is not None and second.speed is not None
+    assert first.speed.after is second.speed.after  # the span's end, shared
     assert sum(p.machine is None for p in first.probes.values()) == 1  # the span's start calibrated before it
     assert all(p.machine is not None for p in second.probes.values())  # it went second: its own calibration
     # 1 before the span + each system's probes, rounds and single run + 1 after, none shared but the ends
