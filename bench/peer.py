@@ -123,7 +123,7 @@ class Defaults:
 
 
 FULL = Defaults(qps_low=0.25, qps_high=1.0, tolerance=0.1, max_probes=8, single_output=SINGLE_OUTPUT_TOKENS,
-                offline_rounds=1, searches=3)
+                offline_rounds=3, searches=3)
 QUICK = Defaults(qps_low=0.5, qps_high=1.0, tolerance=0.5, max_probes=2, single_output=64, offline_rounds=1,
                  searches=1)
 
