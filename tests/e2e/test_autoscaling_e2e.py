@@ -221,6 +221,8 @@ def test_scale_to_zero_and_back_for_a_held_request(cluster: Cluster, redis_serve
             return spec_replicas(cluster, "zero") == 0 and not stage_pods(cluster, "zero")
 
         cluster.wait_for("scaled to zero", idle_and_gone, interval=0.3)
+        # the pods go first, the status with the operator's next pass: wait for that pass
+        cluster.wait_for("status.replicas 0", lambda: cluster.mdep("zero")["status"].get("replicas") == 0)
         status = cluster.wait_ready("zero")["status"]
         assert status["replicas"] == 0 and cluster.get("Deployment", "zero-router") is not None
         router_args = cluster.get("Deployment", "zero-router")["spec"]["template"]["spec"]["containers"][0]["args"]
