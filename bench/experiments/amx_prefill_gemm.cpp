@@ -18,8 +18,9 @@
 
 namespace {
 
-void write_rows(const float* c, int64_t rows, int64_t j, int64_t n, uint16_t* y) {
-  for (int64_t r = 0; r < rows; ++r)
+// A block's 32 × 32 fp32 sums as bf16 into y's columns of panel j.
+void write_rows(const float* c, int64_t j, int64_t n, uint16_t* y) {
+  for (int64_t r = 0; r < 32; ++r)
     _mm512_storeu_si512(y + r * n + 32 * j,
                         (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c + r * 32 + 16), _mm512_load_ps(c + r * 32)));
 }
@@ -34,38 +35,6 @@ void block32(const uint16_t* a, int64_t steps, const uint16_t* w, float* c) {
   _tile_stored(1, c + 16, 128);
   _tile_stored(2, c + 16 * 32, 128);
   _tile_stored(3, c + 16 * 32 + 16, 128);
-}
-
-// The rows past the last whole block (< 32), straight from x, as the decode path runs them.
-void tail(const uint16_t* x, int64_t rest, int64_t k, const uint16_t* packed, int64_t n, int64_t begin,
-          int64_t end, uint16_t* y) {
-  const int64_t steps = k / 32, lo = std::min<int64_t>(rest, 16), hi = rest - lo, ld = k * 2;
-  chariot_amx::Tiles tiles(static_cast<int>(lo), hi > 0 ? static_cast<int>(hi) : 1);
-  alignas(64) float c[32 * 32];
-  for (int64_t j = begin; j < end; ++j) {
-    const uint16_t* w = packed + j * steps * 1024;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < steps; ++s) {
-      _tile_loadd(4, x + 32 * s, ld);
-      _tile_loadd(6, w + s * 1024, 64);
-      _tile_loadd(7, w + s * 1024 + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if (hi > 0) {
-        _tile_loadd(5, x + 16 * k + 32 * s, ld);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
-    write_rows(c, rest, j, n, y);
-  }
 }
 
 at::Tensor many(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
@@ -86,18 +55,17 @@ at::Tensor many(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   });
   const int64_t chunk = std::max<int64_t>(32, (int64_t{1} << 20) / (k * 2) / 32 * 32);
   at::parallel_for(0, n / 32, 1, [&](int64_t begin, int64_t end) {
-    {
-      chariot_amx::Tiles tiles(16, 16);
-      alignas(64) float c[32 * 32];
-      for (int64_t r0 = 0; r0 < full; r0 += chunk)
-        for (int64_t j = begin; j < end; ++j)
-          for (int64_t r = r0; r < std::min(full, r0 + chunk); r += 32) {
-            block32(a.data() + r * k, steps, w + j * steps * 1024, c);
-            write_rows(c, 32, j, n, ys + r * n);
-          }
-    }
-    if (m > full) tail(xs + full * k, m - full, k, w, n, begin, end, ys + full * n);
+    chariot_amx::Tiles tiles(16, 16);
+    alignas(64) float c[32 * 32];
+    for (int64_t r0 = 0; r0 < full; r0 += chunk)
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t r = r0; r < std::min(full, r0 + chunk); r += 32) {
+          block32(a.data() + r * k, steps, w + j * steps * 1024, c);
+          write_rows(c, j, n, ys + r * n);
+        }
   });
+  if (m > full)  // the rows past the last whole block (< 32): the product's decode kernel
+    chariot_linear_amx::linear(xs + full * k, m - full, k, w, n, nullptr, ys + full * n);
   return y;
 }
 
