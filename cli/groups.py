@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from chariot.contracts.engine_settings import ENGINE_CORE
+from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.processes import Child, free_port, shutdown
 from chariot.operator.reconcile import Backoff
 from chariot.worker.config import EngineConfig
@@ -52,8 +52,10 @@ class GroupSupervisor:
     """Starts R local groups and keeps them up; `check()` is called from the supervising loop."""
 
     def __init__(self, config: EngineConfig, served: str, engine_core: str = ENGINE_CORE.default,
-                 backoff: Backoff | None = None, clock: Clock = time.monotonic) -> None:
+                 backoff: Backoff | None = None, clock: Clock = time.monotonic,
+                 iteration_log: str | None = ITERATION_LOG.default) -> None:
         self.config, self.served, self.engine_core = config, served, engine_core
+        self.iteration_log = iteration_log
         self.backoff = backoff or Backoff()
         self.clock = clock
         self.groups: list[LocalGroup] = []
@@ -61,7 +63,7 @@ class GroupSupervisor:
     def start(self, replicas: int) -> list[LocalGroup]:
         for index in range(replicas):
             port = free_port()
-            children, _ = start_group(index, self.config, self.served, self.engine_core, port)
+            children = self._start(index, port)
             self.groups.append(LocalGroup(index, port, children, self.clock()))
         return self.groups
 
@@ -70,10 +72,14 @@ class GroupSupervisor:
         taken = {g.index for g in self.groups}
         index = next(i for i in itertools.count() if i not in taken)
         port = free_port()
-        children, _ = start_group(index, self.config, self.served, self.engine_core, port)
+        children = self._start(index, port)
         group = LocalGroup(index, port, children, self.clock())
         self.groups.append(group)
         return group
+
+    def _start(self, index: int, port: int) -> list[Child]:
+        children, _ = start_group(index, self.config, self.served, self.engine_core, port, self.iteration_log)
+        return children
 
     def remove(self, group: LocalGroup) -> None:
         """Stop a group for good (the autoscaler's scale down, once the group is drained)."""
@@ -92,7 +98,7 @@ class GroupSupervisor:
                 if dead is not None:
                     self._fail(group, dead, now)
             elif now >= group.restart_at:
-                group.children, _ = start_group(group.index, self.config, self.served, self.engine_core, group.port)
+                group.children = self._start(group.index, group.port)
                 group.started_at, group.restart_at = now, None
                 print(f"chariot up: replica {group.index} recreated on {group.address} (restart {group.restarts})",
                       file=sys.stderr, flush=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from chariot.cli.autoscale import LocalAutoscaler, fetch_load, write_replica_file
 from chariot.cli.groups import GroupSupervisor
 from chariot.contracts.autoscaling import AutoscalingPolicy, OfferedLoad
-from chariot.contracts.engine_settings import ENGINE_CORE
+from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
 from chariot.operator.reconcile import Backoff
@@ -37,6 +37,7 @@ from chariot.router.config import ROUTING_MODES
 from chariot.router.launch import ROUTER_READY_PREFIX, add_security_flags, router_command, security_args
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
+from chariot.worker.iteration_log import IterationLog, iteration_log_path
 
 READY_TIMEOUT_S = 600.0
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "chariot" / "models" / "tiny"
@@ -62,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing", choices=ROUTING_MODES, default=None,
                    help="router replica choice: prefix (default), load or round_robin (baselines)")
     add_setting_flag(p, ENGINE_CORE)
+    add_setting_flag(p, ITERATION_LOG)
     p.add_argument("--restart-backoff-seconds", type=float, default=5.0,
                    help="delay before a group whose stage died is recreated, doubled per restart (as the operator)")
     p.add_argument("--max-restart-backoff-seconds", type=float, default=300.0, help="cap of that delay")
@@ -139,9 +141,12 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig, policy: Autoscali
     """Start everything, print the endpoints, supervise until interrupted; the exit code. With a
     `policy`, the router reads its replicas from a file the autoscaler rewrites."""
     served = args.served_model_name or Path(config_for.model).name
+    if args.iteration_log is not None:  # a path that cannot be written fails here, naming the setting
+        IterationLog(iteration_log_path(args.iteration_log, 0)).close()
     supervisor = GroupSupervisor(config_for, served, args.engine_core,
                                  Backoff(base_s=args.restart_backoff_seconds, max_s=args.max_restart_backoff_seconds,
-                                         reset_after_s=args.max_restart_backoff_seconds))
+                                         reset_after_s=args.max_restart_backoff_seconds),
+                                 iteration_log=args.iteration_log)
     router: Child | None = None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -254,6 +254,14 @@ ENGINE_CORE: Setting[str] = Setting(
     "the GIL) or a thread of the server process", flag="--engine-core", choices=ENGINE_CORES)
 """A serving setting of stage 0 (not part of `EngineConfig`): `chariot worker`, `chariot up` and `serve()`."""
 
+ITERATION_LOG: Setting[str | None] = Setting(
+    "iteration_log", str, None,
+    "append one JSON line per engine iteration to this file: its tokens, prompt tokens and chunks, decodes, "
+    "step time and the queue after it (docs/observability.md); `chariot up` gives each replica its own file, "
+    "the replica's index before the suffix (iterations.jsonl: iterations.0.jsonl, ...)",
+    flag="--iteration-log", optional=True)
+"""A serving setting of stage 0, like `ENGINE_CORE`: the step observer `worker/iteration_log.py`."""
+
 
 def engine_setting(name: str) -> Setting[Any]:
     """The engine setting called `name`; KeyError naming the known ones otherwise."""

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chariot.contracts.engine_settings import ENGINE_CORE, LAYER_SPLIT
+from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG, LAYER_SPLIT
 from chariot.contracts.errors import ConfigError
 from chariot.worker.flags import add_engine_flags, add_setting_flag, config_from_args
 
@@ -111,6 +111,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None, help="model name clients use (default: dir name)")
     g.add_argument("--otlp-endpoint", default=None, help="OTLP collector for metrics and traces")
     add_setting_flag(g, ENGINE_CORE)
+    add_setting_flag(g, ITERATION_LOG)
     p.set_defaults(handler=_run_worker)
 
 
@@ -147,6 +148,7 @@ def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology
     import functools
 
     from chariot.worker.engine import Engine
+    from chariot.worker.iteration_log import IterationLog, StepObservers
     from chariot.worker.observe import EngineMetrics
     from chariot.worker.server import serve
 
@@ -157,8 +159,14 @@ def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology
               flush=True)
 
     factory = functools.partial(Engine, config, topology=topo)  # picklable: the engine core builds it
-    return asyncio.run(serve(factory, args.host, args.port, served, ready=bound.append,
-                             observer=EngineMetrics(telemetry), on_ready=announce, engine_core=args.engine_core))
+    iterations = None if args.iteration_log is None else IterationLog(args.iteration_log)
+    try:
+        return asyncio.run(serve(factory, args.host, args.port, served, ready=bound.append,
+                                 observer=StepObservers(EngineMetrics(telemetry), iterations), on_ready=announce,
+                                 engine_core=args.engine_core))
+    finally:
+        if iterations is not None:
+            iterations.close()
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -242,7 +242,7 @@ class Engine:
 
     def _result(self, outputs: Iterable[EngineOutput], batch: SchedulerOutput | None = None,
                 times: IterationTimes = NO_TIMES) -> StepResult:
-        return StepResult(tuple(outputs), batch, times, self.stats(), self._stage_time())
+        return StepResult(tuple(outputs), batch, times, self.stats(), self._stage_time(), time.time())
 
     def _stage_time(self) -> StageTime | None:
         """Stage 0's busy/idle increment since the previous step result; None without a pipeline."""

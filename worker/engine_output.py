@@ -80,6 +80,7 @@ class StepResult:
     - `stats` is the engine's load report taken at the end of the step (what the Stats RPC serves);
       a stop-string finish that the caller applies afterwards shows in the next report.
     - `stage_time` is stage 0's busy/idle increment when the engine drives a pipeline, else None.
+    - `ended_at` is the wall-clock time (`time.time()`) the step ended.
     """
 
     outputs: tuple[EngineOutput, ...]
@@ -87,3 +88,4 @@ class StepResult:
     times: IterationTimes
     stats: EngineStats
     stage_time: StageTime | None = None
+    ended_at: float = 0.0

@@ -20,6 +20,7 @@ import pytest
 from chariot.contracts.proto_codec import request_to_proto
 from chariot.proto.chariot.v1 import generation_pb2_grpc
 from chariot.worker import LLM, SamplingParams
+from chariot.worker.iteration_log import iteration_log_path, read_iterations
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
@@ -41,9 +42,15 @@ def descendants(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def up(tiny_model_dir):
+def iteration_log(tmp_path_factory):
+    """The `--iteration-log` `up` is given; replica 0 writes `iteration_log_path(it, 0)`."""
+    return tmp_path_factory.mktemp("up-iterations") / "iterations.jsonl"
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dir, iteration_log):
     cmd = [sys.executable, "-m", "chariot.cli", "up", "--model", str(tiny_model_dir), "--stages", "2",
-           "--http-port", "0", "--grpc-port", "0", *ENGINE_FLAGS]
+           "--http-port", "0", "--grpc-port", "0", "--iteration-log", str(iteration_log), *ENGINE_FLAGS]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 240
@@ -82,6 +89,28 @@ def test_http_completion_matches_offline(up, expected, tiny_model_dir):
         out = json.loads(resp.read())
     assert out["choices"][0]["text"] == expected.text
     assert out["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@pytest.mark.slow
+def test_stage0_logs_the_iterations_of_a_request(up, expected, iteration_log):
+    _, http, _, _, _ = up
+    path = iteration_log_path(iteration_log, 0)
+    _, offset = read_iterations(path)
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(f"http://{http}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == MAX_TOKENS
+    records: list[dict] = []
+    deadline = time.monotonic() + 10  # the front logs a step right after delivering its tokens
+    while sum(r["decodes"] for r in records) < MAX_TOKENS - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        more, offset = read_iterations(path, offset)
+        records += more
+    assert sum(r["prefill"] for r in records) == len(expected.prompt_token_ids)
+    assert sum(r["last"] for r in records) == 1  # one prompt finished: the first token
+    assert sum(r["decodes"] for r in records) == MAX_TOKENS - 1
+    assert all(r["tokens"] == r["prefill"] + r["decodes"] and r["exec_ms"] > 0 for r in records)
 
 
 @pytest.mark.slow

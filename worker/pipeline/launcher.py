@@ -11,11 +11,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chariot.contracts.engine_settings import ENGINE_CORE
+from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.errors import ConfigError
 from chariot.contracts.processes import Child, Topology, die_with_parent, free_port, spawn, stage_env
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
+from chariot.worker.iteration_log import iteration_log_path
 
 WORKER_READY_PREFIX = "chariot worker ready"
 
@@ -26,14 +27,17 @@ def worker_command(config: EngineConfig) -> list[str]:
 
 
 def start_group(index: int, config: EngineConfig, served: str, engine_core: str = ENGINE_CORE.default, port: int = 0,
-                ) -> tuple[list[Child], Child]:
+                iteration_log: str | None = ITERATION_LOG.default) -> tuple[list[Child], Child]:
     """Every stage of pipeline group `index` as supervised local processes (stage 0's gRPC on `port`,
     0 = a free one; metrics on free ports; rendezvous on loopback); returns (all its children, its
-    stage 0)."""
+    stage 0). With `iteration_log`, stage 0 logs its iterations to that path with `index` before the
+    suffix (`iteration_log_path`)."""
     check_local_devices(config)
     topo = Topology(0, config.world_size, "127.0.0.1", free_port())
     cmd = [*worker_command(config), "--port", str(port), "--metrics-port", "0", "--served-model-name", served,
            "--engine-core", engine_core]
+    if iteration_log is not None:
+        cmd += ["--iteration-log", str(iteration_log_path(iteration_log, index))]
     children = [spawn(f"replica {index} {rank_name(config, rank)}", cmd, rank_env(config, topo, rank),
                       WORKER_READY_PREFIX) for rank in range(config.world_size)]
     return children, children[0]
