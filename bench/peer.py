@@ -74,9 +74,11 @@ from typing import TYPE_CHECKING, Any
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
 from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift, interleaved_drift
+from chariot.bench.server_iterations import ChariotIterations, IterationSource, VllmIterations, vllm_bucket_flag
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
 from chariot.contracts.engine_settings import PREFILL_ORDER
 from chariot.contracts.errors import ConfigError
+from chariot.worker.iteration_log import iteration_log_path
 
 if TYPE_CHECKING:  # httpx and the process helpers load when a run starts (`chariot --help` stays light)
     import httpx
@@ -613,7 +615,7 @@ def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str
             "--served-model-name", SERVED_NAME, "--dtype", cfg.dtype, "--max-num-batched-tokens",
             str(cfg.token_budget), "--enable-chunked-prefill", "--max-model-len", str(cfg.max_len),
             "--max-num-seqs", str(MAX_BATCH), "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log", "--seed", str(cfg.seed)]
+            "--disable-uvicorn-access-log", "--seed", str(cfg.seed), *vllm_bucket_flag(cfg.token_budget)]
 
 
 def vllm_env(cfg: PeerConfig) -> dict[str, str]:
@@ -732,9 +734,10 @@ def with_vllm_allocator(cfg: PeerConfig, listing: str | None = None,
     return replace(cfg, vllm_allocator=lib)
 
 
-def chariot_command(cfg: PeerConfig) -> list[str]:
+def chariot_command(cfg: PeerConfig, iteration_log: Path | None = None) -> list[str]:
     """`chariot up` (one replica, one stage) with the same model, dtype, budget and KV bytes as vLLM;
-    router admission opened wide so it never sheds."""
+    router admission opened wide so it never sheds; its iterations logged to `iteration_log`."""
+    log_flag = [] if iteration_log is None else ["--iteration-log", str(iteration_log)]
     kv_tokens = cfg.kv_cache_gib * GIB // kv_bytes_per_token(cfg.model, cfg.dtype)
     return [sys.executable, "-m", "chariot.cli", "up", "--model", str(cfg.model.resolve()), "--stages", "1",
             "--policy", "sarathi", "--token-budget", str(cfg.token_budget), "--prefill-order", cfg.prefill_order,
@@ -742,13 +745,17 @@ def chariot_command(cfg: PeerConfig) -> list[str]:
             "--max-model-len", str(cfg.max_len), "--max-batch-size", str(MAX_BATCH), "--kv-cache-tokens",
             str(kv_tokens), "--engine-seed", str(cfg.seed), "--served-model-name", SERVED_NAME,
             "--http-port", "0", "--grpc-port", "0", "--ttft-slo-ms", str(NO_SHED_TTFT_MS),
-            "--max-queue-per-replica", str(NO_SHED_QUEUE)]
+            "--max-queue-per-replica", str(NO_SHED_QUEUE), *log_flag]
 
 
 @dataclass(frozen=True)
 class Server:
     system: str
     base_url: str
+    iterations: IterationSource | None = None  # what its iterations carried, per probe (`server_iterations`)
+
+    def take_iterations(self) -> dict[str, Any] | None:
+        return None if self.iterations is None else self.iterations.take()
 
 
 def log(message: str) -> None:
@@ -761,7 +768,8 @@ def log(message: str) -> None:
 def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
     from chariot.contracts.processes import shutdown, spawn, wait_ready
 
-    cmd = chariot_command(cfg)
+    iteration_log = cfg.out.resolve() / "iterations" / f"chariot-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    cmd = chariot_command(cfg, iteration_log)
     log(f"starting Chariot: {shlex.join(cmd)}")
     child = spawn("chariot up", cmd, dict(os.environ), "chariot up ready", new_session=True)
     try:
@@ -772,7 +780,8 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
         if found is None:
             raise RuntimeError(f"no http= address in {line!r}")
         log(f"Chariot ready at http://{found.group(1)} in {time.monotonic() - t0:.0f} s")
-        yield Server("chariot", f"http://{found.group(1)}")
+        iterations = ChariotIterations(iteration_log_path(iteration_log, 0), cfg.token_budget)
+        yield Server("chariot", f"http://{found.group(1)}", iterations)
     finally:
         shutdown([child])
         _end_server_group("Chariot", child.proc.pid, grace_s=20.0)
@@ -799,7 +808,7 @@ def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_http_ready(proc, base, cfg.ready_timeout_s, log_path)
-        yield Server("vllm", base)
+        yield Server("vllm", base, VllmIterations(base, cfg.token_budget))
     finally:
         _stop(proc)
 
@@ -899,6 +908,7 @@ class Probe:
     result: LoadResult
     prompt_seed: str
     machine: Speed | None = None  # the calibration right before the probe
+    iterations: dict[str, Any] | None = None  # what the server's iterations carried (`server_iterations`)
 
 
 @dataclass(frozen=True)
@@ -907,6 +917,7 @@ class OfflineRound:
 
     summary: dict[str, Any]
     traces: tuple[RequestTrace, ...]
+    iterations: dict[str, Any] | None = None  # what the server's iterations carried (`server_iterations`)
 
 
 @dataclass
@@ -973,6 +984,7 @@ class Prober:
 
         machine = self.mark() if self.probes or self.mark_first else None  # else the phase's start did
         seed, prompts = self.prompts()
+        self.server.take_iterations()  # from here on, the iterations are this probe's
         label = f"{phase_label(self.server.system, self.variant, self.search)} @ {qps:.3f} QPS"
         with tqdm(total=self.cfg.requests, desc=f"  {label}", unit="req", leave=False, file=sys.stderr,
                   disable=None) as bar:
@@ -980,7 +992,8 @@ class Prober:
                                           limits=self.cfg.limits, drain_s=self.cfg.drain_s,
                                           on_done=lambda: bar.update(1)))
         wait_idle(self.server)
-        probe = Probe(qps, probe_metrics(qps, result, self.cfg.limits.ttft_slo_s), result, seed, machine)
+        probe = Probe(qps, probe_metrics(qps, result, self.cfg.limits.ttft_slo_s), result, seed, machine,
+                      self.server.take_iterations())
         log(probe_line(label, probe, self.cfg.limits))
         return probe
 
@@ -990,7 +1003,14 @@ def probe_line(label: str, p: Probe, limits: Limits) -> str:
     verdict = "pass" if m.meets(limits.tbt_slo_s) else "FAIL"
     end = f" (gave up: {p.result.gave_up})" if p.result.gave_up else ""
     return (f"{label}: {verdict}  P50 TTFT {_ms(m.p50_ttft)}  P99 TBT {_ms(m.p99_tbt)}  failed "
-            f"{m.failed}/{m.requests}  {p.result.wall_s:.0f} s{end}")
+            f"{m.failed}/{m.requests}  {p.result.wall_s:.0f} s{iterations_text(p.iterations)}{end}")
+
+
+def iterations_text(it: dict[str, Any] | None) -> str:
+    """`  1210 iterations, 75 tokens each (p50 33)` from a probe's server iterations, or nothing."""
+    if not it or it.get("tokens_mean") is None:
+        return ""
+    return f"  {it['iterations']} iterations, {it['tokens_mean']:.0f} tokens each (p50 {it['tokens_p50']:.0f})"
 
 
 def _ms(seconds: float) -> str:
@@ -1041,13 +1061,15 @@ def offline_round(cfg: PeerConfig, server: Server, prober: Prober, index: int,
     log(f"{server.system}/{prober.variant}: offline run {index + 1}/{cfg.offline_rounds} "
         f"({cfg.requests} requests at t=0)")
     _, prompts = prober.prompts()
+    server.take_iterations()
     run = asyncio.run(run_load(server.base_url, SERVED_NAME, planned_requests(prober.trace, None, prompts),
                                drain_s=cfg.drain_s * 4))
     wait_idle(server)
     summary = latency_summary(run.traces, run.wall_s)
+    iterations = server.take_iterations()
     log(f"{server.system}/{prober.variant}: offline run {index + 1}: {run.wall_s:.1f} s, "
-        f"{summary.get('output_tokens_per_s')} output tokens/s")
-    return OfflineRound(summary, tuple(run.traces))
+        f"{summary.get('output_tokens_per_s')} output tokens/s{iterations_text(iterations)}")
+    return OfflineRound(summary, tuple(run.traces), iterations)
 
 
 def median_round(rounds: Sequence[OfflineRound]) -> dict[str, Any]:
@@ -1307,9 +1329,11 @@ def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
                     "gave_up": p.result.gave_up, "errors": list(p.result.errors),
                     "machine": asdict(p.machine) if p.machine else None,
                     "summary": latency_summary(p.result.traces, p.result.wall_s),
+                    "iterations": p.iterations,
                     "traces": [t.to_json() for t in p.result.traces]} for q, p in sorted(r.probes.items())],
         "offline": {**r.offline, "traces": [t.to_json() for t in r.offline_traces],
-                    "round_traces": [[t.to_json() for t in o.traces] for o in r.offline_rounds]},
+                    "round_traces": [[t.to_json() for t in o.traces] for o in r.offline_rounds],
+                    "round_iterations": [o.iterations for o in r.offline_rounds]},
         "single": {**r.single, "traces": [t.to_json() for t in r.single_traces]},
         "machine": r.speed.to_json() if r.speed else None,
     }

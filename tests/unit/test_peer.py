@@ -200,6 +200,10 @@ def test_both_servers_get_the_same_model_dtype_budget_and_kv_bytes(tiny_model_di
     assert flag(chariot_command(replace(cfg, prefill_order=shortest.prefill_order)), "--prefill-order") == "shortest"
     assert float(flag(ours, "--ttft-slo-ms")) >= 3_600_000 and int(flag(ours, "--max-queue-per-replica")) >= 10**6
     assert flag(theirs, "--port") == "12345" and flag(ours, "--http-port") == "0"
+    # both report what their iterations carried: vLLM in histogram buckets down to one token, Chariot in its log
+    assert json.loads(flag(theirs, "--custom-histogram-buckets"))["iteration_tokens"][-1] == 256
+    logged = chariot_command(cfg, Path("/tmp/i.jsonl"))
+    assert "--iteration-log" not in ours and flag(logged, "--iteration-log") == "/tmp/i.jsonl"
 
 
 # ---- SSE → token times ---------------------------------------------------------------------------
@@ -725,6 +729,12 @@ def test_a_phase_calibrates_the_machine_around_and_between_its_measurements(tiny
     assert res.offline["output_tokens"] > 0 and res.single["output_tokens"] == 8
     assert len(res.offline_rounds) == len(res.offline["rounds"]) == 2 and res.offline["round"] in (0, 1)
     assert res.offline_traces == res.offline_rounds[res.offline["round"]].traces
+    # Chariot's iteration log, sliced per probe and round: every prompt token and decode of that load alone
+    for traces, it in [*((p.result.traces, p.iterations) for p in probes),
+                       *((o.traces, o.iterations) for o in res.offline_rounds)]:
+        assert it is not None and it["source"] == "chariot --iteration-log" and all(t.ok for t in traces)
+        assert it["tokens"] == sum(t.prompt_tokens + len(t.token_times) - 1 for t in traces)
+        assert sum(it["histogram"].values()) == it["iterations"] > 0
 
 
 @pytest.mark.slow
