@@ -81,7 +81,9 @@ def failing_load(rows: Sequence[Mapping[str, Any]], search: int = 0) -> float | 
 def _cdf(hist: Mapping[str, int]) -> tuple[list[float], list[float]]:
     ordered = sorted(hist.items(), key=lambda kv: math.inf if kv[0] == "+Inf" else float(kv[0]))
     total = sum(n for _, n in ordered)
-    xs, ys, seen = [], [], 0
+    xs: list[float] = []
+    ys: list[float] = []
+    seen = 0
     for le, n in ordered:
         seen += n
         xs.append(float(le) if le != "+Inf" else xs[-1] * 1.1)
