@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
 from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift, interleaved_drift
-from chariot.bench.server_iterations import ChariotIterations, IterationSource, VllmIterations, vllm_bucket_flag
+from chariot.bench.server_iterations import VLLM_ITERATION_FLAG, ChariotIterations, IterationSource, VllmIterations
 from chariot.bench.traces import TRACES, TraceRequest, TraceSpec, make_trace
 from chariot.contracts.engine_settings import PREFILL_ORDER
 from chariot.contracts.errors import ConfigError
@@ -610,12 +610,13 @@ def vllm_python(venv: Path = VLLM_VENV) -> Path:
 
 
 def vllm_command(cfg: PeerConfig, port: int, venv: Path = VLLM_VENV) -> list[str]:
-    """vLLM's OpenAI server on `port` with the run's model, dtype, budget (chunked prefill on)."""
+    """vLLM's OpenAI server on `port` with the run's model, dtype, budget (chunked prefill on), logging one
+    line per iteration (`server_iterations`)."""
     return [str(vllm_python(venv)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(cfg.model.resolve()),
             "--served-model-name", SERVED_NAME, "--dtype", cfg.dtype, "--max-num-batched-tokens",
             str(cfg.token_budget), "--enable-chunked-prefill", "--max-model-len", str(cfg.max_len),
             "--max-num-seqs", str(MAX_BATCH), "--host", "127.0.0.1", "--port", str(port),
-            "--disable-uvicorn-access-log", "--seed", str(cfg.seed), *vllm_bucket_flag(cfg.token_budget)]
+            "--disable-uvicorn-access-log", "--seed", str(cfg.seed), VLLM_ITERATION_FLAG]
 
 
 def vllm_env(cfg: PeerConfig) -> dict[str, str]:
@@ -808,7 +809,7 @@ def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_http_ready(proc, base, cfg.ready_timeout_s, log_path)
-        yield Server("vllm", base, VllmIterations(base, cfg.token_budget))
+        yield Server("vllm", base, VllmIterations(log_path, cfg.token_budget))
     finally:
         _stop(proc)
 

@@ -1,33 +1,41 @@
-"""What each server's iterations carried during one probe, read from the servers themselves.
+"""What each server's iterations carried during one probe, read from the servers' own logs.
 
 Why: a probe's client-side token times show when tokens came, not how many prompt tokens each
 iteration computed; whether a queue grew because iterations carried few tokens or because they were
-slow needs the server's own count. Both systems report it, each in its own way, and this module turns
-both into the same histogram of tokens per iteration over the same bounds:
+slow needs the servers' own count. Both systems log one line per iteration when asked, and this
+module reads both into the same record and the same summary:
 
-- Chariot: the iteration log (`--iteration-log`, `chariot.worker.iteration_log`), one line per
-  iteration, read from the byte offset where the previous probe stopped. It also gives the prompt
-  tokens, decodes, step time and queue of each iteration.
-- vLLM: its Prometheus histogram `vllm:iteration_tokens_total` (prompt tokens computed plus tokens
-  generated per engine step), scraped from `/metrics` before and after the probe, with bucket bounds
-  set at start-up (`--custom-histogram-buckets`) fine enough to read per-token counts up to 64 and
-  16-token bins above. The histogram is kept by vLLM's API server from the stats its engine core
-  sends anyway; the engine's loop does no more work with finer buckets.
+- Chariot: its iteration log (`--iteration-log`, `chariot.worker.iteration_log`), JSON lines.
+- vLLM: its per-iteration log lines (`--enable-logging-iteration-details`, in vLLM's log): the
+  scheduler's context (prompt) requests and tokens, generation (decode) requests and tokens, and the
+  time its engine loop waited for the forward pass. vLLM's Prometheus histogram
+  `vllm:iteration_tokens_total` is not used: under chunked prefill it counts a prompt's tokens in the
+  step its last chunk finishes, none in the steps before.
+
+A record: `prefill` (prompt tokens), `decodes` (decode sequences), `tokens` (both), `forward_ms` (the
+forward pass as the engine loop waited for it: Chariot's `exec_ms`, vLLM's "iteration elapsed
+time"), and for Chariot `waiting` (requests not yet started after the iteration). Each source is
+read from the byte offset where the previous `take` stopped, so a take before a probe drops what
+came before (warm-up, the other phase) and a take after it returns the probe's.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import math
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-VLLM_ITERATION_TOKENS = "vllm:iteration_tokens"  # the histogram family, without the `_total` of its samples
 FINE_UP_TO = 64  # every token count up to here has its own bucket (a decode-only iteration's batch)
 COARSE_STEP = 16
+VLLM_ITERATION_FLAG = "--enable-logging-iteration-details"
+VLLM_ITERATION_LINE = re.compile(
+    r"Iteration\((?P<index>\d+)\): (?P<ctx_requests>\d+) context requests, (?P<ctx_tokens>\d+) context tokens, "
+    r"(?P<gen_requests>\d+) generation requests, (?P<gen_tokens>\d+) generation tokens, "
+    r"iteration elapsed time: (?P<ms>[\d.]+) ms(?P<dummy> \(dummy\))?")
 
 
 def token_bounds(token_budget: int) -> list[int]:
@@ -36,14 +44,8 @@ def token_bounds(token_budget: int) -> list[int]:
     return sorted({*range(1, FINE_UP_TO + 1), *range(FINE_UP_TO, token_budget, COARSE_STEP), token_budget})
 
 
-def vllm_bucket_flag(token_budget: int) -> list[str]:
-    """vLLM's flag that sets its iteration-token histogram to `token_bounds`."""
-    bounds = [float(b) for b in token_bounds(token_budget)]
-    return ["--custom-histogram-buckets", json.dumps({"iteration_tokens": bounds}, separators=(",", ":"))]
-
-
 def histogram(token_counts: Sequence[int], bounds: Sequence[int]) -> dict[str, int]:
-    """Iterations per bucket, keyed by the bucket's upper bound (`le`; "+Inf" past the last bound)."""
+    """Iterations per bucket, keyed by the bucket's upper bound ("+Inf" past the last bound)."""
     counts: dict[str, int] = {}
     for tokens in token_counts:
         i = bisect.bisect_left(bounds, tokens)
@@ -66,15 +68,41 @@ def bucket_quantile(counts: Mapping[str, int], q: float) -> float | None:
     return None
 
 
-def histogram_summary(counts: Mapping[str, int], token_sum: float, token_budget: int) -> dict[str, Any]:
-    """Iterations, tokens per iteration (mean, p10/p50/p90 by bucket), and the share of iterations that
-    carried more than a decode batch's worth (> 64 tokens: prompt chunks) and that filled the budget."""
-    total = sum(counts.values())
-    over_fine = sum(n for le, n in counts.items() if le == "+Inf" or float(le) > FINE_UP_TO)
-    full = sum(n for le, n in counts.items() if le == "+Inf" or float(le) >= token_budget)
-    return {"iterations": total, "tokens": token_sum, "tokens_mean": token_sum / total if total else None,
+def quantiles(values: Sequence[float]) -> dict[str, float | None]:
+    """Median and nearest-rank p90."""
+    if not values:
+        return {"p50": None, "p90": None}
+    ordered = sorted(values)
+    return {"p50": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]}
+
+
+def summary(records: Sequence[Mapping[str, Any]], token_budget: int) -> dict[str, Any]:
+    """Iterations; tokens per iteration (histogram over `token_bounds`, mean, p10/p50/p90); the share
+    carrying prompt tokens and the share that filled the budget; prompt tokens of the iterations that
+    had some, decodes and forward time (p50/p90), and their sums."""
+    tokens = [r["tokens"] for r in records]
+    counts = histogram(tokens, token_bounds(token_budget))
+    n = len(records)
+    return {"iterations": n, "histogram": counts, "tokens": sum(tokens), "tokens_mean": sum(tokens) / n if n else None,
             **{f"tokens_p{int(q * 100)}": bucket_quantile(counts, q) for q in (0.1, 0.5, 0.9)},
-            "share_over_64": over_fine / total if total else None, "share_full": full / total if total else None}
+            "share_with_prompt": sum(r["prefill"] > 0 for r in records) / n if n else None,
+            "share_full": sum(t >= token_budget for t in tokens) / n if n else None,
+            "prefill_tokens": sum(r["prefill"] for r in records),
+            "prefill": quantiles([r["prefill"] for r in records if r["prefill"]]),
+            "decodes": quantiles([r["decodes"] for r in records]),
+            "forward_ms": quantiles([r["forward_ms"] for r in records]),
+            "forward_s": round(sum(r["forward_ms"] for r in records) / 1e3, 3),
+            **({"waiting": quantiles([r["waiting"] for r in records])}
+               if records and all("waiting" in r for r in records) else {})}
+
+
+def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    """The whole lines written to `path` from byte `offset` on, and the offset after the last of them."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    return data[:end].decode("utf-8", errors="replace").splitlines(), offset + end
 
 
 class IterationSource(Protocol):
@@ -83,92 +111,53 @@ class IterationSource(Protocol):
     def take(self) -> dict[str, Any]: ...
 
 
-def _quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None}
-    ordered = sorted(values)
-    return {"p50": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]}
+class LogIterations:
+    """Reads one server's iteration lines from where the last `take` stopped."""
 
-
-class ChariotIterations:
-    """Reads Chariot's iteration log from where the last `take` stopped."""
+    source = ""
 
     def __init__(self, path: Path, token_budget: int) -> None:
         self.path, self.token_budget, self.offset = path, token_budget, 0
 
-    def take(self) -> dict[str, Any]:
-        from chariot.worker.iteration_log import read_iterations
+    def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
+        raise NotImplementedError
 
+    def take(self) -> dict[str, Any]:
         if not self.path.exists():
-            return {"source": "chariot --iteration-log", "error": f"{self.path} not written"}
-        records, self.offset = read_iterations(self.path, self.offset)
-        tokens = [r["tokens"] for r in records]
-        counts = histogram(tokens, token_bounds(self.token_budget))
-        return {"source": "chariot --iteration-log", "log": self.path.name,
-                "span": [records[0]["t"], records[-1]["t"]] if records else None,
-                "histogram": counts, **histogram_summary(counts, sum(tokens), self.token_budget),
-                "prefill": _quantiles([r["prefill"] for r in records if r["prefill"]]),
-                "decodes": _quantiles([r["decodes"] for r in records]),
-                "ms": _quantiles([r["ms"] for r in records]),
-                "waiting": _quantiles([r["waiting"] for r in records]),
-                "prompt_chunks_per_prefill_iteration": _quantiles([len(r["chunks"]) for r in records if r["chunks"]])}
+            return {"source": self.source, "error": f"{self.path} not written"}
+        lines, self.offset = read_new_lines(self.path, self.offset)
+        return {"source": self.source, "log": self.path.name, **summary(self.parse(lines), self.token_budget)}
 
 
-def parse_vllm_histogram(text: str, family: str = VLLM_ITERATION_TOKENS) -> tuple[dict[str, float], float]:
-    """Cumulative bucket counts by `le` and the sum of a Prometheus histogram in exposition text
-    (summed over label sets other than `le`: one engine here)."""
-    from prometheus_client.parser import text_string_to_metric_families
+class ChariotIterations(LogIterations):
+    """Chariot's `--iteration-log` file."""
 
-    cumulative: dict[str, float] = {}
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        if fam.name not in (family, f"{family}_total"):
-            continue
-        for sample in fam.samples:
-            if sample.name.endswith("_bucket"):
-                le = sample.labels["le"]
-                key = le if le == "+Inf" else f"{float(le):g}"
-                cumulative[key] = cumulative.get(key, 0.0) + sample.value
-            elif sample.name.endswith("_sum"):
-                total += sample.value
-    return cumulative, total
+    source = "chariot --iteration-log"
+
+    def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
+        import json
+
+        records = [json.loads(line) for line in lines if line.strip()]
+        return [{"prefill": r["prefill"], "decodes": r["decodes"], "tokens": r["tokens"], "forward_ms": r["exec_ms"],
+                 "waiting": r["waiting"]} for r in records]
 
 
-def bucket_counts(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, int]:
-    """Per-bucket counts of the observations between two scrapes of cumulative buckets."""
-    def order(le: str) -> float:
-        return math.inf if le == "+Inf" else float(le)
+class VllmIterations(LogIterations):
+    """vLLM's log with `--enable-logging-iteration-details` (dummy iterations left out)."""
 
-    counts, below = {}, 0.0
-    for le in sorted(after, key=order):
-        cumulative = after[le] - before.get(le, 0.0)
-        if cumulative - below > 0:
-            counts[le] = round(cumulative - below)
-        below = cumulative
-    return counts
+    source = f"vllm {VLLM_ITERATION_FLAG}"
 
+    def __init__(self, path: Path, token_budget: int) -> None:
+        super().__init__(path, token_budget)
+        self.offset = path.stat().st_size if path.exists() else 0  # earlier phases appended to the same log
 
-class VllmIterations:
-    """Scrapes vLLM's iteration-token histogram; `take` returns what changed since the last scrape."""
-
-    def __init__(self, base_url: str, token_budget: int) -> None:
-        self.base_url, self.token_budget = base_url, token_budget
-        self.last: tuple[dict[str, float], float] = ({}, 0.0)
-
-    def scrape(self) -> tuple[dict[str, float], float]:
-        import httpx
-
-        return parse_vllm_histogram(httpx.get(f"{self.base_url}/metrics", timeout=30.0).text)
-
-    def take(self) -> dict[str, Any]:
-        try:
-            now = self.scrape()
-        except Exception as exc:  # a scrape that fails loses this probe's histogram, not the run
-            return {"source": "vllm /metrics", "error": f"{type(exc).__name__}: {exc}"[:300]}
-        (before, sum_before), (after, sum_after) = self.last, now
-        self.last = now
-        if not after:
-            return {"source": "vllm /metrics", "error": f"no {VLLM_ITERATION_TOKENS} histogram served"}
-        counts = bucket_counts(before, after)
-        return {"source": "vllm /metrics", "histogram": counts,
-                **histogram_summary(counts, sum_after - sum_before, self.token_budget)}
+    def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
+        records = []
+        for line in lines:
+            found = VLLM_ITERATION_LINE.search(line)
+            if found is None or found["dummy"]:
+                continue
+            prefill, gen = int(found["ctx_tokens"]), int(found["gen_tokens"])
+            records.append({"prefill": prefill, "decodes": int(found["gen_requests"]), "tokens": prefill + gen,
+                            "forward_ms": float(found["ms"])})
+        return records

@@ -3,12 +3,12 @@
 Why: where Chariot's capacity search fails on median TTFT, the prompt queue grew; this says whether
 its iterations carried fewer tokens than vLLM's at the same load (more, smaller iterations for the
 same work), or as many tokens more slowly. It reads the per-probe `iterations` records the harness
-takes from both servers (`bench/server_iterations.py`: Chariot's iteration log, vLLM's
-`vllm:iteration_tokens_total` histogram at per-token buckets up to 64, 16-token bins above) and
-writes one row per system and load (and offline round): iterations, iterations per second of the
-probe's wall time, tokens per iteration (mean, p10/p50/p90), the share of iterations carrying prompt
-chunks (> 64 tokens) and the share that filled the budget; for Chariot also prompt tokens and decodes
-per iteration, step time and the queue.
+takes from both servers' own per-iteration logs (`bench/server_iterations.py`: Chariot's
+`--iteration-log`, vLLM's `--enable-logging-iteration-details`) and writes one row per system and
+load (and offline round): iterations, iterations per second of the probe's wall time, tokens per
+iteration (mean, p10/p50/p90), the share of iterations carrying prompt tokens and the share that
+filled the budget, prompt tokens per iteration that had some, decodes per iteration, the forward
+pass's time (p50/p90 and the sum), and for Chariot the queue after each iteration.
 
     .venv/bin/python -m chariot.bench.experiments.iteration_mix PEER_JSON[.gz] [OUT_DIR]
 
@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SUMMARY_KEYS = ("iterations", "tokens", "tokens_mean", "tokens_p10", "tokens_p50", "tokens_p90", "share_over_64",
-                "share_full")
-CHARIOT_KEYS = ("prefill", "decodes", "ms", "waiting", "prompt_chunks_per_prefill_iteration")
+SUMMARY_KEYS = ("iterations", "tokens", "tokens_mean", "tokens_p10", "tokens_p50", "tokens_p90", "share_with_prompt",
+                "share_full", "prefill_tokens", "prefill", "decodes", "forward_ms", "forward_s")
+CHARIOT_KEYS = ("waiting",)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -125,7 +125,7 @@ def plot(doc: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out: Path) -
         right.set_ylabel("share of iterations")
         right.set_title(f"at {qps:g} QPS, first search")
         right.legend(fontsize=8)
-    fig.suptitle("tokens per iteration, from each server (Chariot's iteration log, vLLM's histogram)")
+    fig.suptitle("tokens per iteration, from each server's per-iteration log")
     fig.tight_layout()
     path = out / "iteration_mix.png"
     fig.savefig(path, dpi=110)
@@ -156,7 +156,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"{r['variant']} s{r['search'] + 1} {r['system']:8} {_fmt(r['qps']) if r['qps'] else 'offline':>7} "
               f"{r['verdict']:16} it {r['iterations']:5} it/s {_fmt(r['iterations_per_s'])} tokens mean "
               f"{_fmt(r['tokens_mean'])} p10/50/90 {_fmt(r['tokens_p10'])}/{_fmt(r['tokens_p50'])}/"
-              f"{_fmt(r['tokens_p90'])} >64 {_fmt(r['share_over_64'])} full {_fmt(r['share_full'])} {extra}")
+              f"{_fmt(r['tokens_p90'])} with prompt {_fmt(r['share_with_prompt'])} full {_fmt(r['share_full'])} "
+              f"prefill {_fmt(r['prefill'])} decodes {_fmt(r['decodes'])} forward ms {_fmt(r['forward_ms'])} "
+              f"({_fmt(r['forward_s'])} s) {extra}")
     print(plot(doc, rows, out))
     return 0
 

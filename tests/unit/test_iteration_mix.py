@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from chariot.bench.experiments.iteration_mix import failing_load, main, report
-from chariot.bench.server_iterations import histogram, histogram_summary, token_bounds
+from chariot.bench.server_iterations import summary
 
 
-def iterations(source: str, tokens: list[int], **extra: Any) -> dict[str, Any]:
-    counts = histogram(tokens, token_bounds(512))
-    return {"source": source, "histogram": counts, **histogram_summary(counts, sum(tokens), 512), **extra}
+def iterations(source: str, tokens: list[int], waiting: int | None = None) -> dict[str, Any]:
+    """A source's summary of iterations with these token counts (prompt tokens past a 32-decode batch)."""
+    records = [{"tokens": t, "prefill": max(t - 32, 0), "decodes": min(t, 32), "forward_ms": t / 4,
+                **({} if waiting is None else {"waiting": waiting})} for t in tokens]
+    return {"source": source, **summary(records, 512)}
 
 
 def probe(qps: float, verdict: str, its: dict[str, Any] | None) -> dict[str, Any]:
@@ -22,7 +24,7 @@ def probe(qps: float, verdict: str, its: dict[str, Any] | None) -> dict[str, Any
 
 
 def doc() -> dict[str, Any]:
-    chariot = {"prefill": {"p50": 400, "p90": 480}, "decodes": {"p50": 20, "p90": 30}}
+    chariot = {"waiting": 3}
     return {"runs": [
         {"system": "chariot", "variant": "fresh", "search": 0, "probes": [
             probe(1.0, "pass", iterations("chariot --iteration-log", [20, 512, 30], **chariot)),
@@ -31,8 +33,8 @@ def doc() -> dict[str, Any]:
          "offline": {"rounds": [{"wall_s": 20.0}],
                      "round_iterations": [iterations("chariot --iteration-log", [512] * 4)]}},
         {"system": "vllm", "variant": "fresh", "search": 0, "probes": [
-            probe(1.0, "pass", iterations("vllm /metrics", [20, 512])),
-            probe(1.5, "pass", iterations("vllm /metrics", [512, 512, 40]))],
+            probe(1.0, "pass", iterations("vllm --enable-logging-iteration-details", [20, 512])),
+            probe(1.5, "pass", iterations("vllm --enable-logging-iteration-details", [512, 512, 40]))],
          "offline": {}},
     ]}
 
@@ -43,9 +45,10 @@ def test_rows_per_system_and_load_with_the_servers_counts() -> None:
                                                        ("vllm", 1.0), ("vllm", 1.5)]
     at_load = rows[1]
     assert at_load["iterations"] == 4 and at_load["tokens_mean"] == (40 + 300 + 512 + 35) / 4
-    assert at_load["iterations_per_s"] == 0.4 and at_load["prefill"] == {"p50": 400, "p90": 480}
+    assert at_load["iterations_per_s"] == 0.4 and at_load["prefill"] == {"p50": (8 + 268) / 2, "p90": 480}
+    assert at_load["waiting"] == {"p50": 3, "p90": 3} and at_load["forward_s"] == round(887 / 4 / 1e3, 3)
     assert rows[2]["verdict"] == "offline round 1" and rows[2]["iterations_per_s"] == 0.2
-    assert "prefill" not in rows[4] and rows[4]["share_full"] == 2 / 3
+    assert "waiting" not in rows[4] and rows[4]["share_full"] == 2 / 3 and rows[4]["share_with_prompt"] == 1
     assert failing_load(rows) == 1.5
 
 
