@@ -79,7 +79,8 @@ def quantiles(values: Sequence[float]) -> dict[str, float | None]:
 def summary(records: Sequence[Mapping[str, Any]], token_budget: int) -> dict[str, Any]:
     """Iterations; tokens per iteration (histogram over `token_bounds`, mean, p10/p50/p90); the share
     carrying prompt tokens and the share that filled the budget; prompt tokens of the iterations that
-    had some, decodes and forward time (p50/p90), and their sums."""
+    had some, decodes and forward time (p50/p90), and their sums; the forward time of the iterations
+    that filled the budget (the prefill rate under a queue) and of those with decodes alone."""
     tokens = [r["tokens"] for r in records]
     counts = histogram(tokens, token_bounds(token_budget))
     n = len(records)
@@ -92,6 +93,8 @@ def summary(records: Sequence[Mapping[str, Any]], token_budget: int) -> dict[str
             "decodes": quantiles([r["decodes"] for r in records]),
             "forward_ms": quantiles([r["forward_ms"] for r in records]),
             "forward_s": round(sum(r["forward_ms"] for r in records) / 1e3, 3),
+            "full_forward_ms": quantiles([r["forward_ms"] for r in records if r["tokens"] >= token_budget]),
+            "decode_only_forward_ms": quantiles([r["forward_ms"] for r in records if not r["prefill"]]),
             **({"waiting": quantiles([r["waiting"] for r in records])}
                if records and all("waiting" in r for r in records) else {})}
 

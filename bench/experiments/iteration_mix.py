@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY_KEYS = ("iterations", "tokens", "tokens_mean", "tokens_p10", "tokens_p50", "tokens_p90", "share_with_prompt",
-                "share_full", "prefill_tokens", "prefill", "decodes", "forward_ms", "forward_s")
+                "share_full", "prefill_tokens", "prefill", "decodes", "forward_ms", "forward_s", "full_forward_ms",
+                "decode_only_forward_ms")
 CHARIOT_KEYS = ("waiting",)
 
 
@@ -158,7 +159,8 @@ def main(argv: Sequence[str]) -> int:
               f"{_fmt(r['tokens_mean'])} p10/50/90 {_fmt(r['tokens_p10'])}/{_fmt(r['tokens_p50'])}/"
               f"{_fmt(r['tokens_p90'])} with prompt {_fmt(r['share_with_prompt'])} full {_fmt(r['share_full'])} "
               f"prefill {_fmt(r['prefill'])} decodes {_fmt(r['decodes'])} forward ms {_fmt(r['forward_ms'])} "
-              f"({_fmt(r['forward_s'])} s) {extra}")
+              f"({_fmt(r['forward_s'])} s) full {_fmt(r['full_forward_ms'])} decode-only "
+              f"{_fmt(r['decode_only_forward_ms'])} {extra}")
     print(plot(doc, rows, out))
     return 0
 

@@ -66,6 +66,7 @@ def test_vllm_lines_between_two_takes_are_the_probe(tmp_path: Path) -> None:
     assert got["histogram"] == {"256": 2, "7": 1} and got["share_full"] == 2 / 3 and got["share_with_prompt"] == 2 / 3
     assert got["decodes"] == {"p50": 6, "p90": 7} and "waiting" not in got
     assert got["forward_s"] == pytest.approx(0.2705, abs=1e-3)
+    assert got["full_forward_ms"] == {"p50": 125.25, "p90": 130.0} and got["decode_only_forward_ms"]["p50"] == 20.0
     with log.open("a") as f:
         f.write(vllm_line(6, 0, 0, 7, 20.0)[40:] + "\n")
     assert source.take()["tokens"] == 7
