@@ -9,7 +9,7 @@ logs whole (`bench/server_iterations.py`): Chariot's `--iteration-log` file(s) a
 `--enable-logging-iteration-details` (its lines carry the time to the second, in the machine's
 local time, the year taken from Chariot's log).
 
-    .venv/bin/python -m chariot.bench.experiments.full_iteration_timeline OUT_DIR VLLM_LOG CHARIOT_LOG...
+    .venv/bin/python -m chariot.bench.experiments.full_iteration_timeline OUT_DIR VLLM_LOG ITERATION_LOG...
 
 Writes OUT_DIR/full_iteration_timeline.json (per minute and system: full iterations and their median
 forward time; the ratio of the two systems' medians over the minutes both ran some) and

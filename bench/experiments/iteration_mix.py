@@ -30,7 +30,7 @@ from typing import Any
 SUMMARY_KEYS = ("iterations", "tokens", "tokens_mean", "tokens_p10", "tokens_p50", "tokens_p90", "share_with_prompt",
                 "share_full", "prefill_tokens", "prefill", "decodes", "forward_ms", "forward_s", "full_forward_ms",
                 "decode_only_forward_ms")
-CHARIOT_KEYS = ("waiting",)
+SERVER_ONLY_KEYS = ("waiting",)
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def row(key: Mapping[str, Any], qps: float | None, verdict: str | None, wall_s: 
     out = {**key, "qps": qps, "verdict": verdict, "source": it["source"],
            **{k: it.get(k) for k in SUMMARY_KEYS},
            "iterations_per_s": round(it["iterations"] / wall_s, 2) if wall_s else None}
-    out.update({k: it[k] for k in CHARIOT_KEYS if k in it})
+    out.update({k: it[k] for k in SERVER_ONLY_KEYS if k in it})
     return out
 
 
@@ -153,7 +153,7 @@ def main(argv: Sequence[str]) -> int:
     rows = report(doc)
     (out / "iteration_mix.json").write_text(json.dumps({"source": src.name, "rows": rows}, indent=1) + "\n")
     for r in rows:
-        extra = " ".join(f"{k} {_fmt(r[k])}" for k in CHARIOT_KEYS if k in r)
+        extra = " ".join(f"{k} {_fmt(r[k])}" for k in SERVER_ONLY_KEYS if k in r)
         print(f"{r['variant']} s{r['search'] + 1} {r['system']:8} {_fmt(r['qps']) if r['qps'] else 'offline':>7} "
               f"{r['verdict']:16} it {r['iterations']:5} it/s {_fmt(r['iterations_per_s'])} tokens mean "
               f"{_fmt(r['tokens_mean'])} p10/50/90 {_fmt(r['tokens_p10'])}/{_fmt(r['tokens_p50'])}/"
