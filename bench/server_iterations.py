@@ -22,12 +22,15 @@ came before (warm-up, the other phase) and a take after it returns the probe's.
 from __future__ import annotations
 
 import bisect
+import json
 import math
 import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from chariot.worker.iteration_log import read_new_lines
 
 FINE_UP_TO = 64  # every token count up to here has its own bucket (a decode-only iteration's batch)
 COARSE_STEP = 16
@@ -99,15 +102,6 @@ def summary(records: Sequence[Mapping[str, Any]], token_budget: int) -> dict[str
                if records and all("waiting" in r for r in records) else {})}
 
 
-def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
-    """The whole lines written to `path` from byte `offset` on, and the offset after the last of them."""
-    with path.open("rb") as f:
-        f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    return data[:end].decode("utf-8", errors="replace").splitlines(), offset + end
-
-
 class IterationSource(Protocol):
     """Per probe: `take()` before it (dropping what came before) and after it (what it caused)."""
 
@@ -138,8 +132,6 @@ class ChariotIterations(LogIterations):
     source = "chariot --iteration-log"
 
     def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
-        import json
-
         records = [json.loads(line) for line in lines if line.strip()]
         return [{"prefill": r["prefill"], "decodes": r["decodes"], "tokens": r["tokens"], "forward_ms": r["exec_ms"],
                  "waiting": r["waiting"]} for r in records]

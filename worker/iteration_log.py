@@ -87,15 +87,20 @@ class IterationLog:
             self._file.close()
 
 
-def read_iterations(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """The records written to `path` from byte `offset` on, and the offset after the last whole line
+def read_new_lines(path: str | Path, offset: int = 0) -> tuple[list[str], int]:
+    """The whole lines written to `path` from byte `offset` on, and the offset after the last of them
     (a line still being written is left for the next read)."""
     with Path(path).open("rb") as f:
         f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
-    records = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-    return records, offset + end
+    return data[:end].decode("utf-8", errors="replace").splitlines(), offset + end
+
+
+def read_iterations(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The records written to `path` from byte `offset` on, and the offset after the last whole line."""
+    lines, end = read_new_lines(path, offset)
+    return [json.loads(line) for line in lines if line.strip()], end
 
 
 def iteration_log_path(base: str | Path, replica: int) -> Path:

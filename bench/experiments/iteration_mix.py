@@ -19,7 +19,6 @@ iteration at the lowest load where Chariot failed in the first search (right).
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import sys
@@ -27,17 +26,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from chariot.bench.experiments.iterations_from_traces import load
+
 SUMMARY_KEYS = ("iterations", "tokens", "tokens_mean", "tokens_p10", "tokens_p50", "tokens_p90", "share_with_prompt",
                 "share_full", "prefill_tokens", "prefill", "decodes", "forward_ms", "forward_s", "full_forward_ms",
                 "decode_only_forward_ms")
 SERVER_ONLY_KEYS = ("waiting",)
-
-
-def load(path: Path) -> dict[str, Any]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        doc: dict[str, Any] = json.load(f)
-    return doc
 
 
 def row(key: Mapping[str, Any], qps: float | None, verdict: str | None, wall_s: float | None,
