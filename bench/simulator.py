@@ -21,7 +21,7 @@ import argparse
 import dataclasses
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from chariot.worker.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from chariot.worker.sequence import Sequence as Seq
 
 FAKE_TOKEN = 7
+SchedulerFactory = Callable[[SchedulerConfig, BlockManager], Scheduler]
 BENCH_MAX_LEN = {"chat": 2048, "arxiv": 4096}  # `chariot bench capacity` defaults (its DEFAULT_MAX_LEN)
 
 
@@ -92,9 +93,10 @@ def batch_shape(batch: SchedulerOutput) -> BatchShape:
 class _Replica:
     """The scheduler plus the engine's output handling, with simulated time."""
 
-    def __init__(self, trace: Sequence[TraceRequest], config: SimConfig, cost_model: CostModel) -> None:
-        self.sched: Scheduler = make_scheduler(config.scheduler_config(),
-                                               BlockManager(config.num_blocks, config.block_size, config.watermark))
+    def __init__(self, trace: Sequence[TraceRequest], config: SimConfig, cost_model: CostModel,
+                 scheduler: SchedulerFactory = make_scheduler) -> None:
+        self.sched: Scheduler = scheduler(config.scheduler_config(),
+                                          BlockManager(config.num_blocks, config.block_size, config.watermark))
         self.trace = trace
         self.cost_model = cost_model
         self.max_model_len = config.max_model_len
@@ -141,9 +143,12 @@ class _Replica:
 
 
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, cost_model: CostModel,
-             record_batches: bool = False) -> SimResult:
-    """Replay `trace` (request i gets sequence id i) and return every request's timeline."""
-    rep = _Replica(trace, config, cost_model)
+             record_batches: bool = False, scheduler: SchedulerFactory = make_scheduler) -> SimResult:
+    """Replay `trace` (request i gets sequence id i) and return every request's timeline.
+
+    `scheduler`: builds the scheduler from the resolved config and block manager (default: the
+    engine's `make_scheduler`; an experiment passes a variant of a policy to weigh it first)."""
+    rep = _Replica(trace, config, cost_model, scheduler)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     nxt, iterations, batches = 0, 0, []
     while nxt < len(order) or rep.sched.has_unfinished:

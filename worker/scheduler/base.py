@@ -232,9 +232,12 @@ class Scheduler(ABC):
         tokens is passed only by prompts that arrive within L / budget iterations after it: it waits
         behind at most about its own length of newer work and never starves. The ageing needs no
         clock, so the engine and the simulator rank the same queue the same way."""
-        queued = self._queued_at[seq.seq_id]
-        age = self.iteration - queued
-        return seq.num_remaining - age * self.config.token_budget, queued, seq.seq_id
+        return (seq.num_remaining - self.iterations_waited(seq) * self.config.token_budget,
+                self._queued_at[seq.seq_id], seq.seq_id)
+
+    def iterations_waited(self, seq: Sequence) -> int:
+        """Iterations scheduled since `seq` was added (its age on the clock `prefill_rank` ages by)."""
+        return self.iteration - self._queued_at[seq.seq_id]
 
     def _schedule_prefills(self, builder: BatchBuilder) -> None:
         """Give the budget left after the decodes to prompts: ongoing ones, then new ones in arrival
