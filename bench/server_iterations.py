@@ -26,9 +26,12 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import numpy as np
 
 from chariot.worker.iteration_log import read_new_lines
 
@@ -100,6 +103,43 @@ def summary(records: Sequence[Mapping[str, Any]], token_budget: int) -> dict[str
             "decode_only_forward_ms": quantiles([r["forward_ms"] for r in records if not r["prefill"]]),
             **({"waiting": quantiles([r["waiting"] for r in records])}
                if records and all("waiting" in r for r in records) else {})}
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """An iteration's time as a server's log shows it: `constant_ms` + `prompt_token_ms` per prompt
+    token + `decode_ms` per decode, fitted by least squares over `iterations` records (R² `r2`)."""
+
+    constant_ms: float
+    prompt_token_ms: float
+    decode_ms: float
+    r2: float
+    iterations: int
+
+    def predict_ms(self, prompt_tokens: float, decodes: float) -> float:
+        return self.constant_ms + self.prompt_token_ms * prompt_tokens + self.decode_ms * decodes
+
+
+def fit_step_cost(records: Iterable[Mapping[str, Any]], time_key: str = "forward_ms") -> StepCost:
+    """`StepCost` of records with `prefill`, `decodes` and the time `time_key` (ms). A coefficient that
+    comes out negative is dropped (held at 0) and the others refitted, so the model never predicts
+    less time for more work."""
+    rows = [(float(r["prefill"]), float(r["decodes"]), float(r[time_key])) for r in records]
+    if len(rows) < 3:
+        raise ValueError(f"need at least 3 iterations to fit a step cost, got {len(rows)}")
+    x = np.array([[1.0, p, d] for p, d, _ in rows])
+    y = np.array([ms for _, _, ms in rows])
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = np.zeros(3)
+    full[keep] = np.clip(coef, 0.0, None)
+    residual = y - x @ full
+    r2 = 1.0 - float(residual @ residual) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
+    return StepCost(float(full[0]), float(full[1]), float(full[2]), r2, len(rows))
 
 
 class IterationSource(Protocol):

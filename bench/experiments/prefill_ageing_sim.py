@@ -36,9 +36,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from chariot.bench.capacity import percentile
+from chariot.bench.server_iterations import fit_step_cost
 from chariot.bench.simulator import SimConfig, simulate
 from chariot.bench.traces import TRACES, make_trace
 from chariot.worker.block_manager import BlockManager
@@ -79,25 +78,12 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
 
 
 def fit_cost_model(records: Iterable[Mapping[str, Any]]) -> tuple[CostModel, float]:
-    """Step time (s) = constant + a x prompt tokens + b x decodes, least squares over the records; a
-    negative coefficient is dropped and the rest refitted. Returns the model and its R^2."""
-    rows = [(float(r["prefill"]), float(r["decodes"]), float(r["ms"]) / 1e3) for r in records]
-    if len(rows) < 3:
-        raise ValueError(f"need at least 3 iterations to fit a cost model, got {len(rows)}")
-    x = np.array([[1.0, p, d] for p, d, _ in rows])
-    y = np.array([t for _, _, t in rows])
-    keep = [0, 1, 2]
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        if (coef >= 0).all() or len(keep) == 1:
-            break
-        keep.pop(int(np.argmin(coef)))
-    full = np.zeros(3)
-    full[keep] = np.clip(coef, 0.0, None)
-    residual = y - x @ full
-    r2 = 1.0 - float(residual @ residual) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
+    """The simulator's cost model from a log's step times (`ms`: the whole step, host work included):
+    a constant, prompt tokens and decodes (`fit_step_cost`). Returns the model and its R²."""
+    fit = fit_step_cost(records, time_key="ms")
     # features: constant, prefill_tokens, decode_tokens, prefill_attention, decode_context
-    return CostModel((float(full[0]), float(full[1]), float(full[2]), 0.0, 0.0), r2), r2
+    coefficients = (fit.constant_ms / 1e3, fit.prompt_token_ms / 1e3, fit.decode_ms / 1e3, 0.0, 0.0)
+    return CostModel(coefficients, fit.r2), fit.r2
 
 
 def variants() -> list[tuple[str, float | None]]:
