@@ -6,8 +6,11 @@ of MB, so what matters is the rate a kernel streams scattered blocks at, not its
 fits in L3. Each system runs in its own process and venv on a 390 MB cache of its own layout
 (Chariot: head-major blocks of 16 and of 128 tokens, `empty_kv_cache`; vLLM: its CPU layout, 128-token
 blocks, K and V of a block and head side by side, AMX ISA where the CPU has it), with a fresh random
-choice of blocks per call so every call reads cold blocks. Chariot runs the current build and, with
-`--baseline REV`, another revision's (`kernel_revision_ab.revision_source`), interleaved.
+choice of blocks per call so every call reads cold blocks. Both processes stay up and take turns,
+one repetition (every shape once) at a time, the first rotating, so the machine's moves (this kind of
+VM's speed moves 2x within minutes) fall on both; timed one system after the other, the ratio moved
+0.8-1.8x from run to run. Chariot runs the current build and, with `--baseline REV`, another
+revision's (`kernel_revision_ab.revision_source`), interleaved in its process.
 
     .venv/bin/python -m chariot.bench.experiments.decode_attention_side_by_side [--baseline REV] [OUT_DIR]
 
@@ -26,13 +29,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 SHAPES = ((32, 512), (48, 800), (32, 2048))  # (decodes, context tokens)
 HEADS, KV_HEADS, DIM = 16, 4, 64
 CACHE_TOKENS = 384_000  # 2 × 393 MB of bf16 K and V at the 100m shape
 REPS = 15
+PAUSE_S = 0.05  # before each turn: the other process's OpenMP threads stop spinning and sleep
 VLLM_PYTHON = Path("build/vllm-venv/bin/python")
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
@@ -55,7 +59,8 @@ def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, d
 
 
 # ---- vLLM's process -------------------------------------------------------------------------------
-def run_vllm() -> dict[str, dict[str, list[float]]]:
+def vllm_timer() -> Callable[[int], dict[str, dict[str, float]]]:
+    """Sets up vLLM's cache; returns a function timing one repetition (every shape once)."""
     import torch
     import vllm._custom_ops as ops
 
@@ -67,8 +72,9 @@ def run_vllm() -> dict[str, dict[str, list[float]]]:
     num_blocks = CACHE_TOKENS // block
     kv = torch.randn(num_blocks, KV_HEADS, block, 2 * DIM).to(torch.bfloat16)
     k, v = kv.view(num_blocks, KV_HEADS, 2 * block, DIM).chunk(2, dim=2)
-    times: dict[str, list[float]] = {}
-    for rep in range(REPS + 2):
+
+    def one_rep(rep: int) -> dict[str, dict[str, float]]:
+        times: dict[str, float] = {}
         for n, ctx in SHAPES:
             g = torch.Generator().manual_seed(rep)
             width = -(-ctx // block)
@@ -86,13 +92,16 @@ def run_vllm() -> dict[str, dict[str, list[float]]]:
                 query=q, key_cache=k, value_cache=v, output=out, query_start_loc=starts, seq_lens=lens, scale=0.125,
                 causal=True, alibi_slopes=None, sliding_window=-1, block_table=tables, softcap=0.0,
                 scheduler_metadata=meta, s_aux=None)
-            if rep >= 2:
-                times.setdefault(f"{n}x{ctx}", []).append(time.perf_counter() - t0)
-    return {f"vllm (block {block})": times}
+            times[f"{n}x{ctx}"] = time.perf_counter() - t0
+        return {f"vllm (block {block})": times}
+
+    return one_rep
 
 
 # ---- Chariot's process ----------------------------------------------------------------------------
-def run_chariot(baseline: str | None) -> dict[str, dict[str, list[float]]]:
+def chariot_timer(baseline: str | None) -> Callable[[int], dict[str, dict[str, float]]]:
+    """Builds the kernels and caches; returns a function timing one repetition (every shape, block size
+    and kernel once, the kernels' order rotating by repetition)."""
     import torch
 
     from chariot.bench.experiments.kernel_revision_ab import revision_source
@@ -108,9 +117,10 @@ def run_chariot(baseline: str | None) -> dict[str, dict[str, list[float]]]:
         k, v = (empty_kv_cache(CACHE_TOKENS // block, block, KV_HEADS, DIM, torch.bfloat16) for _ in range(2))
         k.normal_(), v.normal_()
         caches[block] = (k, v)
-    times: dict[str, dict[str, list[float]]] = {}
-    with torch.inference_mode():
-        for rep in range(REPS + 2):
+
+    def one_rep(rep: int) -> dict[str, dict[str, float]]:
+        times: dict[str, dict[str, float]] = {}
+        with torch.inference_mode():
             for n, ctx in SHAPES:
                 for block, (k, v) in caches.items():
                     g = torch.Generator().manual_seed(rep)
@@ -124,13 +134,57 @@ def run_chariot(baseline: str | None) -> dict[str, dict[str, list[float]]]:
                     for name in names[rep % len(names):] + names[: rep % len(names)]:
                         t0 = time.perf_counter()
                         cpu_attention.paged_attention(q, k, v, meta, 0.125, kernel=kernels[name], prompts="kernel")
-                        if rep >= 2:
-                            times.setdefault(f"chariot {name} (block {block})", {}).setdefault(
-                                f"{n}x{ctx}", []).append(time.perf_counter() - t0)
-    return times
+                        times.setdefault(f"chariot {name} (block {block})", {})[f"{n}x{ctx}"] = \
+                            time.perf_counter() - t0
+        return times
+
+    return one_rep
+
+
+def serve(one_rep: Callable[[int], dict[str, dict[str, float]]]) -> None:
+    """A system's process: `ready`, then per repetition number read from stdin one JSON line of times."""
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(json.dumps(one_rep(int(line))), flush=True)
 
 
 # ---- the driver -----------------------------------------------------------------------------------
+def take_turns(procs: dict[str, subprocess.Popen[str]], reps: int,
+               warmup: int = 2) -> dict[str, dict[str, list[float]]]:
+    """Every repetition on every system, the systems taking turns (the first rotating by repetition), so
+    the machine's moves fall on all of them; the first `warmup` repetitions are dropped."""
+    times: dict[str, dict[str, list[float]]] = {}
+    names = list(procs)
+    for rep in range(reps + warmup):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            proc = procs[name]
+            assert proc.stdin is not None and proc.stdout is not None
+            time.sleep(PAUSE_S)
+            proc.stdin.write(f"{rep}\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            while line and not line.startswith("{"):  # anything else the library printed
+                line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{name}'s process ended at repetition {rep}")
+            result = json.loads(line)
+            if rep >= warmup:
+                for kernel, by_shape in result.items():
+                    for shape, seconds in by_shape.items():
+                        times.setdefault(kernel, {}).setdefault(shape, []).append(seconds)
+    return times
+
+
+def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    while (line := proc.stdout.readline()) and line.strip() != "ready":
+        pass
+    if proc.poll() is not None:
+        raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before it was ready")
+    return proc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=None, help="another revision's kernel to time beside the current")
@@ -138,19 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", nargs="?", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     if args.system != "driver":
-        result = run_vllm() if args.system == "vllm" else run_chariot(args.baseline)
-        print(json.dumps(result))
+        serve(vllm_timer() if args.system == "vllm" else chariot_timer(args.baseline))
         return 0
     from chariot.bench.linear_bench import cpu_record
 
-    times: dict[str, Any] = {}
     this = Path(__file__).resolve()
-    env = dict(os.environ, LD_PRELOAD=TCMALLOC) if Path(TCMALLOC).exists() else dict(os.environ)
-    for system, python, extra_env in (("chariot", sys.executable, os.environ), ("vllm", str(VLLM_PYTHON), env)):
-        print(f"timing {system} ...", flush=True)
-        cmd = [python, str(this), "--system", system] + (["--baseline", args.baseline] if args.baseline else [])
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(extra_env))
-        times.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    vllm_env = dict(os.environ, LD_PRELOAD=TCMALLOC) if Path(TCMALLOC).exists() else dict(os.environ)
+    baseline = ["--baseline", args.baseline] if args.baseline else []
+    print("starting both systems' processes ...", flush=True)
+    procs = {"chariot": start([sys.executable, str(this), "--system", "chariot", *baseline], dict(os.environ)),
+             "vllm": start([str(VLLM_PYTHON), str(this), "--system", "vllm"], vllm_env)}
+    try:
+        times = take_turns(procs, REPS)
+    finally:
+        for proc in procs.values():
+            if proc.stdin:
+                proc.stdin.close()
+            proc.wait(timeout=60)
     summary = summarize(times)
     for kernel, by_shape in summary.items():
         cells = (f"{s}: {r['ms']:.2f} ms {r['gb_per_s']:.1f} GB/s" for s, r in by_shape.items())
@@ -158,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "decode_attention_side_by_side.json").write_text(json.dumps(
         {"machine": cpu_record(), "shapes": SHAPES, "cache_tokens": CACHE_TOKENS, "reps": REPS,
-         "baseline_revision": args.baseline, "summary": summary, "seconds": times}, indent=1))
+         "interleaved": True, "baseline_revision": args.baseline, "summary": summary, "seconds": times}, indent=1))
     return 0
 
 

@@ -5,7 +5,9 @@ variant computes what the current one does."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,27 @@ def test_rates_are_the_kv_bytes_read_over_the_median_time() -> None:
     summary = summarize({"k": {"32x512": [0.002, 0.001, 0.003]}})
     assert summary["k"]["32x512"]["ms"] == pytest.approx(2.0)
     assert summary["k"]["32x512"]["gb_per_s"] == pytest.approx(kv_gb(32, 512) / 0.002)
+
+
+def test_the_systems_processes_take_turns_and_the_warm_up_is_dropped(tmp_path: Path) -> None:
+    """Two real child processes speaking the side-by-side's protocol (`serve`): each reports the time
+    it was asked at, so the order of the turns is visible in what comes back."""
+    from chariot.bench.experiments import decode_attention_side_by_side as side
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import sys, time\n"
+        "from chariot.bench.experiments.decode_attention_side_by_side import serve\n"
+        "print('a library line on stdout', flush=True)\n"
+        "serve(lambda rep: {sys.argv[1]: {'1x1': time.monotonic()}, 'rep': {'1x1': rep}})\n")
+    procs = {name: side.start([sys.executable, str(child), name], dict(os.environ)) for name in ("a", "b")}
+    try:
+        times = side.take_turns(procs, reps=4, warmup=2)
+    finally:
+        for proc in procs.values():
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=30)
+    assert times["rep"]["1x1"] == [2, 2, 3, 3, 4, 4, 5, 5]
+    a, b = times["a"]["1x1"], times["b"]["1x1"]
+    assert a[0] < b[0] and b[1] < a[1] and a[2] < b[2] and b[3] < a[3]  # the first turn rotates
