@@ -10,7 +10,7 @@ the linear layers, its attention over its context, its sampling. Decode-only ite
 their batch, show the decode cost without the fit. Both logs cover the same probes and rounds,
 interleaved, so the machine's moves fall on both; the fits are averages over them.
 
-    .venv/bin/python -m chariot.bench.experiments.iteration_cost OUT_DIR VLLM_LOG[.gz] CHARIOT_LOG[.gz]...
+    .venv/bin/python -m chariot.bench.experiments.iteration_cost OUT_DIR VLLM_LOG[.gz] ITERATION_LOG[.gz]...
 
 Writes OUT_DIR/iteration_cost.json (per system: the fit, and decode-only iterations per batch bin:
 count and median ms; Chariot over vLLM per coefficient and bin) and iteration_cost.png.
