@@ -22,6 +22,7 @@ came before (warm-up, the other phase) and a take after it returns the probe's.
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
 import math
 import re
@@ -166,15 +167,44 @@ class LogIterations:
         return {"source": self.source, "log": self.path.name, **summary(self.parse(lines), self.token_budget)}
 
 
+def read_log_lines(path: Path) -> list[str]:
+    """Every line of a whole log, gzipped (`.gz`) or not (the committed raw data is gzipped)."""
+    with (gzip.open(path, "rt", errors="replace") if path.name.endswith(".gz")
+          else path.open(errors="replace")) as f:
+        return f.read().splitlines()
+
+
+def chariot_records(lines: Sequence[str]) -> list[dict[str, Any]]:
+    """Chariot's iteration-log lines as they were written (`worker.iteration_log.iteration_record`)."""
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def parse_chariot(lines: Sequence[str]) -> list[dict[str, Any]]:
+    """Records (see the module docstring) of Chariot's iteration-log lines."""
+    return [{"prefill": r["prefill"], "decodes": r["decodes"], "tokens": r["tokens"], "forward_ms": r["exec_ms"],
+             "waiting": r["waiting"]} for r in chariot_records(lines)]
+
+
+def parse_vllm(lines: Sequence[str]) -> list[dict[str, Any]]:
+    """Records of vLLM's per-iteration log lines among its other lines (dummy iterations left out)."""
+    records = []
+    for line in lines:
+        found = VLLM_ITERATION_LINE.search(line)
+        if found is None or found["dummy"]:
+            continue
+        prefill, gen = int(found["ctx_tokens"]), int(found["gen_tokens"])
+        records.append({"prefill": prefill, "decodes": int(found["gen_requests"]), "tokens": prefill + gen,
+                        "forward_ms": float(found["ms"])})
+    return records
+
+
 class ChariotIterations(LogIterations):
     """Chariot's `--iteration-log` file."""
 
     source = "chariot --iteration-log"
 
     def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
-        records = [json.loads(line) for line in lines if line.strip()]
-        return [{"prefill": r["prefill"], "decodes": r["decodes"], "tokens": r["tokens"], "forward_ms": r["exec_ms"],
-                 "waiting": r["waiting"]} for r in records]
+        return parse_chariot(lines)
 
 
 class VllmIterations(LogIterations):
@@ -187,12 +217,4 @@ class VllmIterations(LogIterations):
         self.offset = path.stat().st_size if path.exists() else 0  # earlier phases appended to the same log
 
     def parse(self, lines: Sequence[str]) -> list[dict[str, Any]]:
-        records = []
-        for line in lines:
-            found = VLLM_ITERATION_LINE.search(line)
-            if found is None or found["dummy"]:
-                continue
-            prefill, gen = int(found["ctx_tokens"]), int(found["gen_tokens"])
-            records.append({"prefill": prefill, "decodes": int(found["gen_requests"]), "tokens": prefill + gen,
-                            "forward_ms": float(found["ms"])})
-        return records
+        return parse_vllm(lines)

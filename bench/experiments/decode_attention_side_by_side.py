@@ -180,8 +180,8 @@ def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     assert proc.stdout is not None
     while (line := proc.stdout.readline()) and line.strip() != "ready":
         pass
-    if proc.poll() is not None:
-        raise RuntimeError(f"{cmd[0]} exited with {proc.returncode} before it was ready")
+    if not line:  # its output ended before `ready`: it failed to start
+        raise RuntimeError(f"{cmd[0]} exited with {proc.wait()} before it was ready")
     return proc
 
 

@@ -7,7 +7,7 @@ full iteration's forward time at the moment it ran shows whether one system's ar
 other's at the same moment, or whether both follow the machine. It reads both servers' per-iteration
 logs whole (`bench/server_iterations.py`): Chariot's `--iteration-log` file(s) and vLLM's log with
 `--enable-logging-iteration-details` (its lines carry the time to the second, in the machine's
-local time, the year taken from Chariot's log).
+local time, the year taken from Chariot's log); either may be gzipped.
 
     .venv/bin/python -m chariot.bench.experiments.full_iteration_timeline OUT_DIR VLLM_LOG ITERATION_LOG...
 
@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from chariot.bench.server_iterations import VLLM_ITERATION_LINE
+from chariot.bench.server_iterations import VLLM_ITERATION_LINE, chariot_records, read_log_lines
 
 BUDGET_SHARE = 0.98  # an iteration at ≥ 98 % of the largest seen counts as full (the budget, less rounding)
 VLLM_TIME = re.compile(r"INFO (\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)")
@@ -37,17 +37,14 @@ def chariot_full(paths: Sequence[Path]) -> list[tuple[float, float, int]]:
     """(time, forward ms, tokens) of every Chariot iteration."""
     out = []
     for path in paths:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                out.append((float(r["t"]), float(r["exec_ms"]), int(r["tokens"])))
+        out += [(float(r["t"]), float(r["exec_ms"]), int(r["tokens"])) for r in chariot_records(read_log_lines(path))]
     return out
 
 
 def vllm_full(path: Path, year: int) -> list[tuple[float, float, int]]:
     """(time, forward ms, tokens) of every vLLM iteration (to the second; dummy ones left out)."""
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_log_lines(path):
         found, stamp = VLLM_ITERATION_LINE.search(line), VLLM_TIME.search(line)
         if found is None or stamp is None or found["dummy"]:
             continue

@@ -19,7 +19,6 @@ count and median ms; Chariot over vLLM per coefficient and bin) and iteration_co
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import statistics
 import sys
@@ -27,23 +26,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from chariot.bench.server_iterations import ChariotIterations, StepCost, VllmIterations, fit_step_cost
+from chariot.bench.server_iterations import StepCost, fit_step_cost, parse_chariot, parse_vllm, read_log_lines
 
 DECODE_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 127))
 SYSTEMS = ("chariot", "vllm")
 
 
-def read_lines(path: Path) -> list[str]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", errors="replace") as f:
-        return f.read().splitlines()
-
-
 def load(vllm_log: Path, chariot_logs: Sequence[Path]) -> dict[str, list[dict[str, Any]]]:
     """Both systems' iteration records (`server_iterations`' record: prefill, decodes, forward_ms)."""
-    chariot = ChariotIterations(chariot_logs[0], 0)
-    return {"chariot": [r for path in chariot_logs for r in chariot.parse(read_lines(path))],
-            "vllm": VllmIterations(vllm_log, 0).parse(read_lines(vllm_log))}
+    return {"chariot": [r for path in chariot_logs for r in parse_chariot(read_log_lines(path))],
+            "vllm": parse_vllm(read_log_lines(vllm_log))}
 
 
 def decode_only(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

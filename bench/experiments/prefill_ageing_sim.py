@@ -27,7 +27,6 @@ prefill_ageing_sim.png (median and P99 TTFT against load per variant).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 import sys
@@ -37,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from chariot.bench.capacity import percentile
-from chariot.bench.server_iterations import fit_step_cost
+from chariot.bench.server_iterations import chariot_records, fit_step_cost, read_log_lines
 from chariot.bench.simulator import SimConfig, simulate
 from chariot.bench.traces import TRACES, make_trace
 from chariot.worker.block_manager import BlockManager
 from chariot.worker.budget import CostModel
-from chariot.worker.scheduler import SchedulerConfig
+from chariot.worker.scheduler import SchedulerConfig, make_scheduler
 from chariot.worker.scheduler.policies import SarathiScheduler
 from chariot.worker.sequence import Sequence as Seq
 
@@ -70,20 +69,12 @@ class AgedShortest(SarathiScheduler):
         return seq.num_remaining - credit, base_rank[1], base_rank[2]
 
 
-def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of an iteration log (gzipped or not)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def fit_cost_model(records: Iterable[Mapping[str, Any]]) -> tuple[CostModel, float]:
+def fit_cost_model(records: Iterable[Mapping[str, Any]]) -> CostModel:
     """The simulator's cost model from a log's step times (`ms`: the whole step, host work included):
-    a constant, prompt tokens and decodes (`fit_step_cost`). Returns the model and its R²."""
+    a constant, prompt tokens and decodes (`fit_step_cost`), its R² kept."""
     fit = fit_step_cost(records, time_key="ms")
     # features: constant, prefill_tokens, decode_tokens, prefill_attention, decode_context
-    coefficients = (fit.constant_ms / 1e3, fit.prompt_token_ms / 1e3, fit.decode_ms / 1e3, 0.0, 0.0)
-    return CostModel(coefficients, fit.r2), fit.r2
+    return CostModel((fit.constant_ms / 1e3, fit.prompt_token_ms / 1e3, fit.decode_ms / 1e3, 0.0, 0.0), fit.r2)
 
 
 def variants() -> list[tuple[str, float | None]]:
@@ -96,13 +87,11 @@ def run_load(cost_model: CostModel, ageing: float | None, qps: float, seeds: Seq
     """One variant at one load: per seed a simulated run; the medians over seeds (ms)."""
     config = SimConfig(token_budget=BUDGET, max_model_len=MAX_LEN,
                        prefill_order="fcfs" if ageing is None else "shortest")
+    scheduler = make_scheduler if ageing is None else partial(AgedShortest, ageing=ageing)
     per_seed: list[dict[str, float]] = []
     for seed in seeds:
         trace = make_trace(TRACES["chat"], requests, qps, seed=seed, scale=TRACE_SCALE, max_len=MAX_LEN)
-        if ageing is None:
-            result = simulate(trace, config, cost_model)
-        else:
-            result = simulate(trace, config, cost_model, scheduler=partial(AgedShortest, ageing=ageing))
+        result = simulate(trace, config, cost_model, scheduler=scheduler)
         per_seed.append(latencies(trace_lengths=[r.prompt_len for r in trace],
                                   ttfts=[t.ttft for t in result.traces],
                                   tbts=[g for t in result.traces for g in t.tbt]))
@@ -165,7 +154,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--requests", type=int, default=200)
     args = ap.parse_args(argv)
-    cost_model, r2 = fit_cost_model(read_log(args.log))
+    cost_model = fit_cost_model(chariot_records(read_log_lines(Path(args.log))))
     qps_grid = [float(q) for q in args.qps.split(",")]
     rows = []
     for name, ageing in variants():
@@ -180,7 +169,7 @@ def main(argv: list[str]) -> int:
     for name, bracket in caps.items():
         print(f"capacity, {name}: {bracket}")
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"source": Path(args.log).name, "cost_model": {**cost_model.to_dict(), "r2": r2},
+    doc = {"source": Path(args.log).name, "cost_model": cost_model.to_dict(),
            "budget": BUDGET, "trace": f"chat x{TRACE_SCALE:g}", "seeds": args.seeds, "requests": args.requests,
            "slo": {"ttft_p50_s": TTFT_SLO_S, "tbt_p99_s": TBT_SLO_S}, "capacity": caps, "rows": rows}
     (args.out / "prefill_ageing_sim.json").write_text(json.dumps(doc, indent=1) + "\n")
