@@ -26,7 +26,7 @@ from chariot.bench.linear_bench import cpu_record
 from chariot.kernels import skinny_linear as skinny
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(8192, 1024)]  # (out, in)
-ROWS = (1, 2, 4, 8, 16, 32)
+ROWS = (1, 2, 4, 8, 16, 24, 32)
 
 
 def routes(weights: list[torch.Tensor]) -> dict[str, Callable[[list[torch.Tensor]], object]]:

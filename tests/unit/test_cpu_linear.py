@@ -103,7 +103,7 @@ def test_amx_rows_where_the_cpu_has_amx_tiles() -> None:
         assert not skinny.amx_rows(torch.zeros(32, 32))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 31, 32])
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 24, 31, 32])
 @pytest.mark.parametrize(("out_features", "in_features"), [(32, 32), (96, 64), (1536, 1024), (1024, 2816)])
 def test_amx_tile_path_within_one_rounding_of_fp32(rows: int, out_features: int, in_features: int) -> None:
     """bf16 rows on AMX tiles, with and without bias: every row count of one and two row tiles, against
@@ -238,6 +238,25 @@ def test_cpu_linear_equals_nn_linear(packed: bool, plain: bool, bias: bool, rows
     with torch.inference_mode():
         torch.testing.assert_close(fast(x), linear(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fast(x.view(rows, 1, 256)), linear(x).view(rows, 1, 384), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * (
+    packing_problem(torch.device("cpu"), torch.bfloat16) is None))  # bf16 where oneDNN packs it (AVX-512)
+def test_the_onednn_route_rounds_rows_up_and_returns_only_the_callers(dtype: torch.dtype) -> None:
+    """Every row count through oneDNN's packed route runs as the next multiple of ONEDNN_ROW_STEP
+    (zero rows added): the caller gets exactly its rows, contiguous, equal to `nn.Linear` on them,
+    whether or not the count needed rounding."""
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 384).to(dtype).eval()
+    fast = CpuLinear(linear, packed=True, plain=False)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    step = cpu_linear.ONEDNN_ROW_STEP
+    with torch.inference_mode():
+        for rows in (1, step - 1, step, step + 1, 5 * step + 3, 300):
+            x = torch.randn(rows, 256).to(dtype)
+            ours = fast(x)
+            assert ours.shape == (rows, 384) and ours.is_contiguous()
+            torch.testing.assert_close(ours.float(), linear(x).float(), **tol)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])

@@ -68,6 +68,12 @@ other processes share the cores: the panels hand out their work in units, oneDNN
 thread (docs/kernels.md, `bench/experiments/panel_contention_ab.py`). A machine whose oneDNN is well
 ahead at 512 rows (AVX-512) still keeps it."""
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_ROW_STEP = 16
+"""oneDNN's packed route runs row counts rounded up to a multiple of this (zero rows added, their
+outputs dropped). oneDNN builds and JIT-compiles a primitive the first time it sees a row count: in
+bf16 on AMX tiles that first call costs 2.4-6.5x a repeat (`bench/experiments/onednn_new_rows.py`),
+and under fresh prompts the chunks' row counts rarely repeat, so rounding bounds the primitives to
+one per step of rows."""
 SKINNY_MEMORY_FRACTION = 0.25  # of physical memory, for the plain copy kept beside the packed one
 UPCAST_ENV = env.CPU_BF16_UPCAST.name
 UPCAST = (torch.bfloat16, torch.float32)
@@ -131,13 +137,18 @@ class CpuLinear(nn.Module):
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
     def packed(self, flat: torch.Tensor) -> torch.Tensor:
-        """The oneDNN route for [rows, in_features] (the packed weight must be kept); a bf16 layer
-        packed in float32 takes its rows up to float32 and its result back down to bf16."""
+        """The oneDNN route for [rows, in_features] (the packed weight must be kept), the rows rounded up
+        to a multiple of ONEDNN_ROW_STEP; a bf16 layer packed in float32 takes its rows up to float32
+        and its result back down to bf16."""
+        rows = flat.shape[0]
+        extra = -rows % ONEDNN_ROW_STEP
+        x = F.pad(flat, (0, 0, 0, extra)) if extra else flat
         if self.compute_dtype == self.dtype:
-            return torch.ops.mkldnn._linear_pointwise(flat, self.packed_weight, self.bias, "none", [], "")
-        out = torch.ops.mkldnn._linear_pointwise(flat.to(self.compute_dtype), self.packed_weight, self.packed_bias,
-                                                 "none", [], "")
-        return out.to(self.dtype)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed_weight, self.packed_bias,
+                                                     "none", [], "").to(self.dtype)
+        return out[:rows] if extra else out
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
         """The few-rows route for [rows, in_features]: the panel kernel where the panels are kept
