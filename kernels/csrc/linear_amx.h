@@ -10,7 +10,8 @@
 // Layout: W [N][K] is packed as [N/32][K/32][2][16 × 32] bf16: for each pair of 16-column blocks, the
 // B tiles of every 32-value step of K in order, so a thread streams one contiguous run per 32 output
 // columns. Products: tiles 0-1 (rows 0-15) and 2-3 (rows 16-31) accumulate two 16-column blocks in
-// fp32, tiles 4-5 hold x's rows (the A operands, loaded straight from x), 6-7 the weight tiles.
+// fp32, tiles 4-5 hold x's rows (the A operands: loaded straight from x for one row tile, from a
+// packed copy for two), 6-7 the weight tiles.
 #pragma once
 
 #include "amx_tiles.h"
@@ -68,7 +69,7 @@ inline std::vector<uint16_t> pack_rows(const uint16_t* x, int64_t m, int64_t k) 
 
 // y [M][N] = x [M][K] Wᵀ (+ bias [N]), M <= 32, all bf16 bits; fp32 sums, one rounding. One row tile
 // loads x's rows in place; two load them packed (`pack_rows`), each operand one contiguous KiB:
-// loaded in place, 17-32 rows ran 1.25-1.35x slower against oneDNN (docs/kernels.md).
+// loaded in place, 24-32 rows ran 1.2-1.35x slower against oneDNN (docs/kernels.md).
 inline void linear(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n, const uint16_t* bias,
                    uint16_t* y) {
   const int64_t steps = k / 32, lo = std::min<int64_t>(m, 16), hi = m - lo;
