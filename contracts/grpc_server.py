@@ -1,5 +1,5 @@
 """Server plumbing shared by the worker and the router: assembling a `chariot.v1.Generation` gRPC
-server with health and reflection, binding, health updates, ending a call with the status
+server with health and reflection, binding, health updates, a bounded stop, ending a call with the status
 `error_status()` gives an exception (the one error mapping, docs/architecture.md §4), and stopping on signals."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ SERVICE_NAME: str = generation_pb2.DESCRIPTOR.services_by_name["Generation"].ful
 
 
 UNDECODABLE_LOG_INTERVAL_S = 10.0
+STOP_MARGIN_S = 5.0
+"""How long past its grace `stop_server` waits for grpc's own shutdown to complete."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,17 @@ def bind(server: grpc.aio.Server, host: str, port: int, field: str = "port") -> 
     if bound == 0:
         raise ConfigError(field, f"cannot listen on {address}")
     return bound
+
+
+async def stop_server(server: grpc.aio.Server, grace_s: float) -> None:
+    """`server.stop(grace_s)`, bounded by `STOP_MARGIN_S` past the grace: grpc's asyncio server can go on
+    waiting for a call the grace has already cancelled (its shutdown then never completes), and a
+    process's exit must not wait with it."""
+    try:
+        await asyncio.wait_for(server.stop(grace_s), grace_s + STOP_MARGIN_S)
+    except asyncio.TimeoutError:
+        log.warning("the gRPC server had not stopped %.0f s after its %.0f s grace; leaving it", STOP_MARGIN_S,
+                    grace_s)
 
 
 async def set_health(health_servicer: Any, status: int) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import uvicorn
 
 from chariot.contracts.errors import ConfigError
-from chariot.contracts.grpc_server import SERVICE_NAME, host_port, stop_on_signals
+from chariot.contracts.grpc_server import SERVICE_NAME, host_port, stop_on_signals, stop_server
 from chariot.contracts.telemetry import setup_telemetry
 from chariot.contracts.tokenizer import Tokenizer
 from chariot.router.admission import AdmissionController
@@ -135,7 +135,8 @@ async def _grpc_front(dataplane: DataPlane, host: str, port: int, grace_s: float
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, NOT_SERVING)
         await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace_s)
+        await stop_server(server, grace_s)
+
 
 
 class _UvicornServer(uvicorn.Server):

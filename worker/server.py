@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from chariot.contracts.engine_client import EngineClient
 from chariot.contracts.engine_settings import ENGINE_CORES
-from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health, stop_on_signals
+from chariot.contracts.grpc_server import abort_with, bind, generation_server, set_health, stop_on_signals, stop_server
 from chariot.contracts.proto_codec import request_from_proto, response_from_output, stats_to_proto
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 from chariot.proto.chariot.v1 import generation_pb2_grpc
@@ -145,7 +145,7 @@ async def serve(
         events: KVEventLog | None = getattr(engine, "kv_events", None)
         if events is not None:
             events.close()  # subscriptions never end on their own: do not hold the grace period
-        await server.stop(grace_s)
+        await stop_server(server, grace_s)
         await engine.shutdown()
 
 

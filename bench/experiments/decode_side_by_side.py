@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,7 @@ class Stepper:
         self.executed = 0.0  # seconds in vLLM's model executor during the current step
         self.scheduled = 0  # tokens vLLM's scheduler gave the current step
         self.added = 0
+        self._last: Any = None  # Chariot's batch of the step just taken
         if system == "vllm":
             executor = self.llm.llm_engine.engine_core.engine_core.model_executor
             for name in ("execute_model", "sample_tokens"):
@@ -131,7 +133,7 @@ class Stepper:
         executed: list[float] = []
         decoded: list[int] = []
         prompt_tokens: list[int] = []
-        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) if profile else _nothing() as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) if profile else nullcontext() as prof:
             for _ in range(n):
                 self.executed = 0.0
                 t0 = time.perf_counter()
@@ -151,14 +153,6 @@ class Stepper:
         engine = self.llm.llm_engine if self.system == "vllm" else self.llm.engine
         while engine.has_unfinished_requests() if self.system == "vllm" else engine.has_unfinished:
             self.step()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def serve(system: str, dtype: str) -> None:

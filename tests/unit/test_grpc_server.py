@@ -1,14 +1,18 @@
 """gRPC server helpers: undecodable request bytes become an `Undecodable` value (answered with
 INVALID_ARGUMENT by the servicer guard, see the worker and router integration tests) and junk traffic
-logs one line per interval, not a traceback per call."""
+logs one line per interval, not a traceback per call; stopping a server is bounded past its grace."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
+import grpc
 import pytest
 
-from chariot.contracts.grpc_server import OncePerInterval, Undecodable, tolerant_decoder
+from chariot.contracts import grpc_server
+from chariot.contracts.grpc_server import OncePerInterval, Undecodable, stop_server, tolerant_decoder
 from chariot.proto.chariot.v1 import generation_pb2 as pb
 
 
@@ -32,3 +36,47 @@ def test_once_per_interval_logs_one_line_and_counts_the_rest(caplog: pytest.LogC
         now[0] += 7.5
         assert limiter.warn("junk 4")
     assert [r.getMessage() for r in caplog.records] == ["junk 1", "junk 4 (2 more like it in the last 10s)"]
+
+
+async def _slow(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    """A handler that outlives the grace (the server's stop cancels it)."""
+    await asyncio.sleep(3600)
+    return b""
+
+
+def test_stop_server_ends_a_real_server_with_a_call_in_flight_at_its_grace() -> None:
+    async def scenario() -> float:
+        server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler("t.T", {"S": grpc.unary_unary_rpc_method_handler(_slow)})
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.T/S")(b"")
+            await asyncio.sleep(0.2)  # the call is in the handler
+            start = time.monotonic()
+            await stop_server(server, 0.2)
+            took = time.monotonic() - start
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call
+        return took
+
+    assert asyncio.run(scenario()) < grpc_server.STOP_MARGIN_S
+
+
+class _NeverStops:
+    """Stands in for a grpc.aio.Server whose shutdown never completes: grpc's occasional hang cannot be
+    produced on demand, so this server's `stop` simply never returns."""
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.Event().wait()
+
+
+def test_stop_server_gives_up_on_a_stop_that_never_completes(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(grpc_server, "STOP_MARGIN_S", 0.3)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="chariot.contracts.grpc_server"):
+        asyncio.run(stop_server(_NeverStops(), 0.2))  # type: ignore[arg-type]
+    assert 0.5 <= time.monotonic() - start < 5
+    assert "had not stopped" in caplog.text

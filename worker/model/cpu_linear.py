@@ -142,12 +142,14 @@ class CpuLinear(nn.Module):
         and its result back down to bf16."""
         rows = flat.shape[0]
         extra = -rows % ONEDNN_ROW_STEP
-        x = F.pad(flat, (0, 0, 0, extra)) if extra else flat
-        if self.compute_dtype == self.dtype:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype), self.packed_weight, self.packed_bias,
-                                                     "none", [], "").to(self.dtype)
+        upcast = self.compute_dtype != self.dtype
+        x = flat.to(self.compute_dtype) if upcast else flat
+        if extra:
+            x = F.pad(x, (0, 0, 0, extra))
+        bias = self.packed_bias if upcast else self.bias
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        if upcast:
+            out = out.to(self.dtype)
         return out[:rows] if extra else out
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
