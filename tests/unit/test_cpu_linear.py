@@ -384,13 +384,20 @@ def test_the_skinny_path_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatc
         plan_linears(nn.Linear(8, 8), cpu, torch.float32)
 
 
-def test_the_crossover_is_the_last_row_count_of_an_unbroken_run_of_kernel_wins() -> None:
+def test_the_crossover_is_the_cut_whose_kernel_wins_outweigh_its_losses_the_most() -> None:
     def crossover(skinny_ms: list[float], packed_ms: list[float]) -> int:
         return RowsCalibration((1, 2, 4, 8, 16), tuple(skinny_ms), tuple(packed_ms)).max_rows
 
     assert crossover([1, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 16
-    assert crossover([1, 1, 3, 1, 1], [2, 2, 2, 2, 2]) == 2  # a loss at 4 rows ends the run, later wins do not count
-    assert crossover([2, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 0  # a tie is not a win
+    assert crossover([1, 1, 1, 3, 3], [2, 2, 2, 2, 2]) == 4  # losses from 8 rows on end the kernel's rows
+    assert crossover([1, 1, 2.2, 1, 1], [2, 2, 2, 2, 2]) == 16  # one small loss between wins does not
+    assert crossover([1, 1, 10, 1, 1], [2, 2, 2, 2, 2]) == 2  # a loss larger than the wins after it does
+    assert crossover([2, 2, 2, 2, 2], [2, 2, 2, 2, 2]) == 0  # a tie is not a win
+    assert crossover([3, 1, 1, 1, 1], [2, 2, 2, 2, 2]) == 16  # nor does a loss at one row outweigh four wins
+    # the Xeon AMX start-up that sent 13-32 rows to oneDNN under the former rule (an unbroken run of wins)
+    amx = RowsCalibration((1, 2, 4, 8, 12, 16, 24, 32), (13.2, 12.3, 12.9, 13.2, 8.7, 12.5, 13.9, 19.2),
+                          (20.0, 19.9, 19.7, 20.2, 11.7, 11.7, 24.9, 28.4))
+    assert amx.max_rows == 32
     level = RowsCalibration((1, 2, 4), (1.0, 2.08, 2.2), (2.0, 2.0, 2.0))
     assert level.max_rows == 1 and level.max_rows_within(1.05) == 2  # within 5 %: a win for the panels
     assert "4 rows 3.0 vs 2.0 ms" in RowsCalibration((4,), (3e-3,), (2e-3,)).describe()

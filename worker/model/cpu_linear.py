@@ -25,6 +25,7 @@ turn off each route; docs/kernels.md has the measurements behind these choices.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -331,16 +332,19 @@ class RowsCalibration:
 
     @property
     def max_rows(self) -> int:
-        """The largest row count up to which the skinny route won at every measured count (0: none)."""
+        """The row count up to which the kernel takes the calls, a count won on any lead (0: none)."""
         return self.max_rows_within(1.0)
 
     def max_rows_within(self, tie: float) -> int:
-        """The same, a count won when the kernel took less than `tie` times oneDNN's time."""
-        best = 0
+        """The cut that minimises the sum, over the counts up to it, of log(kernel / (tie × oneDNN)):
+        the kernel's relative wins below the cut outweigh its losses there by the most (0: no cut
+        does better than none; an equal sum is not a win). One count a noisy pass lost between wins
+        does not end the kernel's rows; a run of losses from some count on still does."""
+        best, best_sum, running = 0, 0.0, 0.0
         for rows, fast, slow in zip(self.rows, self.skinny_s, self.packed_s, strict=True):
-            if fast >= tie * slow:
-                break
-            best = rows
+            running += math.log(fast / (tie * slow))
+            if running < best_sum:
+                best, best_sum = rows, running
         return best
 
     def describe(self) -> str:
