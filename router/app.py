@@ -138,7 +138,6 @@ async def _grpc_front(dataplane: DataPlane, host: str, port: int, grace_s: float
         await stop_server(server, grace_s)
 
 
-
 class _UvicornServer(uvicorn.Server):
     """uvicorn without its own signal handling: `run_router` owns SIGTERM/SIGINT (and `stop`)."""
 

@@ -149,9 +149,8 @@ class CpuLinear(nn.Module):
             x = F.pad(x, (0, 0, 0, extra))
         bias = self.packed_bias if upcast else self.bias
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
-        if upcast:
-            out = out.to(self.dtype)
-        return out[:rows] if extra else out
+        out = out[:rows] if extra else out
+        return out.to(self.dtype) if upcast else out
 
     def plain(self, flat: torch.Tensor) -> torch.Tensor:
         """The few-rows route for [rows, in_features]: the panel kernel where the panels are kept
