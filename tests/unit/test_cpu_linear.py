@@ -481,7 +481,7 @@ def test_the_panel_kernel_takes_every_row_count_when_it_is_level_at_prefill_size
     """Timings faked (the decision, not the machine, is under test), oneDNN at 1.5 s everywhere: the
     panel kernel wins a decode row count unless oneDNN is more than 5 % faster (1.6 s loses; it loses
     every count from `lost_from` on), and MANY_ROWS unless oneDNN is more than 10 % faster (1.6 s
-    wins, 1.7 s loses). When it wins every decode row count up to SETTLED_ROWS, MANY_ROWS decides
+    wins, 1.7 s loses). When its decode cut reaches SETTLED_ROWS, MANY_ROWS decides
     between every row count (oneDNN's copy released) and the decode limit, even after a loss at 48
     or 64 rows; a loss at 32 rows stops there without timing MANY_ROWS."""
     timed: list[tuple[int, ...]] = []

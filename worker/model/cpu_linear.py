@@ -55,7 +55,7 @@ CALIBRATION_BYTES = 256 << 20  # weights one timed pass reads: well past a CPU's
 MANY_ROWS_BYTES = 64 << 20  # the same for MANY_ROWS, bound by the FMAs rather than by reading the weights
 MANY_ROWS_PASSES = 5  # a pass over MANY_ROWS_BYTES is short, and this decision routes most of a prefill's time
 SETTLED_ROWS = 32
-"""The panel kernel's decode wins that MANY_ROWS needs before it is timed. Above 32 rows the two
+"""How far the panel kernel's decode cut must reach before MANY_ROWS is timed. Above 32 rows the two
 routes can run within a few percent of each other, so one noisy pass there would decide where every
 prefill chunk goes; the chunks carry most of a busy stage's time (docs/kernels.md)."""
 PANEL_TIE = 1.05
@@ -419,10 +419,10 @@ def calibration_layers(layers: Sequence[L], budget: int = CALIBRATION_BYTES,
 
 
 def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
-    """Up to how many rows the few-rows route beat oneDNN on `layers` (each keeping both weights) at
-    every row count timed: ROW_CANDIDATES up to the kernels' cap; for the panel kernel (whose wins
-    count within PANEL_TIE), `ALL_ROWS` when it won every count up to SETTLED_ROWS and MANY_ROWS
-    (within MANY_ROWS_TIE)."""
+    """Up to how many rows the few-rows route takes the calls on `layers` (each keeping both weights):
+    the cut `RowsCalibration.max_rows_within` picks over ROW_CANDIDATES up to the kernels' cap; for the
+    panel kernel (whose wins count within PANEL_TIE), `ALL_ROWS` when that cut reaches SETTLED_ROWS
+    and the panels win MANY_ROWS (within MANY_ROWS_TIE)."""
     cap = min(m.few_rows_cap for m in layers)
     tie = PANEL_TIE if cap == ALL_ROWS else 1.0
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
