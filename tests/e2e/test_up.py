@@ -91,11 +91,25 @@ def test_http_completion_matches_offline(up, expected, tiny_model_dir):
     assert out["usage"]["completion_tokens"] == MAX_TOKENS
 
 
+def _offset_once_idle(path: Path, timeout_s: float = 10.0) -> int:
+    """The log's end once its last line shows an idle engine (nothing running or waiting): an earlier
+    test's request has its last step logged just after its tokens are delivered, which must not count
+    as this test's."""
+    records, offset = read_iterations(path)
+    deadline = time.monotonic() + timeout_s
+    while records and (records[-1]["running"] or records[-1]["waiting"]):
+        assert time.monotonic() < deadline, f"the engine did not go idle: {records[-1]}"
+        time.sleep(0.05)
+        more, offset = read_iterations(path, offset)
+        records += more
+    return offset
+
+
 @pytest.mark.slow
 def test_stage0_logs_the_iterations_of_a_request(up, expected, iteration_log):
     _, http, _, _, _ = up
     path = iteration_log_path(iteration_log, 0)
-    _, offset = read_iterations(path)
+    offset = _offset_once_idle(path)
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     req = urllib.request.Request(f"http://{http}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
