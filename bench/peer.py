@@ -529,11 +529,17 @@ def capacity_bounds(probes: Sequence[tuple[float, bool]]) -> Bounds:
     return Bounds(low, min(failing) if failing else None)
 
 
+def format_qps(qps: float) -> str:
+    """A probed load as it was probed (the grid's bisection steps give 1.375 or 0.90625, which three
+    significant digits would print as loads never run), trailing zeros dropped."""
+    return f"{qps:.5f}".rstrip("0").rstrip(".")
+
+
 def format_capacity(b: Bounds) -> str:
     """The capacity as what the probes show: the bracket [passed, failed), or a bound at a search edge."""
     if b.low == 0.0:
-        return f"< {b.high:.3g}" if b.high is not None else "?"
-    return f"[{b.low:.3g}, {b.high:.3g})" if b.high is not None else f"≥ {b.low:.3g}"
+        return f"< {format_qps(b.high)}" if b.high is not None else "?"
+    return f"[{format_qps(b.low)}, {format_qps(b.high)})" if b.high is not None else f"≥ {format_qps(b.low)}"
 
 
 def ratio_range(a: Bounds, b: Bounds) -> tuple[float, float]:

@@ -270,6 +270,7 @@ def test_capacity_bounds_from_probes() -> None:
     assert format_capacity(Bounds(0.75, 1.0)) == "[0.75, 1)"
     assert format_capacity(Bounds(1.0, None)) == "≥ 1"
     assert format_capacity(Bounds(0.0, 0.5)) == "< 0.5"
+    assert format_capacity(Bounds(0.90625, 1.375)) == "[0.90625, 1.375)"  # the loads probed, not 0.906 and 1.38
 
 
 def test_capacity_ratio_at_a_search_bound_renders_as_a_range() -> None:
