@@ -98,7 +98,14 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     out, vllm_log, chariot_logs = Path(argv[0]), Path(argv[1]), [Path(a) for a in argv[2:]]
-    doc = {"sources": [vllm_log.name, *(p.name for p in chariot_logs)], **report(load(vllm_log, chariot_logs))}
+    write_report(out, [vllm_log, *chariot_logs], load(vllm_log, chariot_logs))
+    return 0
+
+
+def write_report(out: Path, sources: Sequence[Path], records: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    """Writes OUT/iteration_cost.json and the plot for records `load` read from `sources`, and prints
+    the fits and the decode-only bins."""
+    doc = {"sources": [p.name for p in sources], **report(records)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "iteration_cost.json").write_text(json.dumps(doc, indent=1) + "\n")
     for system in SYSTEMS:
@@ -111,7 +118,6 @@ def main(argv: list[str]) -> int:
         print(f"decodes {c['decodes'][0]}-{c['decodes'][1]}: chariot {c['iterations']} x {c['median_ms']} ms, "
               f"vllm {v['iterations']} x {v['median_ms']} ms, ratio {r and round(r, 3)}")
     print(plot(doc, out))
-    return 0
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def full_iterations(records: Mapping[str, Sequence[Mapping[str, Any]]], token_bu
     least = round(token_budget * FULL_SHARE)
     doc: dict[str, Any] = {"min_tokens": least}
     for system, rows in records.items():
-        full = [r for r in rows if r["prefill"] + r["decodes"] >= least]
+        full = [r for r in rows if r["tokens"] >= least]
         doc[system] = {"iterations": len(full),
                        "median_forward_ms": statistics.median(r["forward_ms"] for r in full) if full else None,
                        "median_prefill": statistics.median(r["prefill"] for r in full) if full else None,
@@ -101,10 +101,11 @@ def main(argv: Sequence[str]) -> int:
     logs = file_raw(run, dest, Path(argv[2]) if len(argv) == 3 else None)
     peer = json.loads(gzip.decompress((dest / "peer.json.gz").read_bytes()))
     iteration_mix.main([str(dest / "peer.json.gz"), str(dest)])
-    iteration_cost.main([str(dest), str(dest / "vllm.log.gz"), *map(str, logs)])
+    records = iteration_cost.load(dest / "vllm.log.gz", logs)
+    iteration_cost.write_report(dest, [dest / "vllm.log.gz", *logs], records)
     seen = [onednn_row_step_ab.first_seen(p) for p in logs]
     (dest / "first_seen.json").write_text(json.dumps(seen, indent=1) + "\n")
-    full = full_iterations(iteration_cost.load(dest / "vllm.log.gz", logs), int(peer["setup"]["token_budget"]))
+    full = full_iterations(records, int(peer["setup"]["token_budget"]))
     (dest / "full_iterations.json").write_text(json.dumps(full, indent=1) + "\n")
     print(json.dumps(full))
     print("\n".join(search_rows(peer["summary"])))

@@ -64,9 +64,9 @@ def test_a_folder_without_the_run_names_what_is_missing(tmp_path: Path) -> None:
 
 
 def test_full_iterations_need_most_of_the_budget() -> None:
-    rows = {"chariot": [{"prefill": 480, "decodes": 20, "forward_ms": 100.0},
-                        {"prefill": 480, "decodes": 19, "forward_ms": 1.0}],
-            "vllm": [{"prefill": 500, "decodes": 0, "forward_ms": 200.0}]}
+    rows = {"chariot": [{"prefill": 480, "decodes": 20, "tokens": 500, "forward_ms": 100.0},
+                        {"prefill": 480, "decodes": 19, "tokens": 499, "forward_ms": 1.0}],
+            "vllm": [{"prefill": 500, "decodes": 0, "tokens": 500, "forward_ms": 200.0}]}
     full = peer_archive.full_iterations(rows, 512)
     assert full["chariot"]["iterations"] == 1 and full["chariot"]["median_forward_ms"] == 100.0
     assert full["chariot_over_vllm"] == 0.5
