@@ -3,16 +3,19 @@
 Why: BENCHMARKS commits the raw data of every table, and a peer run leaves it uncompressed under its
 `--out` folder (`peer.json`, `vllm.log`, Chariot's `iterations/*.jsonl`, the TBT plots), while the
 analyses its sections quote (`iteration_mix`, `iteration_cost`, `onednn_row_step_ab --first-seen`,
-the full iterations' medians) were run one by one on the copies. This does all of it in one order:
-copy and gzip the raw files into DEST, run the three analyses on the copies (so what the docs cite is
-what is committed), write the full iterations' medians and print one markdown row per search.
+`full_iteration_timeline`, the full iterations' medians) were run one by one on the copies. This does
+all of it in one order: copy and gzip the raw files into DEST, run the four analyses on the copies (so
+what the docs cite is what is committed), write the full iterations' medians and print one markdown
+row per search. The pooled medians compare the systems only where both ran their full iterations on
+the same stretches of the machine's speed; `full_iteration_timeline`'s per-minute ratio compares
+them minute by minute, which holds when the two ran their high-load probes at different minutes.
 
     .venv/bin/python -m chariot.bench.experiments.peer_archive RUN_DIR DEST [RUN_LOG]
 
 RUN_LOG (optional): the run's console output, filed as `run.log` (it holds the workers' start-up
 routing lines). Writes into DEST: the `*.png` files, `peer.json.gz`, `vllm.log.gz`,
 `iterations/*.jsonl.gz`, `run.log`, `iteration_mix.{json,png}`, `iteration_cost.{json,png}`,
-`first_seen.json` and `full_iterations.json`.
+`full_iteration_timeline.{json,png}`, `first_seen.json` and `full_iterations.json`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from chariot.bench.experiments import iteration_cost, iteration_mix, onednn_row_step_ab
+from chariot.bench.experiments import full_iteration_timeline, iteration_cost, iteration_mix, onednn_row_step_ab
 from chariot.bench.peer import Bounds, format_capacity
 
 FULL_SHARE = 500 / 512  # an iteration is full from this share of the token budget on (500 of 512)
@@ -105,6 +108,7 @@ def main(argv: Sequence[str]) -> int:
     iteration_cost.write_report(dest, [dest / "vllm.log.gz", *logs], records)
     seen = [onednn_row_step_ab.first_seen(p) for p in logs]
     (dest / "first_seen.json").write_text(json.dumps(seen, indent=1) + "\n")
+    full_iteration_timeline.main([str(dest), str(dest / "vllm.log.gz"), *map(str, logs)])
     full = full_iterations(records, int(peer["setup"]["token_budget"]))
     (dest / "full_iterations.json").write_text(json.dumps(full, indent=1) + "\n")
     print(json.dumps(full))

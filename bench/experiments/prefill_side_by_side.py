@@ -8,11 +8,12 @@ same machine state. Then decodes the same way: a batch of B fresh L-token prompt
 table of one 1,536-token prefill and of one decode run of 32 × 512-token prompts in each and
 groups the self CPU time into linear layers, attention and the rest.
 
-    .venv/bin/python -m chariot.bench.experiments.prefill_side_by_side [DTYPE] [OUT_DIR]
+    .venv/bin/python -m chariot.bench.experiments.prefill_side_by_side [DTYPE] [OUT_DIR] [BUDGET]
 
-From a checkout: it loads the checkout's `models/100m` and vLLM's venv under `build/`, and writes
-OUT_DIR/prefill_side_by_side.json (`prefill_side_by_side_<dtype>.json` for another DTYPE than float32;
-OUT_DIR defaults to the current directory).
+From a checkout: it loads the checkout's `models/100m` and vLLM's venv under `build/`, both engines at
+token budget BUDGET (default 512: a 1,536-token prefill is three iterations; at 2048 it is one), and
+writes OUT_DIR/prefill_side_by_side.json (`_<dtype>` added for another DTYPE than float32, `_b<BUDGET>`
+for another budget than 512; OUT_DIR defaults to the current directory).
 """
 
 from __future__ import annotations
@@ -35,31 +36,32 @@ DECODE_CASES = ((1, 16), (8, 16), (32, 16), (32, 512))  # (batch, prompt tokens)
 DECODE_STEPS = 64
 ROUNDS = 7
 PROFILE_TOKENS = 1536
+BUDGET = 512
 GROUPS = {"linear": ("onednn_mm", "_linear_pointwise", "skinny_linear", "amx_linear", "panel_linear", "aten::addmm",
                      "aten::mm"),
           "attention": ("paged_attention", "prompt_attention_amx", "scaled_dot_product", "cpu_attention_with_kv_cache")}
 
 
 # ---- inside one engine's process ------------------------------------------------------------------
-def load(system: str, dtype: str) -> Any:
+def load(system: str, dtype: str, budget: int = BUDGET) -> Any:
     """The engine under test (vLLM's `LLM` in its venv, or Chariot's): the `100m` weights, token budget
-    512, chunked prefill, no prefix caching. Also used by `trace_side_by_side`."""
+    `budget`, chunked prefill, no prefix caching. Also used by `trace_side_by_side`."""
     if system == "vllm":
         from vllm import LLM
 
-        return LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=512, enable_chunked_prefill=True,
+        return LLM(model=str(MODEL), dtype=dtype, max_num_batched_tokens=budget, enable_chunked_prefill=True,
                    max_model_len=2048, enable_prefix_caching=False, seed=0)
     from chariot.worker import LLM as ChariotLLM
 
-    return ChariotLLM(str(MODEL), dtype=dtype, token_budget=512, max_model_len=2048, kv_cache_tokens=65536,
+    return ChariotLLM(str(MODEL), dtype=dtype, token_budget=budget, max_model_len=2048, kv_cache_tokens=65536,
                       prefix_caching=False, progress=False)
 
 
-def serve(system: str, dtype: str) -> None:
+def serve(system: str, dtype: str, budget: int = BUDGET) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    llm = load(system, dtype)
+    llm = load(system, dtype, budget)
     if system == "vllm":
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -119,7 +121,7 @@ def vllm_allocator() -> Path:
 class Engine:
     """One engine's process: `script serve SYSTEM DTYPE` in that system's venv, talked to over stdin/stdout."""
 
-    def __init__(self, system: str, dtype: str, script: Path = Path(__file__)) -> None:
+    def __init__(self, system: str, dtype: str, script: Path = Path(__file__), budget: int = BUDGET) -> None:
         python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -128,7 +130,7 @@ class Engine:
             from chariot.bench.peer import compose_preload
 
             env["LD_PRELOAD"] = compose_preload(env.get("LD_PRELOAD"), self.allocator)
-        command = [str(python), str(script.resolve()), "serve", system, dtype]
+        command = [str(python), str(script.resolve()), "serve", system, dtype, str(budget)]
         self.proc = subprocess.Popen(command, cwd=tempfile.gettempdir(), env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.system = system
@@ -161,10 +163,10 @@ def grouped(rows: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def drive(dtype: str, out_dir: Path) -> None:
+def drive(dtype: str, out_dir: Path, budget: int = BUDGET) -> None:
     from chariot.bench.linear_bench import cpu_record
 
-    engines = [Engine("chariot", dtype), Engine("vllm", dtype)]
+    engines = [Engine("chariot", dtype, budget=budget), Engine("vllm", dtype, budget=budget)]
     for e in engines:  # warm-up: every length and batch once
         for n in LENGTHS:
             e.ask("run", n, 999)
@@ -205,15 +207,17 @@ def drive(dtype: str, out_dir: Path) -> None:
             profiles[f"{case}/{e.system}"] = {"groups_s": groups, "top_ops_s": top}
     for e in engines:
         e.proc.kill()
-    name = "prefill_side_by_side.json" if dtype == "float32" else f"prefill_side_by_side_{dtype}.json"
+    name = "prefill_side_by_side" + ("" if dtype == "float32" else f"_{dtype}") + \
+        ("" if budget == BUDGET else f"_b{budget}") + ".json"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / name).write_text(json.dumps(
-        {"machine": cpu_record(), "dtype": dtype, "rounds": ROUNDS, "rows": rows, "times_s": times,
-         "decode_rows": decode_rows, "decode_steps_s": steps, "profiles": profiles}, indent=1))
+        {"machine": cpu_record(), "dtype": dtype, "token_budget": budget, "rounds": ROUNDS, "rows": rows,
+         "times_s": times, "decode_rows": decode_rows, "decode_steps_s": steps, "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "serve":
-        serve(sys.argv[2], sys.argv[3])
+        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else BUDGET)
     else:
-        drive(sys.argv[1] if len(sys.argv) > 1 else "float32", Path(sys.argv[2]) if len(sys.argv) > 2 else Path())
+        drive(sys.argv[1] if len(sys.argv) > 1 else "float32", Path(sys.argv[2]) if len(sys.argv) > 2 else Path(),
+              int(sys.argv[3]) if len(sys.argv) > 3 else BUDGET)

@@ -1,7 +1,7 @@
 """peer_archive: a finished peer run's folder filed in one command. The run is the committed Xeon AMX
 float32 run, unpacked as `chariot bench peer --out` leaves it; the archive must give back its raw files
 byte for byte and the very analyses that were filed beside them by hand, and the full iterations'
-medians BENCHMARKS quotes from it (465.2 against 500.5 ms)."""
+medians BENCHMARKS quotes from it (465.2 against 500.5 ms pooled, vLLM's 1.05x Chariot's minute by minute)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_filing_a_run_reproduces_its_committed_analyses(tmp_path: Path, capsys: 
     assert (full["chariot"]["iterations"], full["vllm"]["iterations"]) == (1700, 1823)
     assert round(full["chariot"]["median_forward_ms"], 1) == 465.2
     assert round(full["vllm"]["median_forward_ms"], 1) == 500.5
+    timeline = json.loads((dest / "full_iteration_timeline.json").read_text())
+    assert timeline["minutes_both_ran"] == 29 and (dest / "full_iteration_timeline.png").stat().st_size > 0
+    assert round(timeline["vllm_over_chariot_by_minute"]["median"], 2) == 1.05
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 3 and rows[0].startswith("| 1 (chariot) | [0.90625, 1) / [1.25, 1.375) | 0.66–0.80× |")
     assert "9.6 % **flagged**" in rows[0]
