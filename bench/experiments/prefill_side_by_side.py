@@ -119,7 +119,7 @@ def vllm_allocator() -> Path:
 
 
 class Engine:
-    """One engine's process: `script serve SYSTEM DTYPE` in that system's venv, talked to over stdin/stdout."""
+    """One engine's process: `script serve SYSTEM DTYPE BUDGET` in that system's venv, talked to over stdin/stdout."""
 
     def __init__(self, system: str, dtype: str, script: Path = Path(__file__), budget: int = BUDGET) -> None:
         python = ROOT / ("build/vllm-venv/bin/python" if system == "vllm" else ".venv/bin/python")
