@@ -164,15 +164,10 @@ def delta(after: dict[Any, tuple[float, float]], before: dict[Any, tuple[float, 
             if v != before.get(k, zero)}
 
 
-THINK_S = max(3 * STATS_INTERVAL_S, 1.0)
-
-
 def think() -> None:
     """A user's think time between turns: long enough for the router to poll every replica's load
-    after the previous turn finished (a report taken while it was queued would still count it) and to
-    apply the previous turn's blocks from the replica's KV event stream, which a busy 2-core CI
-    machine once held back past three polls (the next turn then went to the other replica, uncached)."""
-    time.sleep(THINK_S)
+    after the previous turn finished (a report taken while it was queued would still count it)."""
+    time.sleep(3 * STATS_INTERVAL_S)
 
 
 def conversation(router: Router, seed: int, turns: int = 3) -> list[tuple[str, int, int]]:
