@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,11 @@ def unpack(dest: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_filing_a_run_reproduces_its_committed_analyses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_filing_a_run_reproduces_its_committed_analyses(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's log lines carry local time: read them in the zone the run was recorded in (UTC)
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
     run = unpack(tmp_path)
     console = tmp_path / "console.log"
     console.write_text("starting\nrc=0\n")
