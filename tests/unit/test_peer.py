@@ -743,7 +743,7 @@ def test_interleaved_searches_take_turns_on_two_servers_up_together(tiny_model_d
     """`--order probe` end to end on two real Chariot servers: vLLM cannot run here (the suite does not
     install it), so a second Chariot server stands in for it under the name `vllm`."""
     cfg = PeerConfig(model=tiny_model_dir, dtype="float32", token_budget=64, trace=TRACES["chat"], scale=0.02,
-                     requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=0.5, qps_high=1.0, tolerance=0.5,
+                     requests=4, tbt_slo_ms=1000, ttft_slo_ms=2000, qps_low=2.0, qps_high=4.0, tolerance=0.5,
                      max_probes=2, systems=("chariot", "vllm"), variants=("fresh",), quick=True, out=tmp_path,
                      max_len=512, kv_cache_gib=1, ready_timeout_s=180, single_output=8, offline_rounds=2)
     events: list[tuple[str, str]] = []  # (what, servers up) in time order
