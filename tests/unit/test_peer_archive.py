@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,12 +30,24 @@ def unpack(dest: Path) -> Path:
     return run
 
 
-@pytest.mark.slow
-def test_filing_a_run_reproduces_its_committed_analyses(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # vLLM's log lines carry local time: read them in the zone the run was recorded in (UTC)
-    monkeypatch.setenv("TZ", "UTC")
+@pytest.fixture
+def utc() -> Iterator[None]:
+    """The process's local time zone set to UTC for one test, and the previous one restored after it
+    (`time.tzset` again: the C library reads TZ only then)."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
     time.tzset()
+    yield
+    if before is None:
+        os.environ.pop("TZ", None)
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("utc")  # vLLM's log lines carry local time: read in the zone the run was recorded in
+def test_filing_a_run_reproduces_its_committed_analyses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = unpack(tmp_path)
     console = tmp_path / "console.log"
     console.write_text("starting\nrc=0\n")
