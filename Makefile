@@ -54,8 +54,11 @@ build/kube-floor-venv/.installed: pyproject.toml
 
 kube-floor: build/kube-floor-venv/.installed
 
+# Two test processes, each running whole test files (module fixtures are built once, in one of them):
+# most of the suite waits on servers, subprocesses and timeouts, so two share two cores well.
+TEST_WORKERS ?= 2
 test: $(STAMP) system-deps kubectl kube-floor lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The CUDA-only tests (kernels on Llama-3-8B shapes, CUDA engine parity): run on a machine with a GPU.
 test-gpu: $(STAMP)

@@ -8,7 +8,7 @@ SLO, when every replica's queue is at its bound, or when the tenant's rate limit
 Prediction, for a prompt of `p` tokens on replica r that holds its first `cached(r)` tokens in its
 prefix cache (from the router's `PrefixIndex`; 0 when the prompt was not tokenised here):
 
-    ttft(r) = r.last_iteration_s + (r.queued_prefill_tokens + pending(r) + p - cached(r)) / rate(r)
+    ttft(r) = wait(r) + (r.queued_prefill_tokens + pending(r) + p - cached(r)) / rate(r)
 
 A cache hit is simply fewer prefill tokens: it wins a replica the request only while the tokens it
 saves outweigh that replica's extra queue, and never past the SLO. Equal predictions (an unknown
@@ -21,7 +21,12 @@ prefix on idle replicas) go to the shorter queue, then by name.
 - `rate(r)`: prefill tokens per second: the reported `prefill_tokens_per_s` when > 0, else
   `token_budget / max(last_iteration_s, 1 ms)` — as if every iteration were full of prefill tokens,
   an optimistic bound used only until the worker has measured a rate;
-- `r.last_iteration_s`: the iteration already running must finish before the prompt is scheduled.
+- `wait(r)`: `r.last_iteration_s` where r's last report shows work (requests waiting or running,
+  prompt tokens queued): the iteration already running must finish before the prompt is scheduled.
+  0 where it reported itself idle: the last iteration it ran, however long ago, does not delay the
+  prompt, and the prompts admitted to it since are in `pending(r)`. So idle replicas' predictions
+  are equal up to their rates, and a burst of short prompts spreads over them by `pending(r)`
+  instead of piling onto the replica whose last iteration happened to be shortest.
 
 Shedding, checked in this order:
 1. "queue": every ready replica holds `max_queue_per_replica` requests (the larger of the shared
@@ -117,12 +122,15 @@ def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_to
     rate = prefill_rate(load)
     queued = load.queued_prefill_tokens + shared.pending_prefill_tokens
     depth = max(shared.in_flight, view.in_flight, load.num_waiting + load.num_running)
+    # an iteration to wait for only where the report shows work; what was admitted since is in `queued`
+    busy = load.num_waiting + load.num_running > 0 or load.queued_prefill_tokens > 0
+    wait = load.last_iteration_s if busy else 0.0
     cached = min(max(0, cached_tokens), prompt_tokens)
     computed = prompt_tokens - cached
     return Prediction(
         replica=view.name,
-        ttft_s=load.last_iteration_s + (queued + computed) / rate,
-        idle_ttft_s=load.last_iteration_s + computed / rate,
+        ttft_s=wait + (queued + computed) / rate,
+        idle_ttft_s=wait + computed / rate,
         queued_tokens=queued,
         prefill_rate=rate,
         queue_depth=depth,

@@ -65,13 +65,22 @@ def model_100m_dir(model_factory: ModelFactory) -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """GPU tests are deselected (reported as such, not as skipped passes) where CUDA is absent."""
-    if torch.cuda.is_available():
-        return
-    gpu = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu:
-        config.hook.pytest_deselected(items=gpu)
-        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    """GPU tests are deselected (reported as such, not as skipped passes) where CUDA is absent; the
+    files holding `slow` tests run first (`slow_files_first`)."""
+    if not torch.cuda.is_available():
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    slow_files_first(items)
+
+
+def slow_files_first(items: list[pytest.Item]) -> None:
+    """Reorder, stably, so that every test file holding a `slow` test comes before the others. With
+    `make test`'s two processes taking whole files in this order, the long files start early and the
+    short ones fill in at the end, instead of one process running a long file alone at the end."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture

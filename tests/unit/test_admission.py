@@ -96,7 +96,7 @@ def test_picks_the_replica_with_the_lowest_predicted_ttft() -> None:
             "light": dict(queued_prefill_tokens=200),
         }
     )
-    # busy: 0.05 + 1.6 = 1.65 s; slow: 0.05 + 1.0 = 1.05 s; light: 0.05 + 0.3 = 0.35 s
+    # busy: 0.05 + 1.6 = 1.65 s; slow (idle: no iteration to wait for): 1.0 s; light: 0.05 + 0.3 = 0.35 s
     assert r.decide(100).replica_name == "light"
 
 
@@ -107,7 +107,7 @@ def test_admissions_since_the_last_report_count_until_their_first_token() -> Non
     assert {first.replica_name, second.replica_name} == {"a", "b"}  # the first one's prompt is queued on its replica
     assert second.predicted_ttft_s == pytest.approx(first.predicted_ttft_s)
     third = r.decide(100)  # both replicas now hold 800 pending tokens: the tie goes by queue depth, then name
-    assert third.predicted_ttft_s == pytest.approx(0.05 + 0.9)
+    assert third.predicted_ttft_s == pytest.approx(0.9)  # reported idle: the pending prompt is the wait
     run(r.controller.on_first_token(first))
     assert r.decide(100).replica_name == first.replica_name  # its prompt is prefilled: no longer queued
 
@@ -123,6 +123,20 @@ def test_admissions_older_than_the_report_are_not_counted_twice() -> None:
 def test_tie_breaks_by_queue_depth() -> None:
     r = Router({"a": dict(num_running=5), "b": dict(num_running=1)})
     assert r.decide(10).replica_name == "b"
+
+
+def test_an_idle_replica_waits_for_no_iteration_so_a_burst_spreads() -> None:
+    """An idle replica's last iteration, however long it took, is over: its prediction is the prompt's
+    own prefill, so idle replicas tie whatever they last ran, and a burst of short prompts alternates
+    between them by the prompt tokens admitted to each, instead of piling onto the one whose last
+    iteration happened to be shortest."""
+    r = Router({"a": dict(last_iteration_s=0.2), "b": dict(last_iteration_s=0.01)})
+    first = r.decide(10)
+    assert first.predicted_ttft_s == pytest.approx(10 / 1000.0)
+    chosen = [first.replica_name] + [r.decide(10).replica_name for _ in range(5)]
+    assert chosen.count("a") == 3 and chosen.count("b") == 3, chosen
+    busy = Router({"a": dict(num_running=1, last_iteration_s=0.2)})
+    assert busy.decide(10).predicted_ttft_s == pytest.approx(0.2 + 10 / 1000.0)  # a running iteration is waited for
 
 
 # --- shedding -----------------------------------------------------------------------------------------
@@ -150,7 +164,7 @@ def test_slo_margin_widens_the_threshold() -> None:
 
 def test_a_prompt_longer_than_the_slo_is_served_on_an_idle_replica_only() -> None:
     r = Router({"a": {}}, ttft_slo_ms=1000)
-    assert r.decide(3000).predicted_ttft_s == pytest.approx(3.05)  # 3 s of prefill alone: can never meet 1 s
+    assert r.decide(3000).predicted_ttft_s == pytest.approx(3.0)  # 3 s of prefill alone: can never meet 1 s
     shed = r.shed(3000)  # now 3000 tokens are queued ahead
     assert shed.reason == "slo"
     assert shed.retry_after_s == pytest.approx(3.0, abs=0.01)  # until the backlog ahead has drained

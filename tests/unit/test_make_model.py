@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +124,8 @@ def test_tokenizer_vocab_size_is_exact(model_factory: Any, preset: str) -> None:
     assert tokenizer.backend.token_to_id("<|assistant|>") is not None
 
 
-def test_tokenizer_training_is_fast_and_deterministic() -> None:
-    start = time.perf_counter()
+def test_tokenizer_training_is_deterministic() -> None:
     a = train_tokenizer(8192, seed=0)
-    assert time.perf_counter() - start < 10.0
     assert a.get_vocab_size() == 8192
     assert a.to_str() == train_tokenizer(8192, seed=0).to_str()
 

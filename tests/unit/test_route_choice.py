@@ -164,7 +164,7 @@ def test_load_mode_ignores_cache_and_sessions() -> None:
     d = r.decide(1000, cached_tokens={"a": 960}, session="s")
     # as if nothing were cached: b's empty queue wins, and the whole prompt counts as pending on it
     assert (d.replica_name, d.reason, d.cached_tokens) == ("b", "load", 0)
-    assert d.predicted_ttft_s == pytest.approx(0.05 + 1000 / 1000.0)
+    assert d.predicted_ttft_s == pytest.approx(1000 / 1000.0)  # b is idle: no iteration to wait for
     assert {v.name: v.unprefilled_tokens for v in r.registry.snapshot()} == {"a": 0, "b": 1000}
     assert r.controller.session_replica("s") is None
 
