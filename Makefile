@@ -55,10 +55,11 @@ build/kube-floor-venv/.installed: pyproject.toml
 kube-floor: build/kube-floor-venv/.installed
 
 # Two test processes, each running whole test files (module fixtures are built once, in one of them):
-# most of the suite waits on servers, subprocesses and timeouts, so two share two cores well.
+# most of the suite waits on servers, subprocesses and timeouts, so two share two cores well. Files are
+# handed out in collection order (tests/conftest.py puts those with slow tests first), not by test count.
 TEST_WORKERS ?= 2
 test: $(STAMP) system-deps kubectl kube-floor lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The CUDA-only tests (kernels on Llama-3-8B shapes, CUDA engine parity): run on a machine with a GPU.
 test-gpu: $(STAMP)
