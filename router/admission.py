@@ -21,10 +21,11 @@ prefix on idle replicas) go to the shorter queue, then by name.
 - `rate(r)`: prefill tokens per second: the reported `prefill_tokens_per_s` when > 0, else
   `token_budget / max(last_iteration_s, 1 ms)` — as if every iteration were full of prefill tokens,
   an optimistic bound used only until the worker has measured a rate;
-- `wait(r)`: `r.last_iteration_s` where r's last report shows work (requests waiting or running,
-  prompt tokens queued): the iteration already running must finish before the prompt is scheduled.
-  0 where it reported itself idle: the last iteration it ran, however long ago, does not delay the
-  prompt, and the prompts admitted to it since are in `pending(r)`. So idle replicas' predictions
+- `wait(r)`: `r.last_iteration_s` where r is busy (`busy`: its last report shows requests waiting
+  or running or prompt tokens queued, or every request admitted to it since has its first token):
+  the iteration already running must finish before the prompt is scheduled. 0 where it reported
+  itself idle and what was admitted since still awaits its prefill (that is in `pending(r)`): the
+  last iteration it ran, however long ago, does not delay the prompt. So idle replicas' predictions
   are equal up to their rates, and a burst of short prompts spreads over them by `pending(r)`
   instead of piling onto the replica whose last iteration happened to be shortest.
 
@@ -114,6 +115,16 @@ def prefill_rate(load: ReplicaLoad) -> float:
     return load.token_budget / max(load.last_iteration_s, MIN_ITERATION_S)
 
 
+def busy(load: ReplicaLoad, shared: SharedLoad, own_in_flight: int) -> bool:
+    """Whether the replica is running an iteration the prompt must wait for: its last report shows
+    work, or every request admitted to it since has its first token (so it is decoding them). Requests
+    still waiting for their prefill are in `pending(r)` instead: a burst of them does not add an
+    iteration per request."""
+    reported = load.num_waiting + load.num_running > 0 or load.queued_prefill_tokens > 0
+    decoding = max(shared.in_flight, own_in_flight) > 0 and shared.pending_prefill_tokens == 0
+    return reported or decoding
+
+
 def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_tokens: int = 0) -> Prediction:
     """The TTFT of a `prompt_tokens` prompt on `view` (which must have a load report), of which the
     replica holds the first `cached_tokens` in its prefix cache."""
@@ -122,9 +133,7 @@ def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_to
     rate = prefill_rate(load)
     queued = load.queued_prefill_tokens + shared.pending_prefill_tokens
     depth = max(shared.in_flight, view.in_flight, load.num_waiting + load.num_running)
-    # an iteration to wait for only where the report shows work; what was admitted since is in `queued`
-    busy = load.num_waiting + load.num_running > 0 or load.queued_prefill_tokens > 0
-    wait = load.last_iteration_s if busy else 0.0
+    wait = load.last_iteration_s if busy(load, shared, view.in_flight) else 0.0
     cached = min(max(0, cached_tokens), prompt_tokens)
     computed = prompt_tokens - cached
     return Prediction(

@@ -47,6 +47,12 @@ def redis_server(redis_binary: str) -> Iterator[RedisServer]:
         yield server
 
 
+SHARING_TIMEOUT_S = 2.0
+"""Redis timeout of the tests about what two routers share (not about a slow Redis): a Redis server
+starved of CPU by the other test process on a 2-core machine can answer past the 0.2 s default, and
+a router that degrades decides locally, which those tests would read as not sharing."""
+
+
 class Router:
     """One router process: its own registry, Redis client (with local fallback) and controller."""
 
@@ -145,7 +151,8 @@ def test_two_routers_enforce_one_tenant_limit_jointly(redis_server: RedisServer)
     limits = {"acme": TenantLimit(rate_per_s=0.01, burst=10.0)}
 
     async def scenario() -> None:
-        routers = [Router(redis_server.url, rate_limit_unit="requests", tenant_rate_limits=limits) for _ in range(2)]
+        routers = [Router(redis_server.url, rate_limit_unit="requests", tenant_rate_limits=limits,
+                          redis_timeout_s=SHARING_TIMEOUT_S) for _ in range(2)]
         try:
             outcomes = await asyncio.gather(*(routers[i % 2].try_decide(tenant="acme") for i in range(40)))
             assert len(admitted(list(outcomes))) == 10  # not 10 per router
@@ -161,7 +168,7 @@ def test_two_routers_enforce_one_tenant_limit_jointly(redis_server: RedisServer)
 
 def test_two_routers_see_each_others_load_and_share_queue_bounds(redis_server: RedisServer) -> None:
     async def scenario() -> None:
-        a, b = Router(redis_server.url, max_queue_per_replica=2), Router(redis_server.url, max_queue_per_replica=2)
+        a, b = (Router(redis_server.url, max_queue_per_replica=2, redis_timeout_s=SHARING_TIMEOUT_S) for _ in range(2))
         try:
             first = await a.controller.decide(800)
             second = await b.controller.decide(800)  # b sees a's 800 pending tokens on that replica

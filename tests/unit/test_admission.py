@@ -137,6 +137,9 @@ def test_an_idle_replica_waits_for_no_iteration_so_a_burst_spreads() -> None:
     assert chosen.count("a") == 3 and chosen.count("b") == 3, chosen
     busy = Router({"a": dict(num_running=1, last_iteration_s=0.2)})
     assert busy.decide(10).predicted_ttft_s == pytest.approx(0.2 + 10 / 1000.0)  # a running iteration is waited for
+    decoding = Router({"a": dict(last_iteration_s=0.2)})
+    run(decoding.controller.on_first_token(decoding.decide(10)))  # admitted since the idle report, now decoding
+    assert decoding.decide(10).predicted_ttft_s == pytest.approx(0.2 + 10 / 1000.0)
 
 
 # --- shedding -----------------------------------------------------------------------------------------
