@@ -115,14 +115,13 @@ def prefill_rate(load: ReplicaLoad) -> float:
     return load.token_budget / max(load.last_iteration_s, MIN_ITERATION_S)
 
 
-def busy(load: ReplicaLoad, shared: SharedLoad, own_in_flight: int) -> bool:
+def busy(load: ReplicaLoad, shared: SharedLoad, in_flight: int) -> bool:
     """Whether the replica is running an iteration the prompt must wait for: its last report shows
-    work, or every request admitted to it since has its first token (so it is decoding them). Requests
-    still waiting for their prefill are in `pending(r)` instead: a burst of them does not add an
-    iteration per request."""
+    work, or every one of the `in_flight` requests admitted to it has its first token (so it is
+    decoding them). Requests still waiting for their prefill are in `pending(r)` instead: a burst of
+    them does not add an iteration per request."""
     reported = load.num_waiting + load.num_running > 0 or load.queued_prefill_tokens > 0
-    decoding = max(shared.in_flight, own_in_flight) > 0 and shared.pending_prefill_tokens == 0
-    return reported or decoding
+    return reported or (in_flight > 0 and shared.pending_prefill_tokens == 0)
 
 
 def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_tokens: int = 0) -> Prediction:
@@ -132,8 +131,9 @@ def predict(view: ReplicaView, shared: SharedLoad, prompt_tokens: int, cached_to
     assert load is not None
     rate = prefill_rate(load)
     queued = load.queued_prefill_tokens + shared.pending_prefill_tokens
-    depth = max(shared.in_flight, view.in_flight, load.num_waiting + load.num_running)
-    wait = load.last_iteration_s if busy(load, shared, view.in_flight) else 0.0
+    in_flight = max(shared.in_flight, view.in_flight)
+    depth = max(in_flight, load.num_waiting + load.num_running)
+    wait = load.last_iteration_s if busy(load, shared, in_flight) else 0.0
     cached = min(max(0, cached_tokens), prompt_tokens)
     computed = prompt_tokens - cached
     return Prediction(
