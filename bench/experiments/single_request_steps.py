@@ -6,7 +6,8 @@ serving path, the stream to the client). Both servers log every iteration, so th
 request can be read back and the client's TBT split into the engine's part and the rest. On an idle
 server the request is the only thing running: its prompt is one 128-token chunk with no decodes,
 followed by one-decode iterations with no prompt tokens until it ends; this finds each such run of at
-least `min_decodes` iterations in log order and gives the median step of its decodes.
+least `min_decodes` iterations (by default the benchmark's whole request: its first token comes
+from the prompt's iteration) in log order and gives the median step of its decodes.
 
     .venv/bin/python -m chariot.bench.experiments.single_request_steps OUT.json VLLM_LOG[.gz] ITERATION_LOG[.gz]...
 
@@ -24,13 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from chariot.bench.experiments.iteration_cost import SYSTEMS, load
-
-PROMPT_TOKENS = 128
-MIN_DECODES = 250
+from chariot.bench.peer import SINGLE_OUTPUT_TOKENS, SINGLE_PROMPT_TOKENS
 
 
-def single_request_windows(records: Sequence[Mapping[str, Any]], prompt_tokens: int = PROMPT_TOKENS,
-                           min_decodes: int = MIN_DECODES) -> list[dict[str, Any]]:
+def single_request_windows(records: Sequence[Mapping[str, Any]], prompt_tokens: int = SINGLE_PROMPT_TOKENS,
+                           min_decodes: int = SINGLE_OUTPUT_TOKENS - 1) -> list[dict[str, Any]]:
     """Each run of one prompt-only iteration of `prompt_tokens` followed by at least `min_decodes`
     one-decode iterations with no prompt tokens: where it starts, its decodes and their median ms."""
     windows, i = [], 0
