@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from chariot.bench.experiments import full_iteration_timeline, iteration_cost, iteration_mix, onednn_row_step_ab
-from chariot.bench.peer import Bounds, format_capacity
+from chariot.bench.peer import Bounds, format_capacity, format_span
 
 FULL_SHARE = 500 / 512  # an iteration is full from this share of the token budget on (500 of 512)
 
@@ -82,13 +82,12 @@ def search_rows(summary: Sequence[Mapping[str, Any]]) -> list[str]:
     for variant in summary:
         for s in variant["searches"]:
             c, v, m = s["systems"]["chariot"], s["systems"]["vllm"], s["machine"]
-            lo, hi = s["capacity_ratio_range"]
             mine, peer = (format_capacity(Bounds(*x["capacity_bounds"])) for x in (c, v))
             rounds = "; ".join(", ".join(f"{r['output_tokens_per_s']:.1f}" for r in x["offline"]["rounds"])
                                for x in (c, v))
             drift = f"{m['drift'] * 100:.1f} %" + (" **flagged**" if s["flagged"] else "")
             rows.append(
-                f"| {s['search'] + 1} ({s['order'][0]}) | {mine} / {peer} | {lo:.2f}–{hi:.2f}× | "
+                f"| {s['search'] + 1} ({s['order'][0]}) | {mine} / {peer} | {format_span(s['capacity_ratio_range'])} | "
                 f"{c['offline']['output_tokens_per_s']:.1f} / {v['offline']['output_tokens_per_s']:.1f} | "
                 f"{s['offline_throughput_ratio']:.2f}× | {rounds} | {c['single']['tbt_p50_ms']:.1f} / "
                 f"{v['single']['tbt_p50_ms']:.1f} ms | {c['probes']} / {v['probes']} | "

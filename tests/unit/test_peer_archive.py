@@ -92,3 +92,15 @@ def test_full_iterations_need_most_of_the_budget() -> None:
     full = peer_archive.full_iterations(rows, 512)
     assert full["chariot"]["iterations"] == 1 and full["chariot"]["median_forward_ms"] == 100.0
     assert full["chariot_over_vllm"] == 0.5
+
+
+def test_a_search_whose_capacities_are_both_bounds_reads_unknown() -> None:
+    """The committed Zen 4 bf16 offline-rounds run probed each system once, at 1 QPS, which both
+    passed: each capacity is only a lower bound, so the row gives no capacity ratio, but still the
+    offline medians and their ratio."""
+    run = Path(__file__).resolve().parents[2] / "docs" / "img" / "peer-zen4-bf16" / "offline-rounds"
+    summary = json.loads(gzip.decompress((run / "peer.json.gz").read_bytes()))["summary"]
+    rows = peer_archive.search_rows(summary)
+    assert len(rows) == 3
+    assert rows[0].startswith("| 1 (chariot) | ≥ 1 / ≥ 1 | unknown | 224.0 / 192.4 | 1.17× |")
+    assert all("| unknown |" in row for row in rows)
