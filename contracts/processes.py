@@ -3,8 +3,12 @@ of local child processes that print a ready line.
 
 `Topology` and `stage_env` are the standard torch.distributed variables (`RANK`, `WORLD_SIZE`,
 `MASTER_ADDR`, `MASTER_PORT`) that the operator sets in pods and `chariot up` sets for local
-processes, so both start stages the same way. `spawn`/`wait_ready`/`shutdown` run the `chariot`
-processes of a local deployment (`chariot up`, the benchmarks); children die with their parent
+processes, so both start stages the same way. Locally, stage 0's rendezvous socket is bound and
+listening before its port is written into that environment (`reserve_rendezvous`) and is handed to
+stage 0 as an open descriptor (`RENDEZVOUS_FD`): a port that is merely found free can be taken by
+any other socket (another group's gloo connections, a server binding port 0) before stage 0 binds
+it. `spawn`/`wait_ready`/`shutdown` run the `chariot` processes of a local deployment (`chariot up`,
+the benchmarks); children die with their parent
 (PR_SET_PDEATHSIG), so none is orphaned even if the parent is killed. `end_group` waits out a whole
 process group (a server started in a session of its own and everything it started), so a benchmark's
 next phase does not share the CPU with the last one's exit. Torch-free.
@@ -21,10 +25,15 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from chariot.contracts.errors import ConfigError
+
+RENDEZVOUS_FD = "CHARIOT_RENDEZVOUS_FD"
+"""Environment variable: the descriptor of rank 0's rendezvous socket, already listening on
+`MASTER_PORT`, when its parent reserved it (local groups only; pods bind their own)."""
+LISTEN_BACKLOG = 128
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class Topology:
     world_size: int
     master_addr: str
     master_port: int
+    listen_fd: int | None = None  # rank 0 only: its rendezvous socket, listening on master_port
 
     @classmethod
     def from_env(cls) -> Topology:
@@ -48,7 +58,12 @@ class Topology:
             raise ConfigError("RANK/WORLD_SIZE/MASTER_PORT", f"must be integers ({exc})") from exc
         if not 0 <= topo.rank < topo.world_size:
             raise ConfigError("RANK", f"must be in [0, WORLD_SIZE={topo.world_size}), got {topo.rank}")
-        return topo
+        fd = os.environ.get(RENDEZVOUS_FD)
+        if fd is None or not topo.is_first:
+            return topo
+        if not fd.isdigit():
+            raise ConfigError(RENDEZVOUS_FD, f"must be a file descriptor number, got {fd!r}")
+        return replace(topo, listen_fd=int(fd))
 
     @property
     def is_first(self) -> bool:
@@ -60,6 +75,19 @@ class Topology:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+def reserve_rendezvous(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a free port of `host`, for a local group's rank 0 to adopt: the port is
+    never free between being chosen and being served on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.bind((host, 0))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -75,8 +103,11 @@ def die_with_parent() -> None:
 
 def stage_env(topo: Topology, rank: int) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(RENDEZVOUS_FD, None)  # a descriptor of this process's means nothing in another rank
     env.update(RANK=str(rank), WORLD_SIZE=str(topo.world_size), MASTER_ADDR=topo.master_addr,
                MASTER_PORT=str(topo.master_port))
+    if rank == 0 and topo.listen_fd is not None:
+        env[RENDEZVOUS_FD] = str(topo.listen_fd)
     return env
 
 
@@ -101,11 +132,13 @@ class Child:
         self.ready.set()  # EOF: the child exited
 
 
-def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str, new_session: bool = False) -> Child:
+def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str, new_session: bool = False,
+          pass_fds: tuple[int, ...] = ()) -> Child:
     """Start `cmd`; `new_session` puts it in a session and process group of its own (its PID is the
-    group's ID) so `end_group` can wait out everything it starts."""
+    group's ID) so `end_group` can wait out everything it starts; `pass_fds` stay open in the child
+    under the same numbers."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            preexec_fn=die_with_parent, start_new_session=new_session)
+                            preexec_fn=die_with_parent, start_new_session=new_session, pass_fds=pass_fds)
     child = Child(name, proc)
     threading.Thread(target=child.pump, args=(ready_prefix,), daemon=True).start()
     return child

@@ -145,9 +145,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology | None, served: str,
                   telemetry: Telemetry, metrics_port: int) -> int:
     import asyncio
-    import functools
 
-    from chariot.worker.engine import Engine
+    from chariot.worker.engine import engine_factory
     from chariot.worker.iteration_log import IterationLog, StepObservers
     from chariot.worker.observe import EngineMetrics
     from chariot.worker.server import serve
@@ -158,7 +157,7 @@ def _serve_stage0(args: argparse.Namespace, config: EngineConfig, topo: Topology
         print(f"chariot worker ready grpc={args.host}:{bound[0]} metrics={args.metrics_host}:{metrics_port}",
               flush=True)
 
-    factory = functools.partial(Engine, config, topology=topo)  # picklable: the engine core builds it
+    factory = engine_factory(config, topo)  # picklable: the engine core builds it
     iterations = None if args.iteration_log is None else IterationLog(args.iteration_log)
     try:
         return asyncio.run(serve(factory, args.host, args.port, served, ready=bound.append,

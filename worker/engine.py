@@ -12,11 +12,15 @@ other request untouched. `validate_prompt` is the one place the worker encodes a
 
 from __future__ import annotations
 
+import functools
 import itertools
+import os
+import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -32,7 +36,7 @@ from chariot.worker.engine_output import NO_TIMES, EngineOutput, StageTime, Step
 from chariot.worker.executor import InputBuilder, LocalExecutor
 from chariot.worker.micro_batch import MicroBatch, TokenCarry
 from chariot.worker.pipeline.driver import PipelineExecutor
-from chariot.worker.pipeline.transport import PeerCheck, Topology
+from chariot.worker.pipeline.transport import PeerCheck, Topology, adopted_socket
 from chariot.worker.runtime import build_stage_runtime
 from chariot.worker.sampler import SamplerOutput
 from chariot.worker.scheduler import SchedulerConfig, SchedulerOutput, make_scheduler
@@ -354,3 +358,21 @@ class Engine:
             tensor_parallel_size=self.config.tensor_parallel_size,
             collective_s=self._collectives.collective_s,
         )
+
+
+def engine_factory(config: EngineConfig, topology: Topology | None) -> Callable[[], Engine]:
+    """A picklable builder of stage 0's engine (the engine core may build it in a child process).
+
+    A rendezvous socket reserved by the launcher (`Topology.listen_fd`) travels in it as a socket, not
+    a number: pickled into the child, it arrives as a descriptor duplicated there, under a number of
+    its own (multiprocessing's socket reduction)."""
+    if topology is None or topology.listen_fd is None:
+        return functools.partial(Engine, config, topology=topology)
+    listener = adopted_socket(topology.listen_fd, topology.master_port)
+    os.close(topology.listen_fd)  # the duplicate is the one copy this process keeps
+    return functools.partial(_engine_on_reserved_socket, config, topology, listener)
+
+
+def _engine_on_reserved_socket(config: EngineConfig, topology: Topology, listener: socket.socket) -> Engine:
+    with listener:  # the store keeps a duplicate of its own
+        return Engine(config, topology=replace(topology, listen_fd=listener.fileno()))

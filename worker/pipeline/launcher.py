@@ -13,7 +13,7 @@ from pathlib import Path
 
 from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.errors import ConfigError
-from chariot.contracts.processes import Child, Topology, die_with_parent, free_port, spawn, stage_env
+from chariot.contracts.processes import Child, Topology, die_with_parent, reserve_rendezvous, spawn, stage_env
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
 from chariot.worker.iteration_log import iteration_log_path
@@ -33,13 +33,15 @@ def start_group(index: int, config: EngineConfig, served: str, engine_core: str 
     stage 0). With `iteration_log`, stage 0 logs its iterations to that path with `index` before the
     suffix (`iteration_log_path`)."""
     check_local_devices(config)
-    topo = Topology(0, config.world_size, "127.0.0.1", free_port())
     cmd = [*worker_command(config), "--port", str(port), "--metrics-port", "0", "--served-model-name", served,
            "--engine-core", engine_core]
     if iteration_log is not None:
         cmd += ["--iteration-log", str(iteration_log_path(iteration_log, index))]
-    children = [spawn(f"replica {index} {rank_name(config, rank)}", cmd, rank_env(config, topo, rank),
-                      WORKER_READY_PREFIX) for rank in range(config.world_size)]
+    with reserve_rendezvous() as listener:  # stage 0 holds its own copy; this one closes once it is spawned
+        topo = Topology(0, config.world_size, "127.0.0.1", listener.getsockname()[1], listener.fileno())
+        children = [spawn(f"replica {index} {rank_name(config, rank)}", cmd, rank_env(config, topo, rank),
+                          WORKER_READY_PREFIX, pass_fds=(listener.fileno(),) if rank == 0 else ())
+                    for rank in range(config.world_size)]
     return children, children[0]
 
 
@@ -83,7 +85,8 @@ def start_stage_shards(config: EngineConfig, stage_topo: Topology) -> tuple[Topo
     return this process's own place in the group of P × T ranks. Each rank's `LOCAL_RANK` is its
     shard, i.e. its GPU within the pod; the children die with this process."""
     t = config.tensor_parallel_size
-    topo = Topology(stage_topo.rank * t, stage_topo.world_size * t, stage_topo.master_addr, stage_topo.master_port)
+    topo = Topology(stage_topo.rank * t, stage_topo.world_size * t, stage_topo.master_addr, stage_topo.master_port,
+                    stage_topo.listen_fd)
     cmd = [*worker_command(config), "--metrics-port", "0"]
     children = []
     for shard in range(1, t):
@@ -116,7 +119,8 @@ class LocalPipeline:
     def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
         check_local_devices(config)
         self.config = config
-        self.topology = Topology(0, config.world_size, host, free_port(host))
+        self.listener = reserve_rendezvous(host)  # adopted by this process's own stage 0 (rank 0)
+        self.topology = Topology(0, config.world_size, host, self.listener.getsockname()[1], self.listener.fileno())
         cmd = [*worker_command(config), "--metrics-port", "0"]
         logdir, port = Path(tempfile.gettempdir()), self.topology.master_port
         self.logs = [logdir / f"chariot-{port}-rank{r}.log" for r in range(1, config.world_size)]
@@ -138,6 +142,7 @@ class LocalPipeline:
 
     def stop(self, timeout: float = 10.0) -> list[int | None]:
         """Wait for the stages to exit (after a shutdown message), killing stragglers."""
+        self.listener.close()
         codes: list[int | None] = []
         for p in self.procs:
             try:

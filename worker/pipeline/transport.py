@@ -21,14 +21,13 @@ import torch
 import torch.distributed as dist
 
 from chariot.contracts.errors import PipelineError
-from chariot.contracts.processes import Topology
+from chariot.contracts.processes import LISTEN_BACKLOG, RENDEZVOUS_FD, Topology
 
 MAX_PENDING_SENDS = 12
 # Stages start at different speeds (imports, model loading, on a cluster node scale-up and image
 # pulls): joining the group may take far longer than any single message is allowed to. The join
 # deadline is `EngineConfig.rendezvous_timeout_s`; per-message deadlines are `stage_timeout_s`.
 _JOINED_KEY = "chariot/stages-joined"
-LISTEN_BACKLOG = 128
 
 
 def backend_for(device: torch.device) -> str:
@@ -39,12 +38,17 @@ PeerCheck = Callable[[], str | None]
 """Returns why a peer stage cannot join (e.g. a local child exited), or None while all is well."""
 
 
-def listen_socket(addr: str, port: int, deadline: float) -> socket.socket:
+def listen_socket(topo: Topology, deadline: float) -> socket.socket:
     """Stage 0's store socket, bound to the rendezvous address itself, never a wildcard.
 
-    (`TCPStore` on its own listens on every interface, unauthenticated.) The address may be a pod's
-    DNS name that resolves only once the pod has an IP, so resolution is retried until `deadline`.
+    (`TCPStore` on its own listens on every interface, unauthenticated.) A local group's parent has
+    already bound and handed it over (`Topology.listen_fd`); in a pod it is bound here. The address
+    may be a pod's DNS name that resolves only once the pod has an IP, so resolution is retried
+    until `deadline`.
     """
+    if topo.listen_fd is not None:
+        return adopted_socket(topo.listen_fd, topo.master_port)
+    addr, port = topo.master_addr, topo.master_port
     while True:
         try:
             family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
@@ -61,6 +65,20 @@ def listen_socket(addr: str, port: int, deadline: float) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise PipelineError(f"rendezvous store cannot listen on {addr}:{port}: {exc}") from exc
+    return sock
+
+
+def adopted_socket(fd: int, port: int) -> socket.socket:
+    """A duplicate of the listening socket the parent reserved (the original stays its owner's to
+    close), checked to listen on MASTER_PORT."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError as exc:
+        raise PipelineError(f"{RENDEZVOUS_FD}={fd} is not an open socket: {exc}") from exc
+    bound = sock.getsockname()
+    if sock.type != socket.SOCK_STREAM or bound[1] != port:
+        sock.close()
+        raise PipelineError(f"{RENDEZVOUS_FD}={fd} is a socket on {bound}, not a listener on MASTER_PORT={port}")
     return sock
 
 
@@ -82,7 +100,7 @@ def rendezvous(topo: Topology, timeout: datetime.timedelta, peer_check: PeerChec
     On stage 0 the store serves on a socket bound to the rendezvous address (see `listen_socket`);
     the store owns that socket from then on and closes it when it goes."""
     deadline = time.monotonic() + timeout.total_seconds()
-    sock = listen_socket(topo.master_addr, topo.master_port, deadline) if topo.is_first else None
+    sock = listen_socket(topo, deadline) if topo.is_first else None
     try:
         store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=topo.is_first,
                               timeout=timeout, wait_for_workers=False,
