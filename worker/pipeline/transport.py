@@ -72,8 +72,13 @@ def adopted_socket(fd: int, port: int) -> socket.socket:
     """A duplicate of the listening socket the parent reserved (the original stays its owner's to
     close), checked to listen on MASTER_PORT."""
     try:
-        sock = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError as exc:
+        raise PipelineError(f"{RENDEZVOUS_FD}={fd} is not an open socket: {exc}") from exc
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError as exc:
+        os.close(copy)
         raise PipelineError(f"{RENDEZVOUS_FD}={fd} is not an open socket: {exc}") from exc
     bound = sock.getsockname()
     if sock.type != socket.SOCK_STREAM or bound[1] != port:
