@@ -109,6 +109,13 @@ def test_a_descriptor_on_another_port_or_closed_is_refused_by_name() -> None:
         os.close(closed)
         with pytest.raises(PipelineError, match=f"{RENDEZVOUS_FD}={closed} is not an open socket"):
             rendezvous(Topology(0, 1, "127.0.0.1", port, closed), timeout)
+        read_end, write_end = os.pipe()  # open, but not a socket
+        try:
+            with pytest.raises(PipelineError, match=f"{RENDEZVOUS_FD}={read_end} is not an open socket"):
+                rendezvous(Topology(0, 1, "127.0.0.1", port, read_end), timeout)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
         with socket.socket() as other:  # the refusals left the reserved socket serving
             other.settimeout(5)
             other.connect(("127.0.0.1", port))
