@@ -7,8 +7,8 @@ over local processes makes it visible and testable on one machine. Only the plum
 - the offered load comes from the router's `GET /load` (one router, no Redis needed);
 - the router learns the replica set from a JSON file it watches (`--replica-file`), which this
   module rewrites atomically when groups come and go;
-- scale up starts a group's processes (`GroupSupervisor.add`) and lists it at once: the router
-  routes to it once its first load report arrives;
+- scale up starts a group's processes (`GroupSupervisor.add`) and lists it once its stage 0 serves
+  and has named the port it bound; the router routes to it once its first load report arrives;
 - scale down drains first, as the operator does: the group (the highest index) leaves the file, so
   the router stops sending to it; its processes stop once the router's snapshot neither routes to it
   nor holds a request on it, or after the drain grace period.
@@ -49,7 +49,9 @@ def fetch_load(url: str, timeout_s: float = 2.0, context: ssl.SSLContext | None 
 
 def write_replica_file(path: Path, groups: list[LocalGroup]) -> None:
     """The router's replica list (`router/registry.py`'s file format), replaced atomically."""
-    body = {"replicas": [{"name": group_name(g), "address": g.address} for g in sorted(groups, key=lambda g: g.index)]}
+    """Groups still starting (no port learned yet) are left out until their stage 0 serves."""
+    listed = sorted((g for g in groups if g.addressable), key=lambda g: g.index)
+    body = {"replicas": [{"name": group_name(g), "address": g.address} for g in listed]}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
@@ -90,6 +92,8 @@ class LocalAutoscaler:
         if now < self._next:
             return None
         self._next = now + self._interval_s
+        if self.supervisor.learn_ports():  # a new group serves: the router may route to it now
+            self.publish()
         load = self._fetch()
         serving = self.serving()
         decision = decide(load, len(serving), self.policy, now, self._history)
@@ -110,7 +114,7 @@ class LocalAutoscaler:
             count -= 1
         for _ in range(count):
             group = self.supervisor.add()
-            print(f"chariot up: replica {group.index} starting on {group.address}", file=sys.stderr, flush=True)
+            print(f"chariot up: replica {group.index} starting", file=sys.stderr, flush=True)
         self.publish()
 
     def _scale_down(self, count: int, now: float) -> None:

@@ -3,21 +3,25 @@
 A stage that exits fails its own group only, as a dead pod does on Kubernetes: the rest of that
 group is stopped, and the group is recreated after the operator's gang-restart backoff
 (`chariot.operator.reconcile.Backoff`: base × 2^(restarts-1), capped, reset after a long healthy
-run) on the same stage-0 gRPC address. The router drops the group from rotation as soon as its
-load reports stop (and re-sends requests that had not got a token yet), and takes it back once it
-reports again. Other groups and the router keep serving throughout.
+run) on the same stage-0 gRPC address. That address is the one stage 0 bound itself (port 0) and
+named in its ready line: a port merely found free here could be taken by another socket (another
+group's gloo connections, a server binding port 0) in the seconds before stage 0 binds it. The
+router drops the group from rotation as soon as its load reports stop (and re-sends requests that
+had not got a token yet), and takes it back once it reports again. Other groups and the router keep
+serving throughout.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
-from chariot.contracts.processes import Child, free_port, shutdown
+from chariot.contracts.processes import Child, shutdown, wait_ready
 from chariot.operator.reconcile import Backoff
 from chariot.worker.config import EngineConfig
 from chariot.worker.pipeline.launcher import start_group
@@ -30,7 +34,7 @@ class LocalGroup:
     """One pipeline group's processes and its restart bookkeeping."""
 
     index: int
-    port: int  # stage 0's gRPC port: the router's address for this group, kept across restarts
+    port: int  # stage 0's gRPC port, 0 until its first ready line names it; kept across restarts
     children: list[Child]
     started_at: float
     restarts: int = 0
@@ -44,8 +48,28 @@ class LocalGroup:
     def stage0(self) -> Child:
         return self.children[0]
 
+    @property
+    def addressable(self) -> bool:
+        return self.port != 0
+
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def learn_port(self) -> bool:
+        """Take stage 0's bound port from its ready line once it has printed it; True when learned now."""
+        line = self.stage0.ready_line
+        if self.port or line is None:
+            return False
+        self.port = bound_grpc_port(line)
+        return True
+
+
+def bound_grpc_port(ready_line: str) -> int:
+    """The port in a worker's ready line (`chariot worker ready grpc=HOST:PORT ...`)."""
+    match = re.search(r"grpc=\S*:(\d+)", ready_line)
+    if match is None:
+        raise RuntimeError(f"a worker's ready line names no gRPC port: {ready_line!r}")
+    return int(match.group(1))
 
 
 class GroupSupervisor:
@@ -62,18 +86,23 @@ class GroupSupervisor:
 
     def start(self, replicas: int) -> list[LocalGroup]:
         for index in range(replicas):
-            port = free_port()
-            children = self._start(index, port)
-            self.groups.append(LocalGroup(index, port, children, self.clock()))
+            self.groups.append(LocalGroup(index, 0, self._start(index, 0), self.clock()))
         return self.groups
+
+    def wait_ready(self, group: LocalGroup, timeout_s: float) -> None:
+        """Until the group's stage 0 serves (RuntimeError if any stage exits first); learns its port."""
+        wait_ready(group.stage0, self.children(), timeout_s)
+        group.learn_port()
+
+    def learn_ports(self) -> bool:
+        """Learn the ports of groups whose stage 0 has become ready since; True when any was learned."""
+        return any([g.learn_port() for g in self.groups if g.restart_at is None])
 
     def add(self) -> LocalGroup:
         """Start one more group at the lowest free index (the autoscaler's scale up)."""
         taken = {g.index for g in self.groups}
         index = next(i for i in itertools.count() if i not in taken)
-        port = free_port()
-        children = self._start(index, port)
-        group = LocalGroup(index, port, children, self.clock())
+        group = LocalGroup(index, 0, self._start(index, 0), self.clock())
         self.groups.append(group)
         return group
 
@@ -100,7 +129,8 @@ class GroupSupervisor:
             elif now >= group.restart_at:
                 group.children = self._start(group.index, group.port)
                 group.started_at, group.restart_at = now, None
-                print(f"chariot up: replica {group.index} recreated on {group.address} (restart {group.restarts})",
+                where = f"on {group.address}" if group.addressable else "(its port is learned once it serves)"
+                print(f"chariot up: replica {group.index} recreated {where} (restart {group.restarts})",
                       file=sys.stderr, flush=True)
 
     def _fail(self, group: LocalGroup, dead: Child, now: float) -> None:

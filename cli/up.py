@@ -154,7 +154,7 @@ def run_up(args: argparse.Namespace, config_for: EngineConfig, policy: Autoscali
     try:
         groups = supervisor.start(args.replicas)
         for group in groups:
-            wait_ready(group.stage0, supervisor.children(), READY_TIMEOUT_S)
+            supervisor.wait_ready(group, READY_TIMEOUT_S)
         replicas = [f"g{g.index}={g.address}" for g in groups]
         replica_file = None
         if policy is not None:

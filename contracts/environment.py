@@ -120,6 +120,10 @@ STAGE_CPUS = Knob(
     "CHARIOT_STAGE_CPUS", "core sets, e.g. `0,1` or `0+1,2+3`", None,
     "pins pipeline stage r to the r-th core set (`+` joins cores) with as many torch threads: benchmarks of "
     "several stages on one machine", ("worker/runtime.py",))
+RENDEZVOUS_FD = Knob(
+    "CHARIOT_RENDEZVOUS_FD", "file descriptor number", None,
+    "set by `chariot up` and the benchmarks for a local group's stage 0 only: its rendezvous socket, already "
+    "listening on `MASTER_PORT` (pods bind their own)", ("contracts/processes.py",))
 IMAGE = Knob(
     "CHARIOT_IMAGE", "image reference", None,
     "the operator's `--image` default: the image of workers and routers when a spec sets none (unset: the "
@@ -140,7 +144,7 @@ E2E_COMMAND = Knob(
 KNOBS: tuple[Knob, ...] = (
     ATTENTION_BACKEND, KERNEL_CACHE, KERNEL_BASELINE, KERNEL_BUILD, CPU_LAYER_OPS, CPU_KEEP_FREED_MEMORY,
     CPU_PACKED_LINEAR, CPU_SKINNY_LINEAR, CPU_SKINNY_MAX_ROWS, CPU_PANEL_LINEAR, CPU_BF16_UPCAST, STAGE_CPUS,
-    IMAGE, REDIS_URL, REDIS_SERVER, E2E_COMMAND,
+    RENDEZVOUS_FD, IMAGE, REDIS_URL, REDIS_SERVER, E2E_COMMAND,
 )
 
 

@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from chariot.contracts import environment
 from chariot.contracts.errors import ConfigError
 
-RENDEZVOUS_FD = "CHARIOT_RENDEZVOUS_FD"
+RENDEZVOUS_FD = environment.RENDEZVOUS_FD.name
 """Environment variable: the descriptor of rank 0's rendezvous socket, already listening on
 `MASTER_PORT`, when its parent reserved it (local groups only; pods bind their own)."""
 LISTEN_BACKLOG = 128
@@ -58,7 +59,7 @@ class Topology:
             raise ConfigError("RANK/WORLD_SIZE/MASTER_PORT", f"must be integers ({exc})") from exc
         if not 0 <= topo.rank < topo.world_size:
             raise ConfigError("RANK", f"must be in [0, WORLD_SIZE={topo.world_size}), got {topo.rank}")
-        fd = os.environ.get(RENDEZVOUS_FD)
+        fd = environment.read(environment.RENDEZVOUS_FD)
         if fd is None or not topo.is_first:
             return topo
         if not fd.isdigit():

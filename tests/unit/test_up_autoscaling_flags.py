@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from chariot.cli import up
 from chariot.cli.autoscale import write_replica_file
-from chariot.cli.groups import LocalGroup
+from chariot.cli.groups import LocalGroup, bound_grpc_port
 from chariot.contracts.errors import ConfigError
+from chariot.contracts.processes import Child
 from chariot.router.registry import parse_replica_file
 
 
@@ -50,3 +52,28 @@ def test_the_replica_file_is_what_the_router_reads(tmp_path: Path) -> None:
     write_replica_file(path, groups)
     assert [(r.name, r.address) for r in parse_replica_file(path.read_text())] == \
         [("g0", "127.0.0.1:5000"), ("g1", "127.0.0.1:5001")]
+
+
+def test_a_group_is_listed_once_its_stage0_names_the_port_it_bound(tmp_path: Path) -> None:
+    """Stage 0 binds port 0 and names the port in its ready line: until then the group is left out
+    of the replica file, since no address is known yet. (A real process stands in for stage 0;
+    only its ready line matters here.)"""
+    path = tmp_path / "replicas.json"
+    proc = subprocess.Popen(["true"], text=True)
+    proc.wait()
+    stage0 = Child("replica 1 stage 0", proc)
+    starting = LocalGroup(1, 0, [stage0], 0.0)
+    write_replica_file(path, [LocalGroup(0, 5000, [], 0.0), starting])
+    assert [r.name for r in parse_replica_file(path.read_text())] == ["g0"]
+    assert not starting.learn_port()
+    stage0.ready_line = "chariot worker ready grpc=127.0.0.1:41234 metrics=127.0.0.1:41235"
+    assert starting.learn_port() and starting.address == "127.0.0.1:41234"
+    assert not starting.learn_port()  # learned once; a restart keeps it
+    write_replica_file(path, [LocalGroup(0, 5000, [], 0.0), starting])
+    assert [r.address for r in parse_replica_file(path.read_text())] == ["127.0.0.1:5000", "127.0.0.1:41234"]
+
+
+def test_a_ready_line_without_a_port_is_an_error() -> None:
+    assert bound_grpc_port("chariot worker ready grpc=[::1]:50051 metrics=x:1") == 50051
+    with pytest.raises(RuntimeError, match="names no gRPC port"):
+        bound_grpc_port("chariot worker ready metrics=127.0.0.1:9")
