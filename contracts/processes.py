@@ -160,20 +160,37 @@ def wait_ready(child: Child, others: list[Child], timeout: float) -> str:
 
 
 def shutdown(children: list[Child], grace_s: float = 10.0) -> None:
-    """SIGTERM the router and every stage 0 (which tell their downstream stages to exit), then the
-    rest; SIGKILL whatever is still alive after the grace period."""
+    """SIGTERM the router and every stage 0, which tell their downstream stages to exit; give those
+    stages the grace period to do so on their own (a signal while they tear down would end them by
+    it), then SIGTERM the rest; SIGKILL whatever is still alive after a wave's grace period."""
     leaders = [c for c in children if c.name == "router" or c.name.endswith("stage 0")]
-    for wave in (leaders, [c for c in children if c not in leaders]):
-        for child in wave:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in wave:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+    followers = [c for c in children if c not in leaders]
+    _signal_and_reap(leaders, grace_s)
+    if leaders:
+        _reap_within(followers, grace_s)
+    _signal_and_reap([c for c in followers if c.proc.poll() is None], grace_s)
+
+
+def _reap_within(children: list[Child], grace_s: float) -> list[Child]:
+    """Wait up to `grace_s` in all for `children` to exit; the ones still running."""
+    deadline = time.monotonic() + grace_s
+    running = []
+    for child in children:
+        try:
+            child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            running.append(child)
+    return running
+
+
+def _signal_and_reap(children: list[Child], grace_s: float) -> None:
+    """SIGTERM `children`, then SIGKILL whichever has not exited within `grace_s`."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    for child in _reap_within(children, grace_s):
+        child.proc.kill()
+        child.proc.wait()
 
 
 def group_members(pgid: int, proc_root: Path = Path("/proc")) -> list[int]:
