@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from chariot.bench.peer import parse_cpuinfo
+from chariot.contracts.processes import ready_field
 from chariot.contracts.proto_codec import request_to_proto
 from chariot.contracts.sampling_params import SamplingParams
 from chariot.proto.chariot.v1 import generation_pb2 as pb
@@ -64,9 +64,9 @@ def start_worker(model: str, mode: str, max_batch: int) -> tuple[subprocess.Pope
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("chariot worker ready"):
-            found = re.search(r"grpc=(\S+)", line)
+            found = ready_field(line, "grpc")
             if found:
-                return proc, found.group(1)
+                return proc, found
     raise RuntimeError(f"worker ({mode}) exited before becoming ready")
 
 

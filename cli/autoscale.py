@@ -48,8 +48,8 @@ def fetch_load(url: str, timeout_s: float = 2.0, context: ssl.SSLContext | None 
 
 
 def write_replica_file(path: Path, groups: list[LocalGroup]) -> None:
-    """The router's replica list (`router/registry.py`'s file format), replaced atomically."""
-    """Groups still starting (no port learned yet) are left out until their stage 0 serves."""
+    """The router's replica list (`router/registry.py`'s file format), replaced atomically; groups
+    still starting (no port learned yet) are left out until their stage 0 serves."""
     listed = sorted((g for g in groups if g.addressable), key=lambda g: g.index)
     body = {"replicas": [{"name": group_name(g), "address": g.address} for g in listed]}
     tmp = path.with_name(path.name + ".tmp")

@@ -14,14 +14,13 @@ serving throughout.
 from __future__ import annotations
 
 import itertools
-import re
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
-from chariot.contracts.processes import Child, shutdown, wait_ready
+from chariot.contracts.processes import Child, ready_field, shutdown, wait_ready
 from chariot.operator.reconcile import Backoff
 from chariot.worker.config import EngineConfig
 from chariot.worker.pipeline.launcher import start_group
@@ -66,10 +65,10 @@ class LocalGroup:
 
 def bound_grpc_port(ready_line: str) -> int:
     """The port in a worker's ready line (`chariot worker ready grpc=HOST:PORT ...`)."""
-    match = re.search(r"grpc=\S*:(\d+)", ready_line)
-    if match is None:
+    port = (ready_field(ready_line, "grpc") or "").rpartition(":")[2]
+    if not port.isdigit():
         raise RuntimeError(f"a worker's ready line names no gRPC port: {ready_line!r}")
-    return int(match.group(1))
+    return int(port)
 
 
 class GroupSupervisor:

@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import signal
 import ssl
 import sys
@@ -31,7 +30,7 @@ from chariot.cli.groups import GroupSupervisor
 from chariot.contracts.autoscaling import AutoscalingPolicy, OfferedLoad
 from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.errors import ConfigError
-from chariot.contracts.processes import Child, shutdown, spawn, wait_ready
+from chariot.contracts.processes import Child, ready_field, shutdown, spawn, wait_ready
 from chariot.operator.reconcile import Backoff
 from chariot.router.config import ROUTING_MODES
 from chariot.router.launch import ROUTER_READY_PREFIX, add_security_flags, router_command, security_args
@@ -194,10 +193,10 @@ def wait_routable(router_line: str, replicas: int, timeout_s: float, scheme: str
     which can be a moment before its first load poll has marked the replicas ready (a request then
     would get 503). Raises RuntimeError past `timeout_s`. Over https the local probe does not verify the
     certificate (it only reads readiness from the router this command just started)."""
-    http = re.search(r"http=(\S+)", router_line)
+    http = ready_field(router_line, "http")
     if http is None:
         return
-    url, deadline, seen = f"{scheme}://{http.group(1)}/health", time.monotonic() + timeout_s, 0
+    url, deadline, seen = f"{scheme}://{http}/health", time.monotonic() + timeout_s, 0
     context = ssl._create_unverified_context() if scheme == "https" else None
     while time.monotonic() < deadline:
         try:
@@ -229,18 +228,15 @@ def supervise_up(router: Child, supervisor: GroupSupervisor, stop: threading.Eve
 
 def load_fetcher(router_line: str, scheme: str) -> Callable[[], OfferedLoad | None]:
     """Reads the router's `GET /load` (over https without verifying: it is the router started here)."""
-    http = re.search(r"http=(\S+)", router_line)
-    url = f"{scheme}://{http.group(1) if http else '127.0.0.1:0'}/load"
+    url = f"{scheme}://{ready_field(router_line, 'http') or '127.0.0.1:0'}/load"
     context = ssl._create_unverified_context() if scheme == "https" else None
     return lambda: fetch_load(url, context=context)
 
 
 def print_endpoints(router_line: str, served: str, replicas: list[str], config: EngineConfig,
                     scheme: str = "http") -> None:
-    http = re.search(r"http=(\S+)", router_line)
-    grpc = re.search(r"grpc=(\S+)", router_line)
-    http_addr = http.group(1) if http else "?"
-    grpc_addr = grpc.group(1) if grpc else "?"
+    http_addr = ready_field(router_line, "http") or "?"
+    grpc_addr = ready_field(router_line, "grpc") or "?"
     tp = f" x {config.tensor_parallel_size} tensor-parallel rank(s)" if config.tensor_parallel_size > 1 else ""
     print(f"model        {served} ({config.model}), {config.pipeline_stages} stage(s){tp} x {len(replicas)} "
           f"replica(s), policy {config.policy}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -145,6 +146,12 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str, new
     return child
 
 
+def ready_field(ready_line: str, key: str) -> str | None:
+    """The `HOST:PORT` a ready line names under `key` (`chariot worker ready grpc=HOST:PORT ...`), if any."""
+    match = re.search(rf"\b{re.escape(key)}=(\S+)", ready_line)
+    return match.group(1) if match else None
+
+
 def wait_ready(child: Child, others: list[Child], timeout: float) -> str:
     """The child's ready line; fails as soon as it or any other child exits first."""
     deadline = time.monotonic() + timeout
@@ -166,9 +173,7 @@ def shutdown(children: list[Child], grace_s: float = 10.0) -> None:
     leaders = [c for c in children if c.name == "router" or c.name.endswith("stage 0")]
     followers = [c for c in children if c not in leaders]
     _signal_and_reap(leaders, grace_s)
-    if leaders:
-        _reap_within(followers, grace_s)
-    _signal_and_reap([c for c in followers if c.proc.poll() is None], grace_s)
+    _signal_and_reap(_reap_within(followers, grace_s) if leaders else followers, grace_s)
 
 
 def _reap_within(children: list[Child], grace_s: float) -> list[Child]:
