@@ -21,6 +21,7 @@ weights).
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -200,7 +201,44 @@ def interleaved_drift(a: PhaseSpeed, b: PhaseSpeed) -> float:
     largest relative difference of the medians of the calibrations right before each system's
     measurements (`PhaseSpeed.median`; the closing one, which both share, left out). A change within
     the span is not counted: both systems' measurements alternated through it."""
-    return max(abs(r - 1.0) for r in a.median().ratio(b.median()).values())
+    return _median_drift(a.leading, b.leading)
+
+
+CHANCE_DRAWS = 2000  # random splits per interleaved comparison (a share known to about ±1 %)
+
+
+@dataclass(frozen=True)
+class DriftChance:
+    """What `interleaved_drift` would read if the same calibrations had fallen to the two systems at
+    random (each system keeping its count): `beyond_tolerance`, the share of such splits whose drift
+    is above `DRIFT_TOLERANCE` (how often the check flags a search on this machine's noise alone);
+    `at_least_observed`, the share whose drift is at least the one measured (a permutation p-value: a
+    small one says the systems' calibrations differ by more than the machine's noise gives)."""
+
+    beyond_tolerance: float
+    at_least_observed: float
+    draws: int
+
+
+def drift_chance(a: PhaseSpeed, b: PhaseSpeed, draws: int = CHANCE_DRAWS, seed: int = 0) -> DriftChance:
+    """The drift of random splits of two systems' leading calibrations (see `DriftChance`); seeded, so
+    a record reads the same every time."""
+    rng = random.Random(seed)
+    pooled, n = [*a.leading, *b.leading], len(a.leading)
+    observed = interleaved_drift(a, b)
+    beyond = at_least = 0
+    for _ in range(draws):
+        rng.shuffle(pooled)
+        d = _median_drift(pooled[:n], pooled[n:])
+        beyond += d > DRIFT_TOLERANCE
+        at_least += d >= observed - 1e-12
+    return DriftChance(round(beyond / draws, 3), round(at_least / draws, 3), draws)
+
+
+def _median_drift(a: Sequence[Speed], b: Sequence[Speed]) -> float:
+    medians = [Speed(*(statistics.median(c) for c in zip(*(s.values() for s in side), strict=True)))
+               for side in (a, b)]
+    return max(abs(r - 1.0) for r in medians[0].ratio(medians[1]).values())
 
 
 class PhaseClock:

@@ -71,6 +71,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chariot.bench import machine_speed
 from chariot.bench.capacity import MAX_SCHEDULING_DELAY_S, RequestTrace, RunMetrics, percentile, search_capacity
 from chariot.bench.driver import DEFAULT_DRAIN_S, random_prompt
 from chariot.bench.machine_speed import DRIFT_TOLERANCE, PhaseClock, PhaseSpeed, Speed, drift, interleaved_drift
@@ -1444,7 +1445,9 @@ def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None,
     is within `DRIFT_TOLERANCE`. Phases one after the other drift by the difference of their means or
     the spread within either, whichever is larger (`drift`); measurements that interleaved in one
     span by the difference of their calibrations' medians (`interleaved_drift`: the spread within the
-    span fell on both systems' probes alike), the spread kept beside it (`within`)."""
+    span fell on both systems' probes alike), the spread kept beside it (`within`), and how often random
+    splits of the same calibrations drift as far (`chance`, `drift_chance`: it informs the verdict's
+    reading, it does not change it)."""
     if chariot is None or vllm is None:
         return None
     ratio = chariot.mean().ratio(vllm.mean())
@@ -1456,6 +1459,7 @@ def machine_comparison(chariot: PhaseSpeed | None, vllm: PhaseSpeed | None,
         median = chariot.median().ratio(vllm.median())
         out["median_ratio"] = {"matmul": round(median.matmul_gflops, 3), "read": round(median.read_gbps, 3)}
         out["within"] = round(max(chariot.within(), vllm.within()), 4)
+        out["chance"] = asdict(machine_speed.drift_chance(chariot, vllm))
     return out
 
 
@@ -1471,9 +1475,18 @@ def machine_note(label: str, machine: dict[str, Any] | None) -> str:
         return (f"{label}: probes interleaved; machine speed by Chariot's calibrations / vLLM's: mean matmul "
                 f"{r['matmul']:.2f}×, read {r['read']:.2f}×; median matmul {m['matmul']:.2f}×, read "
                 f"{m['read']:.2f}×; drift {machine['drift']:.1%} ({verdict}); the machine moved "
-                f"{machine['within']:.1%} within the span, under both systems' probes")
+                f"{machine['within']:.1%} within the span, under both systems' probes{_chance_note(machine)}")
     return (f"{label}: machine speed in Chariot's phase / vLLM's: matmul {r['matmul']:.2f}×, read "
             f"{r['read']:.2f}×; drift {machine['drift']:.1%} ({verdict})")
+
+
+def _chance_note(machine: dict[str, Any]) -> str:
+    chance = machine.get("chance")
+    if chance is None:  # a record written before the statistic existed
+        return ""
+    return (f"; random splits of the same calibrations drift past {machine['tolerance']:.0%} in "
+            f"{chance['beyond_tolerance']:.0%} of {chance['draws']} and as far as this in "
+            f"{chance['at_least_observed']:.0%}")
 
 
 def _finite(x: float) -> float | None:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from chariot.bench.machine_speed import (
+    CHANCE_DRAWS,
     CONTENTION_LIMIT,
     DRIFT_TOLERANCE,
     CpuTimes,
@@ -15,6 +16,7 @@ from chariot.bench.machine_speed import (
     PhaseSpeed,
     Speed,
     drift,
+    drift_chance,
     interleaved_drift,
     measure_speed,
     others_busy,
@@ -120,3 +122,24 @@ def test_a_phase_clock_gives_each_interleaved_system_its_own_calibrations() -> N
     clock.start()
     with pytest.raises(RuntimeError, match="no calibration of its own"):
         clock.stop_tracks(["chariot", "vllm"])  # vLLM never measured: its phase would borrow Chariot's start
+
+
+def _phase(matmuls: list[float]) -> PhaseSpeed:
+    """A phase whose leading calibrations read these matmul rates (read rates all equal)."""
+    speeds = [Speed(m, 20.0) for m in matmuls]
+    return PhaseSpeed(speeds[0], Speed(100.0, 20.0), 0.0, tuple(speeds[1:]))
+
+
+def test_drift_chance_tells_a_noisy_machine_from_a_slower_system() -> None:
+    # the same noisy machine under both systems: the medians differ by more than 5 % (flagged), and
+    # random splits of the calibrations drift that far as often
+    noisy_a, noisy_b = _phase([170, 120, 175, 118, 172, 125, 168]), _phase([121, 171, 119, 169, 116, 165, 124])
+    assert interleaved_drift(noisy_a, noisy_b) > DRIFT_TOLERANCE
+    noise = drift_chance(noisy_a, noisy_b)
+    assert noise.draws == CHANCE_DRAWS and noise.beyond_tolerance > 0.5 and noise.at_least_observed > 0.1
+    # a quiet machine, one system's calibrations all slower: few random splits drift as far
+    quiet_a, quiet_b = _phase([101, 100, 102, 99, 100, 101, 100]), _phase([90, 91, 89, 90, 92, 90, 91])
+    lean = drift_chance(quiet_a, quiet_b)
+    assert interleaved_drift(quiet_a, quiet_b) > DRIFT_TOLERANCE
+    assert lean.at_least_observed < 0.05 < noise.at_least_observed
+    assert drift_chance(noisy_a, noisy_b) == noise  # seeded: a record reads the same every time

@@ -647,6 +647,8 @@ def test_interleaved_searches_drift_by_their_calibrations_medians_not_the_spread
     assert together["speed_ratio"]["matmul"] < 0.95  # the mean still shows the dip; the check reads the medians
     note = machine_note("fresh search 1 (chariot, vllm)", together)
     assert "probes interleaved" in note and "the systems' probes ran on the same machine speed" in note
+    assert together["chance"]["draws"] > 0 and "random splits of the same calibrations drift past 5%" in note
+    assert "chance" not in apart  # phases one after the other: no random split to compare with
     slower = PhaseSpeed(Speed(100.0, 17.0), Speed(101.0, 17.0), 0.0, (Speed(99.0, 17.0), Speed(100.0, 17.0)))
     tilted = machine_comparison(chariot, slower, interleaved=True)
     assert tilted is not None and not tilted["trusted"]  # one system's probes ran on a slower machine: flagged
