@@ -6,8 +6,10 @@ fixtures are the common ones. Tests that modify a checkpoint must copy it first.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,29 @@ os.environ.setdefault("CHARIOT_KERNEL_BUILD", "native")
 
 import chariot.kernels as kernels
 from chariot.worker.model.make_model import make_model
+
+
+def import_installed(name: str) -> None:
+    """Import the installed package `name`, if there is one, ahead of the repository's top folder of
+    that name.
+
+    pytest puts the repository root on sys.path (`pythonpath = ["."]`, for the `tests.*` helpers),
+    and there the layout's top folders shadow installed packages with the same names. transformers
+    (since 5.25) imports Hugging Face's `kernels` package, and got `kernels/__init__.py` instead.
+    Chariot's code imports its folders only as `chariot.<folder>`, so the bare name is free for the
+    installed package. Once it is in `sys.modules`, every later import gets it."""
+    root = Path(__file__).resolve().parents[1]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != root]
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # not installed: nothing for the folder to shadow
+    finally:
+        sys.path[:] = saved
+
+
+import_installed("kernels")
 
 ModelFactory = Callable[..., Path]
 
