@@ -164,7 +164,7 @@ class PhaseSpeed:
         """Per metric, the median of the `leading` calibrations: a calibration that lands on a
         sub-second slow spell moves it less than the mean (a probe of tens of seconds averages such a
         spell out)."""
-        return Speed(*(statistics.median(c) for c in zip(*(s.values() for s in self.leading), strict=True)))
+        return median_speed(self.leading)
 
     def within(self) -> float:
         """How much the machine changed during the phase: the largest max/min - 1 of a metric over the
@@ -182,6 +182,11 @@ class PhaseSpeed:
         """The phase `to_json` wrote (its derived fields are recomputed, not read)."""
         return PhaseSpeed(Speed(**raw["before"]), Speed(**raw["after"]), raw.get("steal_share"),
                           tuple(Speed(**s) for s in raw.get("during", ())))
+
+
+def median_speed(speeds: Sequence[Speed]) -> Speed:
+    """Per metric, the median of these calibrations."""
+    return Speed(*(statistics.median(c) for c in zip(*(s.values() for s in speeds), strict=True)))
 
 
 def spread(values: Sequence[float]) -> float:
@@ -236,9 +241,7 @@ def drift_chance(a: PhaseSpeed, b: PhaseSpeed, draws: int = CHANCE_DRAWS, seed: 
 
 
 def _median_drift(a: Sequence[Speed], b: Sequence[Speed]) -> float:
-    medians = [Speed(*(statistics.median(c) for c in zip(*(s.values() for s in side), strict=True)))
-               for side in (a, b)]
-    return max(abs(r - 1.0) for r in medians[0].ratio(medians[1]).values())
+    return max(abs(r - 1.0) for r in median_speed(a).ratio(median_speed(b)).values())
 
 
 class PhaseClock:
