@@ -536,6 +536,19 @@ def test_a_system_under_the_floor_is_searched_down_with_as_many_probes() -> None
     assert search_capacity(system(0.001), 1.0, 0.25, 1.0, 0.1, 3, descend=True).capacity_qps == 0.0
 
 
+def test_the_default_grid_brackets_each_capacity_within_five_percent() -> None:
+    """With the default grid a capacity anywhere from the floor to 8 QPS ends in a bracket narrower than
+    5 % of its top, within the probes allowed: two such brackets put a ratio within about 10 %."""
+    cfg = resolve_config(args())
+    for capacity in (0.3, 0.7, 1.3, 1.7, 2.3, 2.4, 3.1, 5.9, 7.9):
+        def evaluate(qps: float, capacity: float = capacity) -> RunMetrics:
+            return RunMetrics(qps, 8, 0, 0.1, 0.1, 0.05, 0.5 if qps <= capacity else 2.0, 0.0, 100.0)
+        res = search_capacity(evaluate, 1.0, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes, descend=True)
+        failed = min(m.qps for m in res.probes if m.qps > res.capacity_qps)
+        assert res.capacity_qps <= capacity < failed, capacity
+        assert failed - res.capacity_qps <= cfg.tolerance * failed, (capacity, res.capacity_qps, failed)
+
+
 def probe(qps: float, passed: bool) -> Probe:
     tr = trace(0.0, [0.1, 0.2, 0.3], ok=passed)
     return Probe(qps, probe_metrics(qps, LoadResult((tr,), 1.0), ttft_slo_s=2.0), LoadResult((tr,), 1.0), "seed")
