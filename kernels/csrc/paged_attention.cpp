@@ -25,8 +25,11 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(CHARIOT_VECTOR_256)
+#if defined(__AVX512F__) && !defined(CHARIOT_VECTOR_256)
 #include <immintrin.h>
+#define CHARIOT_ZMM_TILES 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(CHARIOT_VECTOR_256)
 #define CHARIOT_BF16_DOT 1
 #endif
 
@@ -220,10 +223,95 @@ void accumulate(const float* const* vrow, int64_t dim, int64_t keys, const float
   });
 }
 
+// --- 16 x 16 tiles in and out of the transposed layout (AVX-512) ---------------------------------
+// A tile keeps its rows in the lanes (Qt[d][m], accT[d][m]), while the query and the output keep a
+// token's head_dim contiguous. Moving a row in or out one scalar at a time (a strided read, a bf16
+// rounding per element) took about as long as the products themselves in a work item over a
+// short context (docs/kernels.md). These move 16 rows × 16 lanes at once through a register transpose.
+#ifdef CHARIOT_ZMM_TILES
+namespace tiles {
+
+// r[i][j] becomes r[j][i] for 16 vectors of 16 32-bit lanes (any 32-bit payload: fp32 or bf16 pairs).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  auto lo = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  auto hi = [](__m512 a, __m512 b) { return _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b))); };
+  for (int b = 0; b < 16; b += 4) {
+    r[b] = lo(t[b], t[b + 2]), r[b + 1] = hi(t[b], t[b + 2]);
+    r[b + 2] = lo(t[b + 1], t[b + 3]), r[b + 3] = hi(t[b + 1], t[b + 3]);
+  }
+  for (int b = 0; b < 16; b += 8)
+    for (int k = 0; k < 4; ++k) {
+      t[b + k] = _mm512_shuffle_f32x4(r[b + k], r[b + 4 + k], 0x88);
+      t[b + 4 + k] = _mm512_shuffle_f32x4(r[b + k], r[b + 4 + k], 0xdd);
+    }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+  }
+}
+
+// 16 values of a row as fp32, and back (rounded to nearest even, as c10's conversions round).
+template <typename T>
+constexpr bool kConverts = std::is_same_v<T, float> || std::is_same_v<T, c10::Half>
+#ifdef CHARIOT_BF16_DOT
+                           || std::is_same_v<T, c10::BFloat16>
+#endif
+    ;
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {  // bf16: the upper half of an fp32, exactly
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+template <typename T>
+inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+#ifdef CHARIOT_BF16_DOT
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+  }
+}
+
+// 2^x for x <= 0 (a score less its row's running max), exactly 0 below -126: vmath.h's exp2_of, its
+// range reduction and scaling done by AVX-512's VRNDSCALEPS and VSCALEFPS (11 instructions, not 16).
+inline __m512 exp2_nonpositive(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 whole = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(clamped, whole);  // in [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ), p, whole);
+}
+
+}  // namespace tiles
+#endif
+
 // --- one work item -----------------------------------------------------------------------------
 
 constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
 constexpr int64_t kTargetRows = 64;  // query rows (tokens × group heads) per work item
+constexpr int64_t kPairTargetRows = 64;  // the same on the bf16 pair path
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Item {
@@ -328,12 +416,36 @@ void load_queries(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int
                   Scratch& s) {
   const int64_t real = (w.last - w.first) * P.group();
   const float qscale = P.scale * kLog2e;
-  std::fill(s.qt.begin(), s.qt.begin() + rows * P.dim, 0.f);
-  for (int64_t r = 0; r < real; ++r) {
+  if (real < rows) std::fill(s.qt.begin(), s.qt.begin() + rows * P.dim, 0.f);  // the padded rows
+  int64_t r = 0;
+#ifdef CHARIOT_ZMM_TILES
+  if constexpr (tiles::kConverts<q_t>) {
+    if (P.dim % 16 == 0) {
+      const __m512 sv = _mm512_set1_ps(qscale);
+      for (; r + 16 <= real; r += 16)
+        for (int64_t d0 = 0; d0 < P.dim; d0 += 16) {
+          __m512 t[16];
+          for (int i = 0; i < 16; ++i) t[i] = _mm512_mul_ps(tiles::load16(query_row(P, w, start, r + i) + d0), sv);
+          tiles::transpose16(t);
+          for (int i = 0; i < 16; ++i) _mm512_storeu_ps(s.qt.data() + (d0 + i) * rows + r, t[i]);
+        }
+    }
+  }
+#endif
+  for (; r < real; ++r) {
     const q_t* src = query_row(P, w, start, r);
     for (int64_t d = 0; d < P.dim; ++d) s.qt[d * rows + r] = static_cast<float>(src[d]) * qscale;
   }
   reset_rows(P, w, ctx_before, rows, s);
+}
+
+// 2^x for x <= 0: AVX-512's form for 16 lanes, vmath.h's otherwise (the same polynomial).
+template <typename V, typename VI>
+inline V exp2_below_max(V x) {
+#ifdef CHARIOT_ZMM_TILES
+  if constexpr (sizeof(V) == 64) return (V)tiles::exp2_nonpositive((__m512)x);
+#endif
+  return exp2_of<V, VI>(x);
 }
 
 // Online-softmax step over the scores St[n][·] of keys [p0, p0 + n), for the vector of rows from m
@@ -361,11 +473,11 @@ inline void softmax_rows(Scratch& s, int64_t p0, int64_t n, int64_t rows, bool m
   }
   const V m_old = ld(s.m.data() + m);
   const V m_new = mx2(m_old, mx);  // finite: key 0 (in the first step) is visible to every row
-  const V alpha = m_old == neg_inf ? V{} : exp2_of<V, VI>(m_old - m_new);
+  const V alpha = m_old == neg_inf ? V{} : exp2_below_max<V, VI>(m_old - m_new);
   V sum = {};
   for (int64_t i = 0; i < n; ++i) {
     float* row = s.st.data() + i * rows + m;
-    const V p = exp2_of<V, VI>(ld(row) - m_new);
+    const V p = exp2_below_max<V, VI>(ld(row) - m_new);
     st(row, p);
     sum += p;
   }
@@ -385,8 +497,27 @@ void softmax_step(Scratch& s, int64_t p0, int64_t n, int64_t rows, bool masked) 
 template <typename q_t, typename kv_t>
 void store_output(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t rows, const Scratch& s) {
   const int64_t group = P.group(), real = (w.last - w.first) * group;
-  for (int64_t r = 0; r < real; ++r) {
-    q_t* dst = P.out + (start + w.first + r / group) * P.o_stride_t + (w.kv_head * group + r % group) * P.o_stride_h;
+  auto out_row = [&](int64_t r) {
+    return P.out + (start + w.first + r / group) * P.o_stride_t + (w.kv_head * group + r % group) * P.o_stride_h;
+  };
+  int64_t r = 0;
+#ifdef CHARIOT_ZMM_TILES
+  if constexpr (tiles::kConverts<q_t>) {
+    if (P.dim % 16 == 0) {
+      for (; r + 16 <= real; r += 16) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_loadu_ps(s.l.data() + r));
+        for (int64_t d0 = 0; d0 < P.dim; d0 += 16) {
+          __m512 t[16];
+          for (int i = 0; i < 16; ++i) t[i] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + (d0 + i) * rows + r), inv);
+          tiles::transpose16(t);
+          for (int i = 0; i < 16; ++i) tiles::store16(out_row(r + i) + d0, t[i]);
+        }
+      }
+    }
+  }
+#endif
+  for (; r < real; ++r) {
+    q_t* dst = out_row(r);
     const float inv = 1.f / s.l[r];
     for (int64_t d = 0; d < P.dim; ++d) dst[d] = static_cast<q_t>(s.acc[d * rows + r] * inv);
   }
@@ -501,19 +632,44 @@ void accumulate(const uint32_t* vp, int64_t dim, int64_t pairs, const uint32_t* 
   });
 }
 
-// Pp[j][m] = (P[2j][m], P[2j+1][m]) in bf16 (P[n] = 0 past the tile's n keys).
-void pack_probabilities(const float* pt, int64_t n, int64_t rows, uint32_t* pp) {
+// The online-softmax step of a pair tile over the scores St[n][·] of keys [p0, p0 + n): softmax_rows'
+// mask and max, then the probabilities two keys at a time, written straight into the bf16 pairs P·V
+// reads (Pp[j][m] = (P[2j][m], P[2j+1][m]), P = 0 past n) beside their fp32 sum; no fp32 probability
+// is stored and read back.
+void softmax_pairs(Scratch& s, int64_t p0, int64_t n, int64_t rows, bool masked) {
   alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kInterleave);
-  for (int64_t j = 0; 2 * j < n; ++j) {
-    const float* even = pt + 2 * j * rows;
-    const float* odd = 2 * j + 1 < n ? even + rows : nullptr;
-    for (int64_t m = 0; m < rows; m += kL) {
-      const __m512 hi = odd ? _mm512_loadu_ps(odd + m) : _mm512_setzero_ps();
-      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, _mm512_loadu_ps(even + m));  // [even ×16, odd ×16]
-      _mm512_storeu_si512(pp + j * rows + m, _mm512_permutexvar_epi16(order, packed));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < rows; m += kL) {
+    float* col = s.st.data() + m;
+    __m512 mx = neg_inf;
+    if (masked) {  // keys after a row's position score -inf (selected, never multiplied)
+      const __m512i qpos = _mm512_loadu_si512(s.qpos.data() + m);
+      for (int64_t i = 0; i < n; ++i) {
+        const __mmask16 seen = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(p0 + i)), qpos);
+        const __m512 x = _mm512_mask_blend_ps(seen, neg_inf, _mm512_loadu_ps(col + i * rows));
+        _mm512_storeu_ps(col + i * rows, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) mx = _mm512_max_ps(mx, _mm512_loadu_ps(col + i * rows));
     }
+    const __m512 m_old = _mm512_loadu_ps(s.m.data() + m);
+    const __m512 m_new = _mm512_max_ps(m_old, mx);  // finite: key 0 (in the first step) is visible to every row
+    const __m512 alpha = tiles::exp2_nonpositive(_mm512_sub_ps(m_old, m_new));  // 0 in the first step (m_old = -inf)
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; 2 * j < n; ++j) {
+      const __m512 even = tiles::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col + 2 * j * rows), m_new));
+      const __m512 odd = 2 * j + 1 < n ? tiles::exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(col + (2 * j + 1) * rows), m_new))
+                                       : _mm512_setzero_ps();
+      sum = _mm512_add_ps(_mm512_add_ps(sum, even), odd);
+      const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // [even ×16, odd ×16]
+      _mm512_storeu_si512(s.ppairs.data() + j * rows + m, _mm512_permutexvar_epi16(order, packed));
+    }
+    _mm512_storeu_ps(s.m.data() + m, m_new);
+    _mm512_storeu_ps(s.l.data() + m, _mm512_fmadd_ps(_mm512_loadu_ps(s.l.data() + m), alpha, sum));
+    _mm512_storeu_ps(s.alpha.data() + m, alpha);
   }
 }
 
@@ -558,8 +714,18 @@ template <typename q_t, typename kv_t>
 void load_query_pairs(const Problem<q_t, kv_t>& P, const Item& w, int64_t start, int64_t ctx_before, int64_t rows,
                       Scratch& s) {
   const int64_t real = (w.last - w.first) * P.group(), half = P.dim / 2;
-  std::fill(s.qpairs.begin(), s.qpairs.begin() + rows * half, 0u);
-  for (int64_t r = 0; r < real; ++r) {
+  if (real < rows) std::fill(s.qpairs.begin(), s.qpairs.begin() + rows * half, 0u);  // the padded rows
+  int64_t r = 0;
+  if (half % 16 == 0) {
+    for (; r + kL <= real; r += kL)
+      for (int64_t j0 = 0; j0 < half; j0 += 16) {
+        __m512 t[16];  // 16 rows' pairs j0.. as 32-bit lanes, moved whole
+        for (int i = 0; i < 16; ++i) t[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(query_row(P, w, start, r + i)) + j0);
+        tiles::transpose16(t);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(reinterpret_cast<float*>(s.qpairs.data() + (j0 + i) * rows + r), t[i]);
+      }
+  }
+  for (; r < real; ++r) {
     const q_t* src = query_row(P, w, start, r);
     for (int64_t j = 0; j < half; ++j) s.qpairs[j * rows + r] = pair_at(src + 2 * j);
   }
@@ -580,8 +746,7 @@ void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
     PrefetchQueue pf = queue_rows(P, w, p0 + n, std::min(kKeyTile, end - p0 - n), s);
     scores(s.kpair.data(), n, P.dim / 2, s.qpairs.data(), rows, qscale, s.st.data(), pf);
     while (pf.next < pf.end) pf.issue_one();
-    softmax_step(s, p0, n, rows, p0 + n - 1 > first_row_pos);
-    pack_probabilities(s.st.data(), n, rows, s.ppairs.data());
+    softmax_pairs(s, p0, n, rows, p0 + n - 1 > first_row_pos);
     accumulate(s.vpairs.data(), P.dim, pairs, s.ppairs.data(), rows, s.alpha.data(), s.acc.data());
   }
   store_output(P, w, start, rows, s);
@@ -767,10 +932,10 @@ inline W::vw group_softmax(float* st, int64_t n, int64_t vectors, W::vw& m, W::v
   }
   mx = W::fold_congruent(mx, G, W::vmax);
   const W::vw m_new = W::vmax(m, mx);  // finite: the tile has at least one key
-  const W::vw alpha = m == neg_inf ? W::vw{} : exp2_of<W::vw, W::viw>(m - m_new);
+  const W::vw alpha = m == neg_inf ? W::vw{} : exp2_below_max<W::vw, W::viw>(m - m_new);
   W::vw sum = {};
   for (int64_t v = 0; v < vectors; ++v) {
-    const W::vw e = exp2_of<W::vw, W::viw>(W::load(st + v * W::kW) - m_new);
+    const W::vw e = exp2_below_max<W::vw, W::viw>(W::load(st + v * W::kW) - m_new);
     W::store(st + v * W::kW, e);
     sum += e;
   }
@@ -1031,8 +1196,9 @@ void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
 
 // --- scheduling --------------------------------------------------------------------------------
 
-int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv_heads, int64_t threads) {
-  int64_t tokens = std::max<int64_t>(1, kTargetRows / group);
+int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv_heads, int64_t threads,
+                    int64_t target_rows) {
+  int64_t tokens = std::max<int64_t>(1, target_rows / group);
   auto items = [&](int64_t t) {
     int64_t count = 0;
     for (int64_t q : qlens) count += (q + t - 1) / t;
@@ -1043,10 +1209,10 @@ int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv
 }
 
 std::vector<Item> work_items(const int32_t* query_start, const int32_t* seq_lens, int64_t num_seqs, int64_t group,
-                             int64_t kv_heads, int64_t threads) {
+                             int64_t kv_heads, int64_t threads, int64_t target_rows) {
   std::vector<int64_t> qlens(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) qlens[s] = query_start[s + 1] - query_start[s];
-  const int64_t tokens = tile_tokens(qlens, group, kv_heads, threads);
+  const int64_t tokens = tile_tokens(qlens, group, kv_heads, threads, target_rows);
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t ctx_before = seq_lens[s] - qlens[s];
@@ -1063,7 +1229,8 @@ std::vector<Item> work_items(const int32_t* query_start, const int32_t* seq_lens
 template <typename q_t, typename kv_t>
 void run(const Problem<q_t, kv_t>& P, int64_t num_seqs) {
   const int64_t threads = std::max(1, at::get_num_threads());
-  const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads);
+  const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads,
+                                             uses_pairs(P) ? kPairTargetRows : kTargetRows);
   if (items.empty()) return;
   int64_t max_rows = 0;
   const int64_t quantum = row_quantum(P);

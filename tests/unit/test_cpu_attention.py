@@ -328,6 +328,25 @@ def test_reduced_precision_matches_fp32_sdpa(dtype: torch.dtype) -> None:
     torch.testing.assert_close(ours.float(), sdpa_oracle(query, k, v, meta, 0.125), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                                  (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("case", ["prefill-empty-context", "long-chunk-across-tiles", "mixed"])
+def test_a_query_in_another_dtype_than_the_cache(q_dtype: torch.dtype, kv_dtype: torch.dtype, case: str,
+                                                 kernel: Callable[..., None]) -> None:
+    """A query whose dtype differs from the cache's takes the general tile path, whose query and output
+    rows move 16 at a time through register transposes on AVX-512 (each dtype's own load and store),
+    the rows that do not fill a vector one at a time: within a rounding or two of the query's dtype of
+    fp32 SDPA over the same values, NaN in unused slots kept out."""
+    q_lens, ctx = CASES[case]
+    query, k, v, meta = make_case(q_lens, ctx, 8, 2, 64, 16, kv_dtype, seed=len(case))
+    query = query.to(q_dtype)
+    ours = paged_attention(query, k, v, meta, 0.125, kernel=kernel)
+    assert ours.dtype == q_dtype and not ours.isnan().any()
+    exact = sdpa_oracle(query, k, v, meta, 0.125)
+    rounding = (exact.to(q_dtype).float() - exact).abs().max()
+    assert (ours.float() - exact).abs().max() <= 2 * rounding + 1e-5
+
+
 def test_selected_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CHARIOT_ATTENTION_BACKEND", raising=False)
     try:
