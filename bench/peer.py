@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -65,7 +66,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -765,9 +766,40 @@ class Server:
     system: str
     base_url: str
     iterations: IterationSource | None = None  # what its iterations carried, per probe (`server_iterations`)
+    source: str | None = None  # Chariot's `source_digest` when this server started
 
     def take_iterations(self) -> dict[str, Any] | None:
         return None if self.iterations is None else self.iterations.take()
+
+
+SERVED_PACKAGES = ("cli", "contracts", "kernels", "proto", "router", "worker")
+"""The packages a Chariot server runs (`chariot up` and what it starts), whose sources `source_digest` reads."""
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+
+
+def served_roots() -> dict[str, Path]:
+    """Each of `SERVED_PACKAGES` → its folder, found without importing it (the bench package imports none of them)."""
+    from importlib.util import find_spec
+
+    roots = {}
+    for name in SERVED_PACKAGES:
+        spec = find_spec(f"chariot.{name}")
+        if spec is not None and spec.submodule_search_locations:
+            roots[name] = Path(next(iter(spec.submodule_search_locations)))
+    return roots
+
+
+def source_digest(roots: Mapping[str, Path] | None = None) -> str:
+    """A digest of the Python and C++ sources of the packages a Chariot server runs, as they are on disk
+    now. A server started later in a run compiles its kernels and imports its modules from the same
+    files, so a file edited during a run makes its later servers run other code than its earlier ones;
+    the report names the searches each digest served (`source_note`)."""
+    digest = hashlib.sha256()
+    for name, root in sorted((served_roots() if roots is None else roots).items()):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+            digest.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def log(message: str) -> None:
@@ -782,7 +814,8 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
 
     iteration_log = cfg.out.resolve() / "iterations" / f"chariot-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     cmd = chariot_command(cfg, iteration_log)
-    log(f"starting Chariot: {shlex.join(cmd)}")
+    source = source_digest()
+    log(f"starting Chariot (source {source}): {shlex.join(cmd)}")
     child = spawn("chariot up", cmd, dict(os.environ), "chariot up ready", new_session=True)
     try:
         t0 = time.monotonic()
@@ -793,7 +826,7 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
             raise RuntimeError(f"no http= address in {line!r}")
         log(f"Chariot ready at http://{found.group(1)} in {time.monotonic() - t0:.0f} s")
         iterations = ChariotIterations(iteration_log_path(iteration_log, 0), cfg.token_budget)
-        yield Server("chariot", f"http://{found.group(1)}", iterations)
+        yield Server("chariot", f"http://{found.group(1)}", iterations, source)
     finally:
         shutdown([child])
         _end_server_group("Chariot", child.proc.pid, grace_s=20.0)
@@ -946,6 +979,7 @@ class VariantResult:
     search: int = 0  # which repetition of the system's capacity search (0-based)
     flagged: frozenset[float] = frozenset()  # probes next to a contended calibration (`flag_probes`)
     interleaved: bool = False  # measured probe by probe in turn with the other system (`--order probe`)
+    source: str | None = None  # Chariot's `source_digest` when its server started
 
     @property
     def offline_traces(self) -> tuple[RequestTrace, ...]:
@@ -1038,7 +1072,8 @@ def capacity_search(cfg: PeerConfig, prober: Prober) -> VariantResult:
         f"probes, until the bracket is narrower than {cfg.tolerance:.0%} of its top")
     search_capacity(prober, cfg.limits.tbt_slo_s, cfg.qps_low, cfg.qps_high, cfg.tolerance, cfg.max_probes,
                     descend=True)
-    res = VariantResult(prober.server.system, prober.variant, dict(prober.probes), search=prober.search)
+    res = VariantResult(prober.server.system, prober.variant, dict(prober.probes), search=prober.search,
+                        source=prober.server.source)
     res.capacity = capacity_bounds([(q, p.metrics.meets(cfg.limits.tbt_slo_s)) for q, p in res.probes.items()])
     return res
 
@@ -1329,12 +1364,13 @@ def setup_record(cfg: PeerConfig) -> dict[str, Any]:
             "kv_bytes_per_token": kv_bytes_per_token(cfg.model, cfg.dtype), "max_batch": MAX_BATCH,
             "shared_prefix_tokens": SHARED_PREFIX_TOKENS, "versions": versions(), "cpu_model": cpu.model,
             "cpu_flags": list(cpu.flags), "logical_cpus": cpu.logical_cpus, "os_cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "machine": platform.machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "chariot_source": source_digest() if "chariot" in cfg.systems else None}
 
 
 def variant_json(r: VariantResult, limits: Limits) -> dict[str, Any]:
     return {
-        "system": r.system, "variant": r.variant, "search": r.search, "interleaved": r.interleaved,
+        "system": r.system, "variant": r.variant, "search": r.search, "interleaved": r.interleaved, "source": r.source,
         "capacity": {"low_qps": r.capacity.low, "high_qps": r.capacity.high, "text": format_capacity(r.capacity),
                      "flagged_probes_left_out": len(r.flagged)},
         "probes": [{"qps": q, "passed": p.metrics.meets(limits.tbt_slo_s), "flagged": q in r.flagged,
@@ -1392,6 +1428,9 @@ def variant_summary(results: Sequence[VariantResult], variant: str, limits: Limi
     systems = list(dict.fromkeys(s for c in comps for s in c["systems"]))
     out: dict[str, Any] = {"variant": variant, "searches": comps,
                            "probes": {s: probe_counts(comps, s) for s in systems}}
+    sources = {r.search + 1: r.source for r in results if r.variant == variant and r.source is not None}
+    if sources:
+        out["chariot_sources"] = sources
     paired = [c for c in comps if "flagged" in c]
     if paired:
         out["capacity_ratio"] = ratio_span(paired, _capacity_range)
@@ -1541,6 +1580,19 @@ def search_notes(comp: dict[str, Any]) -> list[str]:
     return notes
 
 
+def source_note(sources: Mapping[int, str]) -> str | None:
+    """A warning when Chariot's servers of one variant ran different sources (search number → digest),
+    else None: the searches then compare different builds, and their range mixes them."""
+    by_digest: dict[str, list[int]] = {}
+    for search, digest in sorted(sources.items()):
+        by_digest.setdefault(digest, []).append(search)
+    if len(by_digest) < 2:
+        return None
+    parts = "; ".join(f"search{'es' if len(s) > 1 else ''} {', '.join(map(str, s))} ran {d}"
+                      for d, s in by_digest.items())
+    return f"CHARIOT'S SOURCE CHANGED DURING THE RUN: {parts}; the searches compare different builds"
+
+
 def variant_notes(summary: dict[str, Any]) -> list[str]:
     """Per variant: the probes each system got, and the ratios' ranges over the searches, the flagged
     searches left out of the claim (shown apart)."""
@@ -1548,6 +1600,8 @@ def variant_notes(summary: dict[str, Any]) -> list[str]:
     counts = "; ".join(f"{system} {', '.join(map(str, c['per_search']))} ({c['total']} in all)"
                        for system, c in summary.get("probes", {}).items())
     notes = [f"{variant}: probes per search: {counts}"] if counts else []
+    if (changed := source_note(summary.get("chariot_sources", {}))) is not None:
+        notes.append(f"{variant}: {changed}")
     cap, off = summary.get("capacity_ratio"), summary.get("offline_throughput_ratio")
     if cap is None or off is None:
         return notes

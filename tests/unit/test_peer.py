@@ -26,6 +26,7 @@ from chariot.bench.machine_speed import PhaseClock, PhaseSpeed, Speed, measure_s
 from chariot.bench.peer import (
     IDLE_PATHS,
     SERVED_NAME,
+    SERVED_PACKAGES,
     SHARED_PREFIX_TOKENS,
     TCMALLOC_LIBS,
     TCMALLOC_PACKAGE,
@@ -70,11 +71,15 @@ from chariot.bench.peer import (
     resolve_config,
     run_groups,
     run_load,
+    served_roots,
+    source_digest,
+    source_note,
     sse_payload,
     stop_reason,
     summary_table,
     token_times_from_sse,
     variant_json,
+    variant_notes,
     variant_prefix,
     variant_summary,
     vllm_command,
@@ -547,6 +552,31 @@ def test_the_default_grid_brackets_each_capacity_within_five_percent() -> None:
         failed = min(m.qps for m in res.probes if m.qps > res.capacity_qps)
         assert res.capacity_qps <= capacity < failed, capacity
         assert failed - res.capacity_qps <= cfg.tolerance * failed, (capacity, res.capacity_qps, failed)
+
+
+def test_the_source_digest_follows_the_served_sources(tmp_path: Path) -> None:
+    """A C++ or Python file edited between two servers changes the digest; other files do not. The real
+    packages are found and read too (the digest of this checkout is stable between two calls)."""
+    (tmp_path / "kernels" / "csrc").mkdir(parents=True)
+    kernel, notes = tmp_path / "kernels" / "csrc" / "a.cpp", tmp_path / "kernels" / "README.txt"
+    kernel.write_text("int a;")
+    notes.write_text("x")
+    roots = {"kernels": tmp_path / "kernels"}
+    first = source_digest(roots)
+    notes.write_text("y")
+    assert source_digest(roots) == first
+    kernel.write_text("int b;")
+    assert source_digest(roots) != first
+    assert set(served_roots()) == set(SERVED_PACKAGES) and source_digest() == source_digest()
+
+
+def test_a_run_whose_source_changed_says_which_searches_ran_what() -> None:
+    assert source_note({1: "aaaa", 2: "aaaa", 3: "aaaa"}) is None
+    note = source_note({1: "aaaa", 2: "bbbb", 3: "bbbb"})
+    assert note is not None and "search 1 ran aaaa; searches 2, 3 ran bbbb" in note
+    summary = {"variant": "fresh", "chariot_sources": {1: "aaaa", 2: "bbbb"}}
+    assert any("SOURCE CHANGED" in n and n.startswith("fresh: ") for n in variant_notes(summary))
+    assert not any("SOURCE" in n for n in variant_notes({"variant": "fresh", "chariot_sources": {1: "aaaa"}}))
 
 
 def probe(qps: float, passed: bool) -> Probe:
