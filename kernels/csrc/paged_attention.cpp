@@ -311,7 +311,6 @@ inline __m512 exp2_nonpositive(__m512 x) {
 
 constexpr int64_t kKeyTile = 64;     // keys per online-softmax step
 constexpr int64_t kTargetRows = 64;  // query rows (tokens × group heads) per work item
-constexpr int64_t kPairTargetRows = 64;  // the same on the bf16 pair path
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Item {
@@ -1196,9 +1195,8 @@ void attend(const Problem<q_t, kv_t>& P, const Item& w, Scratch& s) {
 
 // --- scheduling --------------------------------------------------------------------------------
 
-int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv_heads, int64_t threads,
-                    int64_t target_rows) {
-  int64_t tokens = std::max<int64_t>(1, target_rows / group);
+int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv_heads, int64_t threads) {
+  int64_t tokens = std::max<int64_t>(1, kTargetRows / group);
   auto items = [&](int64_t t) {
     int64_t count = 0;
     for (int64_t q : qlens) count += (q + t - 1) / t;
@@ -1209,10 +1207,10 @@ int64_t tile_tokens(const std::vector<int64_t>& qlens, int64_t group, int64_t kv
 }
 
 std::vector<Item> work_items(const int32_t* query_start, const int32_t* seq_lens, int64_t num_seqs, int64_t group,
-                             int64_t kv_heads, int64_t threads, int64_t target_rows) {
+                             int64_t kv_heads, int64_t threads) {
   std::vector<int64_t> qlens(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) qlens[s] = query_start[s + 1] - query_start[s];
-  const int64_t tokens = tile_tokens(qlens, group, kv_heads, threads, target_rows);
+  const int64_t tokens = tile_tokens(qlens, group, kv_heads, threads);
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t ctx_before = seq_lens[s] - qlens[s];
@@ -1229,8 +1227,7 @@ std::vector<Item> work_items(const int32_t* query_start, const int32_t* seq_lens
 template <typename q_t, typename kv_t>
 void run(const Problem<q_t, kv_t>& P, int64_t num_seqs) {
   const int64_t threads = std::max(1, at::get_num_threads());
-  const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads,
-                                             uses_pairs(P) ? kPairTargetRows : kTargetRows);
+  const std::vector<Item> items = work_items(P.query_start, P.seq_lens, num_seqs, P.group(), P.kv_heads, threads);
   if (items.empty()) return;
   int64_t max_rows = 0;
   const int64_t quantum = row_quantum(P);
