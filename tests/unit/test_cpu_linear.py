@@ -473,17 +473,26 @@ def test_cpu_linears_routes_by_the_measured_or_configured_row_limit(monkeypatch:
     assert ("every row count" in line) if limit == ALL_ROWS else (f"up to {limit} rows" in line)
 
 
-@pytest.mark.parametrize(("lost_from", "many_rows_s", "limit"),
-                         [(None, 1.0, ALL_ROWS), (None, 1.6, ALL_ROWS), (None, 1.7, 64), (64, 1.0, ALL_ROWS),
-                          (48, 1.7, 32), (32, 1.0, 24)])
+AVX2_FLAGS = frozenset({"avx2", "fma"})
+AVX512_FLAGS = AVX2_FLAGS | {"avx512f"}
+
+
+@pytest.mark.parametrize(("flags", "lost_from", "many_rows_s", "limit"),
+                         [(AVX2_FLAGS, None, 1.0, ALL_ROWS), (AVX2_FLAGS, None, 1.6, ALL_ROWS),
+                          (AVX2_FLAGS, None, 1.7, 64), (AVX2_FLAGS, 64, 1.0, ALL_ROWS), (AVX2_FLAGS, 48, 1.7, 32),
+                          (AVX2_FLAGS, 32, 1.0, 24), (AVX512_FLAGS, None, 1.55, ALL_ROWS),
+                          (AVX512_FLAGS, None, 1.6, 64), (AVX512_FLAGS, 48, 1.6, 32)])
 def test_the_panel_kernel_takes_every_row_count_when_it_is_level_at_prefill_size(
-        monkeypatch: pytest.MonkeyPatch, lost_from: int | None, many_rows_s: float, limit: int) -> None:
-    """Timings faked (the decision, not the machine, is under test), oneDNN at 1.5 s everywhere: the
-    panel kernel wins a decode row count unless oneDNN is more than 5 % faster (1.6 s loses; it loses
-    every count from `lost_from` on), and MANY_ROWS unless oneDNN is more than 10 % faster (1.6 s
-    wins, 1.7 s loses). When its decode cut reaches SETTLED_ROWS, MANY_ROWS decides
-    between every row count (oneDNN's copy released) and the decode limit, even after a loss at 48
-    or 64 rows; a loss at 32 rows stops there without timing MANY_ROWS."""
+        monkeypatch: pytest.MonkeyPatch, flags: frozenset[str], lost_from: int | None, many_rows_s: float,
+        limit: int) -> None:
+    """Timings and CPU flags faked (the decision, not the machine, is under test), oneDNN at 1.5 s
+    everywhere: the panel kernel wins a decode row count unless oneDNN is more than 5 % faster (1.6 s
+    loses; it loses every count from `lost_from` on), and MANY_ROWS unless oneDNN is more than 10 %
+    faster on a CPU without AVX-512 (1.6 s wins, 1.7 s loses), more than 5 % with it (1.55 s wins,
+    1.6 s loses). When its decode cut reaches SETTLED_ROWS, MANY_ROWS decides between every row count
+    (oneDNN's copy released) and the decode limit, even after a loss at 48 or 64 rows; a loss at 32
+    rows stops there without timing MANY_ROWS."""
+    monkeypatch.setattr(cpu_linear, "cpu_flags", lambda: flags)
     timed: list[tuple[int, ...]] = []
     many_rows_win = limit == ALL_ROWS
 

@@ -40,6 +40,7 @@ from torch import nn
 import chariot.contracts.environment as env
 from chariot.kernels import panel_linear as panel
 from chariot.kernels import skinny_linear as skinny
+from chariot.worker.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 L = TypeVar("L", bound=Any)  # a layer calibration_layers measures: a CpuLinear or an nn.Linear
@@ -63,11 +64,22 @@ PANEL_TIE = 1.05
 measurement on a noisy 2-core machine goes either way (it did at 512 rows on an AVX2 EPYC), and the
 panels alone keep one copy of the weights instead of two."""
 MANY_ROWS_TIE = 1.10
-"""The same margin at MANY_ROWS, wider: the start-up timing of 512 rows moves by about 10 % on a
-small, busy machine, while paired runs have the panels ahead of oneDNN's packed route, more so when
-other processes share the cores: the panels hand out their work in units, oneDNN splits it once per
-thread (docs/kernels.md, `bench/experiments/panel_contention_ab.py`). A machine whose oneDNN is well
-ahead at 512 rows (AVX-512) still keeps it."""
+"""The same margin at MANY_ROWS, wider, on a CPU without AVX-512: the start-up timing of 512 rows
+moves by about 10 % on a small, busy machine, while paired runs on an AVX2 EPYC have the panels
+ahead of oneDNN's packed route, more so when other processes share the cores: the panels hand out
+their work in units, oneDNN splits it once per thread (docs/kernels.md,
+`bench/experiments/panel_contention_ab.py`)."""
+WIDE_VECTOR_FLAG = "avx512f"
+"""Where the CPU has it, oneDNN's float32 GEMM runs 16-lane vectors in 32 registers and the panels
+their 8-lane tiles, and paired runs have oneDNN ahead at 512 rows, quiet and beside a busy process
+(Zen 4 EPYC; docs/kernels.md): a win at MANY_ROWS there counts within PANEL_TIE only."""
+
+
+def many_rows_tie(flags: frozenset[str]) -> float:
+    """How far oneDNN may lead at MANY_ROWS with the panels still taking every call, on a CPU with `flags`."""
+    return PANEL_TIE if WIDE_VECTOR_FLAG in flags else MANY_ROWS_TIE
+
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 ONEDNN_ROW_STEP = 16
 """oneDNN's packed route runs row counts rounded up to a multiple of this (zero rows added, their
@@ -422,7 +434,7 @@ def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     """Up to how many rows the few-rows route takes the calls on `layers` (each keeping both weights):
     the cut `RowsCalibration.max_rows_within` picks over ROW_CANDIDATES up to the kernels' cap; for the
     panel kernel (whose wins count within PANEL_TIE), `ALL_ROWS` when that cut reaches SETTLED_ROWS
-    and the panels win MANY_ROWS (within MANY_ROWS_TIE)."""
+    and the panels win MANY_ROWS (within `many_rows_tie` of this CPU)."""
     cap = min(m.few_rows_cap for m in layers)
     tie = PANEL_TIE if cap == ALL_ROWS else 1.0
     few = calibrate_skinny_rows(calibration_layers(layers), [r for r in ROW_CANDIDATES if r <= cap])
@@ -430,8 +442,10 @@ def measured_row_limit(layers: Sequence[CpuLinear]) -> int:
     if cap == ALL_ROWS and limit >= SETTLED_ROWS:
         many = calibrate_skinny_rows(calibration_layers(layers, MANY_ROWS_BYTES), [MANY_ROWS],
                                      passes=MANY_ROWS_PASSES)
-        timings += f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}"
-        limit = ALL_ROWS if many.max_rows_within(MANY_ROWS_TIE) == MANY_ROWS else limit
+        many_tie = many_rows_tie(cpu_flags())
+        timings += (f"; over the first {MANY_ROWS_BYTES >> 20} MiB: {many.describe()}, "
+                    f"a win within {round((many_tie - 1) * 100)} %")
+        limit = ALL_ROWS if many.max_rows_within(many_tie) == MANY_ROWS else limit
     kernel = "panel" if layers[0].panels is not None else "amx tile" if layers[0].tiles is not None else "skinny"
     rows = "every row count" if limit == ALL_ROWS else f"up to {limit} rows, oneDNN above"
     log.info("linear layers: %s kernel for %s (measured per pass over the first %d MiB of the stage's layers, "
