@@ -836,7 +836,8 @@ def chariot_server(cfg: PeerConfig) -> Iterator[Server]:
 def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
     """vLLM as a child process; its cwd is the results folder (outside the repository, whose
     `operator/` folder would shadow the standard library's `operator`)."""
-    from chariot.contracts.processes import die_with_parent, free_port
+    from chariot.contracts.death_signal import popen_tied
+    from chariot.contracts.processes import free_port
 
     port = free_port()
     cmd = vllm_command(cfg, port)
@@ -848,8 +849,8 @@ def vllm_server(cfg: PeerConfig) -> Iterator[Server]:
     with log_path.open("a") as log_file:
         log_file.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {shlex.join(cmd)}\n")
         log_file.flush()
-        proc = subprocess.Popen(cmd, cwd=cfg.out.resolve(), env=env, stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        proc = popen_tied(cmd, cwd=cfg.out.resolve(), env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                          start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_http_ready(proc, base, cfg.ready_timeout_s, log_path)

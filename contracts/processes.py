@@ -9,7 +9,8 @@ stage 0 as an open descriptor (`RENDEZVOUS_FD`): a port that is merely found fre
 any other socket (another group's gloo connections, a server binding port 0) before stage 0 binds
 it. `spawn`/`wait_ready`/`shutdown` run the `chariot` processes of a local deployment (`chariot up`,
 the benchmarks); children die with their parent
-(PR_SET_PDEATHSIG), so none is orphaned even if the parent is killed. `end_group` waits out a whole
+(`death_signal.popen_tied`: PR_SET_PDEATHSIG, armed after exec), so none is orphaned even if the
+parent is killed. `end_group` waits out a whole
 process group (a server started in a session of its own and everything it started), so a benchmark's
 next phase does not share the CPU with the last one's exit. Torch-free.
 """
@@ -17,7 +18,6 @@ next phase does not share the CPU with the last one's exit. Torch-free.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from chariot.contracts import environment
+from chariot.contracts.death_signal import popen_tied
 from chariot.contracts.errors import ConfigError
 
 RENDEZVOUS_FD = environment.RENDEZVOUS_FD.name
@@ -76,9 +77,6 @@ class Topology:
         return self.rank == self.world_size - 1
 
 
-PR_SET_PDEATHSIG = 1
-
-
 def reserve_rendezvous(host: str = "127.0.0.1") -> socket.socket:
     """A socket listening on a free port of `host`, for a local group's rank 0 to adopt: the port is
     never free between being chosen and being served on."""
@@ -96,11 +94,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def stage_env(topo: Topology, rank: int) -> dict[str, str]:
@@ -139,8 +132,8 @@ def spawn(name: str, cmd: list[str], env: dict[str, str], ready_prefix: str, new
     """Start `cmd`; `new_session` puts it in a session and process group of its own (its PID is the
     group's ID) so `end_group` can wait out everything it starts; `pass_fds` stay open in the child
     under the same numbers."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1,
-                            preexec_fn=die_with_parent, start_new_session=new_session, pass_fds=pass_fds)
+    proc = popen_tied(cmd, env=env, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=new_session,
+                      pass_fds=pass_fds)
     child = Child(name, proc)
     threading.Thread(target=child.pump, args=(ready_prefix,), daemon=True).start()
     return child

@@ -15,7 +15,8 @@ The binary is `$PROMETHEUS_BIN`, else `prometheus` on PATH, else `/usr/bin/prome
 `prometheus`; its service is never used — no systemd here — we pass every flag ourselves). Each server
 gets a free loopback port, a temporary TSDB directory and config file, and is stopped on `stop()` /
 context exit, at interpreter exit, and — on Linux — when the test process dies (parent-death signal),
-so a failing or killed test leaves no process behind. Only the standard library is used.
+so a failing or killed test leaves no process behind. Only the standard library and Chariot's
+`popen_tied` (the parent-death signal, armed after exec) are used.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from chariot.contracts.death_signal import popen_tied
 
 __all__ = ["PrometheusError", "PrometheusServer", "PrometheusUnavailable", "find_prometheus", "sample_value"]
 
@@ -68,18 +70,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM the child when the process that started it dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except Exception:
-            pass
 
 
 def sample_value(sample: Mapping[str, Any]) -> float:
@@ -166,7 +156,7 @@ class PrometheusServer:
     def _launch(self, workdir: Path) -> None:
         self.port = _free_port()
         self._log = open(workdir / "prometheus.log", "ab")  # noqa: SIM115 - closed in _terminate
-        self._proc = subprocess.Popen(
+        self._proc = popen_tied(
             [
                 self.binary,
                 f"--config.file={workdir / 'prometheus.yml'}",
@@ -180,7 +170,7 @@ class PrometheusServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=workdir,
-            preexec_fn=_die_with_parent,  # only calls prctl; safe between fork and exec
+            death_signal=signal.SIGTERM,
         )
 
     def _wait_ready(self) -> None:

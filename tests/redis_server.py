@@ -8,7 +8,7 @@
 
 The binary is `$CHARIOT_REDIS_SERVER`, else `redis-server` on PATH (Debian's `redis-server` package
 installs /usr/bin/redis-server). `find_redis_server()` returns None when there is none, so tests can
-skip with a clear reason. Each server dies with the test process (PR_SET_PDEATHSIG on Linux, plus a
+skip with a clear reason. Each server dies with the test process (`popen_tied`: PR_SET_PDEATHSIG, plus a
 finalizer and `stop()` on exit from the `with` block). Start servers from the main thread: the
 parent-death signal fires when the *thread* that started the server exits.
 """
@@ -16,21 +16,19 @@ parent-death signal fires when the *thread* that started the server exits.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 import chariot.contracts.environment as env
+from chariot.contracts.death_signal import popen_tied
 
 START_TIMEOUT_S = 10.0
 
@@ -72,24 +70,6 @@ def ping(port: int, timeout_s: float = 0.5) -> bool:
         return False
 
 
-def _load_prctl() -> Callable[[int, int], int] | None:
-    """libc's prctl, loaded once in the parent: the child of a multi-threaded process must not dlopen."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _terminate(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -126,9 +106,8 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         args += ["--dir", str(self.dir), "--daemonize", "no", "--protected-mode", "yes"]
         with open(self.dir / "redis.log", "ab") as logfile:
-            self._proc = subprocess.Popen(
-                args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
-            )
+            self._proc = popen_tied(args, death_signal=signal.SIGKILL, stdout=logfile, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
         self._finalizer = weakref.finalize(self, _terminate, self._proc)
         self._wait_ready()
         return self

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from chariot.contracts.death_signal import popen_tied
 from chariot.operator.kube import ApiError, Kube, Ref
 
 Manifest = dict[str, Any]
@@ -122,13 +123,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    os.setsid()
 
 
 @dataclass
@@ -339,8 +333,8 @@ class LocalRuntime:
         log = (local.root / f"{container['name']}.log").open("ab")  # a restarted container appends
         cmd = self.command(container, local.pod, mounts)
         (local.root / f"{container['name']}.cmd").write_text(json.dumps(cmd))
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=local.root,
-                                preexec_fn=_die_with_parent)
+        return popen_tied(cmd, death_signal=signal.SIGTERM, env=env, stdout=log, stderr=subprocess.STDOUT,
+                          cwd=local.root, start_new_session=True)
 
     def _probe(self, local: LocalPod, probe: Manifest) -> bool:
         name = local.pod["metadata"]["name"]

@@ -11,9 +11,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from chariot.contracts.death_signal import popen_tied
 from chariot.contracts.engine_settings import ENGINE_CORE, ITERATION_LOG
 from chariot.contracts.errors import ConfigError
-from chariot.contracts.processes import Child, Topology, die_with_parent, reserve_rendezvous, spawn, stage_env
+from chariot.contracts.processes import Child, Topology, reserve_rendezvous, spawn, stage_env
 from chariot.worker.config import EngineConfig
 from chariot.worker.flags import config_to_argv
 from chariot.worker.iteration_log import iteration_log_path
@@ -92,7 +93,7 @@ def start_stage_shards(config: EngineConfig, stage_topo: Topology) -> tuple[Topo
     for shard in range(1, t):
         env = stage_env(topo, topo.rank + shard)
         env["LOCAL_RANK"] = str(shard)
-        children.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+        children.append(popen_tied(cmd, env=env))
     os.environ["LOCAL_RANK"] = "0"
     return topo, children
 
@@ -109,7 +110,7 @@ def stop_children(children: list[subprocess.Popen[bytes]], timeout: float = 10.0
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as err:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, stdout=subprocess.DEVNULL, stderr=err)
+        return popen_tied(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
 
 class LocalPipeline:
