@@ -51,6 +51,7 @@ from chariot.worker import LLM, SamplingParams
 from chariot.worker import server as worker_server
 from chariot.worker.config import EngineConfig
 from chariot.worker.engine import Engine
+from chariot.worker.engine_core import PREFILL_WINDOW
 from chariot.worker.server import serve
 from tests.redis_server import RedisServer, free_port, require_redis_server
 
@@ -543,11 +544,26 @@ def test_concurrent_streams_interleave(router: Router, offline: LLM) -> None:
     assert set(replicas.values()) <= {"g0", "g1"}
 
 
+def measure_prefill_alike(workers: list[Worker]) -> None:
+    """Both replicas' prefill rates measured on the same short prompts, taking turns: the router ranks
+    replicas by predicted TTFT, which divides by that rate, and the tests before leave each replica a
+    different history (long prompts on one, short ones on the other) that alone can send a whole burst
+    of short prompts to the one that measured fast."""
+    warm = SamplingParams(max_tokens=1, temperature=0.0)
+    for _ in range(PREFILL_WINDOW):
+        for w in workers:
+            list(w.stub.Generate(request_to_proto(list(range(3, 7)), warm, model=SERVED), timeout=TIMEOUT))
+    time.sleep(5 * STATS_INTERVAL_S)  # the router's stats poller picks up the new rates
+
+
 def test_load_balances_over_both_replicas(router: Router, workers: list[Worker]) -> None:
+    measure_prefill_alike(workers)
     before = {w.name: w.stats().iterations for w in workers}
     replicas: Counter[str] = Counter()
+    start = threading.Barrier(8)
 
     def one(i: int) -> None:
+        start.wait(TIMEOUT)  # a burst: all eight reach the router together
         resp = router.post("/v1/completions", {"prompt": f"request {i}", "max_tokens": 12, "ignore_eos": True})
         assert resp.status_code == 200, resp.text
         replicas[resp.headers[REPLICA]] += 1
