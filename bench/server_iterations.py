@@ -14,7 +14,8 @@ module reads both into the same record and the same summary:
 
 A record: `prefill` (prompt tokens), `decodes` (decode sequences), `tokens` (both), `forward_ms` (the
 forward pass as the engine loop waited for it: Chariot's `exec_ms`, vLLM's "iteration elapsed
-time"), and for Chariot `waiting` (requests not yet started after the iteration). Each source is
+time"), `kv_usage` (the share of the KV cache in use, 0-1, None where the log has none: Chariot's
+`kv`, vLLM's "KV cache usage"), and for Chariot `waiting` (requests not yet started after the iteration). Each source is
 read from the byte offset where the previous `take` stopped, so a take before a probe drops what
 came before (warm-up, the other phase) and a take after it returns the probe's.
 """
@@ -42,7 +43,8 @@ VLLM_ITERATION_FLAG = "--enable-logging-iteration-details"
 VLLM_ITERATION_LINE = re.compile(
     r"Iteration\((?P<index>\d+)\): (?P<ctx_requests>\d+) context requests, (?P<ctx_tokens>\d+) context tokens, "
     r"(?P<gen_requests>\d+) generation requests, (?P<gen_tokens>\d+) generation tokens, "
-    r"iteration elapsed time: (?P<ms>[\d.]+) ms(?P<dummy> \(dummy\))?")
+    r"iteration elapsed time: (?P<ms>[\d.]+) ms(?P<dummy> \(dummy\))?"
+    r"(?:, (?:CPU |GPU )?KV cache usage: (?P<kv>[\d.]+)%)?")
 
 
 def token_bounds(token_budget: int) -> list[int]:
@@ -182,7 +184,7 @@ def chariot_records(lines: Sequence[str]) -> list[dict[str, Any]]:
 def parse_chariot(lines: Sequence[str]) -> list[dict[str, Any]]:
     """Records (see the module docstring) of Chariot's iteration-log lines."""
     return [{"prefill": r["prefill"], "decodes": r["decodes"], "tokens": r["tokens"], "forward_ms": r["exec_ms"],
-             "waiting": r["waiting"]} for r in chariot_records(lines)]
+             "kv_usage": r.get("kv"), "waiting": r["waiting"]} for r in chariot_records(lines)]
 
 
 def parse_vllm(lines: Sequence[str]) -> list[dict[str, Any]]:
@@ -194,7 +196,8 @@ def parse_vllm(lines: Sequence[str]) -> list[dict[str, Any]]:
             continue
         prefill, gen = int(found["ctx_tokens"]), int(found["gen_tokens"])
         records.append({"prefill": prefill, "decodes": int(found["gen_requests"]), "tokens": prefill + gen,
-                        "forward_ms": float(found["ms"])})
+                        "forward_ms": float(found["ms"]),
+                        "kv_usage": float(found["kv"]) / 100 if found["kv"] is not None else None})
     return records
 
 

@@ -13,7 +13,8 @@ interleaved, so the machine's moves fall on both; the fits are averages over the
     .venv/bin/python -m chariot.bench.experiments.iteration_cost OUT_DIR VLLM_LOG[.gz] ITERATION_LOG[.gz]...
 
 Writes OUT_DIR/iteration_cost.json (per system: the fit, and decode-only iterations per batch bin:
-count and median ms; Chariot over vLLM per coefficient and bin) and iteration_cost.png.
+count, median ms and median share of the KV cache in use; Chariot over vLLM per coefficient and bin)
+and iteration_cost.png.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def load(vllm_log: Path, chariot_logs: Sequence[Path]) -> dict[str, list[dict[st
 
 
 def decode_only(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per batch bin: iterations of decodes alone and their median forward ms."""
+    """Per batch bin: iterations of decodes alone, their median forward ms and the median share of the
+    KV cache in use in them (None where the log has none): two systems' bins compare as the same work
+    only where their decodes attend over about as many cached tokens."""
     rows = []
     for lo, hi in DECODE_BINS:
-        ms = [r["forward_ms"] for r in records if not r["prefill"] and lo <= r["decodes"] <= hi]
-        rows.append({"decodes": [lo, hi], "iterations": len(ms), "median_ms": statistics.median(ms) if ms else None})
+        picked = [r for r in records if not r["prefill"] and lo <= r["decodes"] <= hi]
+        ms = [r["forward_ms"] for r in picked]
+        kv = [r["kv_usage"] for r in picked if r.get("kv_usage") is not None]
+        rows.append({"decodes": [lo, hi], "iterations": len(ms), "median_ms": statistics.median(ms) if ms else None,
+                     "median_kv_usage": statistics.median(kv) if kv else None})
     return rows
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def write_logs(tmp_path: Path) -> tuple[Path, Path]:
                 "900.0 ms (dummy), CPU KV cache usage: 0.2%\n")
     chariot = tmp_path / "chariot.0.jsonl"
     chariot.write_text("".join(json.dumps({"prefill": p, "decodes": d, "tokens": p + d, "exec_ms": ms, "ms": ms + 0.5,
-                                           "waiting": 0}) + "\n" for p, d, ms in iterations(16.7, 0.30, 1.22)))
+                                           "kv": d / 100, "waiting": 0}) + "\n"
+                               for p, d, ms in iterations(16.7, 0.30, 1.22)))
     return vllm, chariot
 
 
@@ -62,6 +64,18 @@ def test_both_logs_fit_to_their_own_costs_and_the_ratios_follow(tmp_path: Path) 
     assert ratio["constant_ms"] == pytest.approx(16.7 / 23.0, rel=1e-3)
     ones = doc["decode_only"]["chariot"][0]
     assert ones["decodes"] == [1, 1] and ones["median_ms"] == pytest.approx(16.7 + 1.22)
+    assert ones["median_kv_usage"] == pytest.approx(0.01)  # each iteration's own share, `kv`
+    in_bin = sorted(d / 100 for p, d, _ in iterations(16.7, 0.30, 1.22) if not p and 16 <= d <= 31)
+    assert doc["decode_only"]["chariot"][4]["median_kv_usage"] == pytest.approx(statistics.median(in_bin))
+    assert doc["decode_only"]["vllm"][0]["median_kv_usage"] == pytest.approx(0.002)  # "CPU KV cache usage: 0.2%"
+
+
+def test_a_log_without_kv_usage_leaves_the_bins_without_it(tmp_path: Path) -> None:
+    chariot = tmp_path / "old.jsonl"
+    chariot.write_text("".join(json.dumps({"prefill": 0, "decodes": 2, "tokens": 2, "exec_ms": 5.0, "ms": 5.5,
+                                           "waiting": 0}) + "\n" for _ in range(3)))
+    bins = exp.decode_only([r for r in exp.load(write_logs(tmp_path)[0], [chariot])["chariot"]])
+    assert bins[1]["iterations"] == 3 and bins[1]["median_kv_usage"] is None
 
 
 def test_main_writes_the_report_and_the_plot(tmp_path: Path) -> None:
