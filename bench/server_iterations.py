@@ -15,9 +15,10 @@ module reads both into the same record and the same summary:
 A record: `prefill` (prompt tokens), `decodes` (decode sequences), `tokens` (both), `forward_ms` (the
 forward pass as the engine loop waited for it: Chariot's `exec_ms`, vLLM's "iteration elapsed
 time"), `kv_usage` (the share of the KV cache in use, 0-1, None where the log has none: Chariot's
-`kv`, vLLM's "KV cache usage"), and for Chariot `waiting` (requests not yet started after the iteration). Each source is
-read from the byte offset where the previous `take` stopped, so a take before a probe drops what
-came before (warm-up, the other phase) and a take after it returns the probe's.
+`kv`, vLLM's "KV cache usage"), and for Chariot `waiting` (requests not yet started after the
+iteration). Each source is read from the byte offset where the previous `take` stopped, so a take
+before a probe drops what came before (warm-up, the other phase) and a take after it returns the
+probe's.
 """
 
 from __future__ import annotations
