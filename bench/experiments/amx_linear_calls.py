@@ -2,9 +2,12 @@
 route, interleaved in one process.
 
 The `100m` model's 33 linear layers (8 layers of fused qkv, o, gate-up and down, and the LM head)
-with random bf16 weights, 1 to 32 rows, each pass over all of them (about 190 MB of weights: a decode
+with random bf16 weights, 1 to 64 rows, each pass over all of them (about 190 MB of weights: a decode
 step's stream from memory), the routes alternating pass by pass, ROUNDS passes each after a warm-up.
-Medians and the weights' streaming rate. On a CPU with AMX tiles:
+Above the tile path's 32 rows it runs as `CpuLinear` would run it there, in calls of up to 32 rows
+(each streaming the weights again), against oneDNN on all the rows at once: whether splitting alone
+would let the tiles take the 33-64-row decode batches that the engine now sends to oneDNN. Medians
+and the weights' streaming rate. On a CPU with AMX tiles:
 
     .venv/bin/python -m chariot.bench.experiments.amx_linear_calls [ROUNDS] [OUT]   # ~1 min
 
@@ -26,7 +29,7 @@ from chariot.bench.linear_bench import cpu_record
 from chariot.kernels import skinny_linear as skinny
 
 SHAPES = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)] * 8 + [(8192, 1024)]  # (out, in)
-ROWS = (1, 2, 4, 8, 16, 24, 32)
+ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 def routes(weights: list[torch.Tensor]) -> dict[str, Callable[[list[torch.Tensor]], object]]:
@@ -36,7 +39,8 @@ def routes(weights: list[torch.Tensor]) -> dict[str, Callable[[list[torch.Tensor
         return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
 
     return {
-        "tiles": lambda xs: [skinny.amx_linear(x, t, None, w.shape[0])
+        "tiles": lambda xs: [torch.cat([skinny.amx_linear(part, t, None, w.shape[0])
+                                        for part in x.split(skinny.AMX_MAX_ROWS)])
                              for x, t, w in zip(xs, tiles, weights, strict=True)],
         "dots": lambda xs: [skinny.skinny_linear(x, w) for x, w in zip(xs, weights, strict=True)],
         "onednn": lambda xs: [onednn(x, p) for x, p in zip(xs, packed, strict=True)],
