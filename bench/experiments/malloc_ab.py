@@ -4,10 +4,10 @@ interleaved: page faults, system time and wall time per round.
 Two processes, each Chariot's `LLM` on the `100m` weights (bf16 unless given, token budget 512, no
 prefix caching), one with `CHARIOT_CPU_KEEP_FREED_MEMORY=0`; the driver sends each the same
 64-request chat trace ×0.25 (fresh prompts per round, all at t=0, `ignore_eos`), alternating which
-goes first. Each process reports its round's wall time and the minor page faults and system CPU
-time of the round (`getrusage`). Also a per-step breakdown of one round of the kept process:
-steps by kind (decode-only or mixed, by rows), execute time, and within it attention, the skinny
-kernel, oneDNN and the rest.
+goes first. Each process reports its round's wall time, the minor page faults and system CPU time of
+the round (`getrusage`) and its memory on transparent huge pages after it. Also a per-step breakdown
+of one round of the kept process: steps by kind (decode-only or mixed, by rows), execute time, and
+within it attention, the skinny kernel, oneDNN and the rest.
 
     .venv/bin/python -m chariot.bench.experiments.malloc_ab [ROUNDS] [DTYPE] [OUT_DIR]   # ~6 min
 
@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 MODEL = Path("models/100m")
 BUCKETS = (8, 24, 64, 128, 256, 512)
@@ -59,7 +60,20 @@ def timed_round(llm: Any, seed: str) -> dict[str, float]:
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     run(llm, seed)
     wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-    return {"wall_s": wall, "minor_faults": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime}
+    return {"wall_s": wall, "minor_faults": r1.ru_minflt - r0.ru_minflt, "sys_s": r1.ru_stime - r0.ru_stime,
+            "huge_pages_kib": huge_pages_kib()}
+
+
+def huge_pages_kib() -> int:
+    """This process's anonymous memory on transparent huge pages (KiB; -1 where the kernel does not say)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return -1
+    for line in text.splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return -1
 
 
 def step_breakdown(llm: Any, seed: str) -> dict[str, dict[str, float]]:
@@ -134,33 +148,43 @@ def serve(dtype: str) -> None:
         print(json.dumps(answer), flush=True)
 
 
+K = TypeVar("K")
+
+
+def start_servers(dtype: str, envs: Mapping[K, Mapping[str, str]]) -> dict[K, subprocess.Popen[str]]:
+    """One `serve` process per environment in `envs`, each loaded and warm when this returns."""
+    procs = {key: subprocess.Popen([sys.executable, __file__, "serve", dtype], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=dict(env)) for key, env in envs.items()}
+    for p in procs.values():
+        while (line := p.stdout.readline()) and line.strip() != "ready":  # type: ignore[union-attr]
+            pass
+    return procs
+
+
+def ask(proc: subprocess.Popen[str], request: Mapping[str, Any]) -> dict[str, Any]:
+    """Send one request line to a `serve` process and read its answer: a round's numbers, or with
+    `breakdown` set, the step breakdown of one round."""
+    proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+    proc.stdin.flush()  # type: ignore[union-attr]
+    return dict(json.loads(proc.stdout.readline()))  # type: ignore[union-attr]
+
+
 def drive(rounds: int, dtype: str, out_dir: Path) -> None:
     from chariot.bench.linear_bench import cpu_record
     from chariot.worker.host_memory import ENV
 
-    procs = {}
-    for name, keep in (("kept", "1"), ("default", "0")):
-        procs[name] = subprocess.Popen([sys.executable, __file__, "serve", dtype], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, text=True, env={**os.environ, ENV: keep})
-    for p in procs.values():
-        while (line := p.stdout.readline()) and line.strip() != "ready":  # type: ignore[union-attr]
-            pass
-
-    def ask(name: str, request: dict[str, Any]) -> dict[str, Any]:
-        p = procs[name]
-        p.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
-        p.stdin.flush()  # type: ignore[union-attr]
-        return dict(json.loads(p.stdout.readline()))  # type: ignore[union-attr]
-
+    procs = start_servers(dtype, {"kept": {**os.environ, ENV: "1"}, "default": {**os.environ, ENV: "0"}})
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in procs}
-    for rnd in range(rounds):
-        for name in (list(procs) if rnd % 2 == 0 else list(procs)[::-1]):
-            results[name].append(ask(name, {"seed": f"malloc-ab:{rnd}"}))
-        print(f"round {rnd + 1}/{rounds}:", {k: {m: round(x, 2) for m, x in v[-1].items()} for k, v in results.items()},
-              file=sys.stderr, flush=True)
-    breakdown = ask("kept", {"seed": "malloc-ab:breakdown", "breakdown": True})
-    for p in procs.values():
-        p.kill()
+    try:
+        for rnd in range(rounds):
+            for name in (list(procs) if rnd % 2 == 0 else list(procs)[::-1]):
+                results[name].append(ask(procs[name], {"seed": f"malloc-ab:{rnd}"}))
+            last = {k: {m: round(x, 2) for m, x in v[-1].items()} for k, v in results.items()}
+            print(f"round {rnd + 1}/{rounds}:", last, file=sys.stderr, flush=True)
+        breakdown = ask(procs["kept"], {"seed": "malloc-ab:breakdown", "breakdown": True})
+    finally:
+        for p in procs.values():
+            p.kill()
     med = {k: statistics.median(r["wall_s"] for r in v) for k, v in results.items()}
     pairs = [d["wall_s"] - k["wall_s"] for k, d in zip(results["kept"], results["default"], strict=True)]
     summary = {"median_wall_s": med, "default_over_kept": med["default"] / med["kept"],

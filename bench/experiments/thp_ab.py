@@ -13,7 +13,7 @@ when `THP_MEM_ALLOC_ENABLE=1` is in its environment at start-up. A packed weight
   first alternating. Each packs the `100m` model's linear layers (8 layers of qkv, o, gate-up and
   down projections, each its own weight) for oneDNN in DTYPE and times passes over all of them at
   512 rows: the median of REPS passes, and the process's `AnonHugePages` (its huge pages in use).
-- `engine`: `malloc_ab`'s two engine processes (Chariot's `LLM`, token budget 512) on the peer
+- `engine`: two of `malloc_ab`'s engine processes (Chariot's `LLM`, token budget 512) on the peer
   benchmark's offline trace (64 chat requests ×0.25 at t=0, fresh prompts per round), one with the
   variable set, rounds alternating which goes first; wall time per round and each process's
   `AnonHugePages` after its rounds.
@@ -44,35 +44,24 @@ REPS = 15
 WARMUP = 3
 
 
-def huge_pages_kib() -> int:
-    """This process's anonymous memory on transparent huge pages (KiB; -1 where the kernel does not say)."""
-    try:
-        text = Path("/proc/self/smaps_rollup").read_text()
-    except OSError:
-        return -1
-    for line in text.splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return -1
-
-
 def gemm_process(dtype_name: str) -> dict[str, float]:
     """Median ms of REPS passes over the model's packed layers at ROWS rows, in this process."""
     import torch
 
     dtype = getattr(torch, dtype_name)
-    packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(out, inp).to(dtype), None)
-              for _ in range(LAYERS) for inp, out in SHAPES]
     inputs = {inp: torch.randn(ROWS, inp).to(dtype) for inp, _ in SHAPES}
-    weights = list(zip([inp for _ in range(LAYERS) for inp, _ in SHAPES], packed, strict=True))
+    layers = [(inputs[inp], torch.ops.mkldnn._reorder_linear_weight(torch.randn(out, inp).to(dtype), None))
+              for _ in range(LAYERS) for inp, out in SHAPES]
     times = []
     with torch.inference_mode():
         for i in range(WARMUP + REPS):
             start = time.perf_counter()
-            for inp, weight in weights:
-                torch.ops.mkldnn._linear_pointwise(inputs[inp], weight, None, "none", [], "")
+            for x, weight in layers:
+                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
             if i >= WARMUP:
                 times.append((time.perf_counter() - start) * 1e3)
+    from chariot.bench.experiments.malloc_ab import huge_pages_kib
+
     return {"median_ms": statistics.median(times), "huge_pages_kib": huge_pages_kib()}
 
 
@@ -116,37 +105,15 @@ def summarise_pairs(rows: list[dict[str, Any]], key: str, record: dict[str, Any]
     return summary
 
 
-def engine_serve(dtype: str) -> None:
-    """One engine process for `engine`: malloc_ab's loading, warm-up and offline rounds, answering
-    each line on stdin with its round's numbers and this process's huge pages."""
+def engine(rounds: int, dtype: str, out_dir: Path) -> dict[str, Any]:
     from chariot.bench.experiments import malloc_ab
 
-    llm = malloc_ab.load(dtype)
-    from chariot.bench.peer import fresh_prompts
-    from chariot.worker import SamplingParams
-
-    lengths, _ = malloc_ab.trace()
-    llm.generate(fresh_prompts(lengths[:8], 8192, "warm"), [SamplingParams(max_tokens=8, ignore_eos=True)] * 8)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        answer = malloc_ab.timed_round(llm, json.loads(line)["seed"])
-        print(json.dumps({**answer, "huge_pages_kib": huge_pages_kib()}), flush=True)
-
-
-def engine(rounds: int, dtype: str, out_dir: Path) -> dict[str, Any]:
-    procs = {on: subprocess.Popen([sys.executable, __file__, "engine-serve", dtype], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True, env=with_thp(on)) for on in (False, True)}
-    for p in procs.values():
-        while (line := p.stdout.readline()) and line.strip() != "ready":  # type: ignore[union-attr]
-            pass
+    procs = malloc_ab.start_servers(dtype, {on: with_thp(on) for on in (False, True)})
     rows: list[dict[str, Any]] = []
     try:
         for rnd in range(rounds):
             for on in ((False, True) if rnd % 2 == 0 else (True, False)):
-                p = procs[on]
-                p.stdin.write(json.dumps({"seed": f"thp-ab:{rnd}"}) + "\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
-                row = {"round": rnd, "thp": on, **json.loads(p.stdout.readline())}  # type: ignore[union-attr]
+                row = {"round": rnd, "thp": on, **malloc_ab.ask(procs[on], {"seed": f"thp-ab:{rnd}"})}
                 rows.append(row)
                 print(f"round {rnd + 1}/{rounds} thp={'on' if on else 'off'}: {row['wall_s']:.1f} s, "
                       f"{row['huge_pages_kib'] >> 10} MiB on huge pages", flush=True)
@@ -161,9 +128,6 @@ def main(argv: list[str]) -> None:
     part = argv[0] if argv else "gemm"
     if part == "gemm-process":
         print(json.dumps(gemm_process(argv[1])))
-        return
-    if part == "engine-serve":
-        engine_serve(argv[1])
         return
     if part not in ("gemm", "engine"):
         raise SystemExit(f"part must be gemm or engine, got {part!r}")

@@ -13,7 +13,7 @@ import pytest
 from chariot.bench.experiments import thp_ab
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-ALLOCATE = ("import torch; from chariot.bench.experiments.thp_ab import huge_pages_kib; "
+ALLOCATE = ("import torch; from chariot.bench.experiments.malloc_ab import huge_pages_kib; "
             "x = torch.ones(64 << 20, dtype=torch.uint8); print(huge_pages_kib())")
 
 
